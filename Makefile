@@ -1,0 +1,114 @@
+# stnb: notebook-first distributed training (DP / DDP / FSDP) for sentence-transformers.
+#
+#   make lab    main job: create .venv, install, start JupyterLab on notebooks/
+#   make test   every test, notebooks included (nbval) and the browser test
+#
+# GPU machines: install the CUDA build of the same torch version, e.g.
+#   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON          ?= python3
+VENV            ?= .venv
+TORCH_VERSION   ?= 2.13.0
+# Optional: a PyTorch wheel index, e.g. https://download.pytorch.org/whl/cu128
+TORCH_INDEX_URL ?=
+# Extra arguments for pytest, e.g. make test PYTEST_ARGS="-x -k ddp"
+PYTEST_ARGS     ?=
+
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip
+STAMP      := $(VENV)/.installed
+# Records which torch build was requested; changing TORCH_VERSION or
+# TORCH_INDEX_URL re-runs the install (and swaps the torch build).
+TORCH_CFG  := $(VENV)/.torch-config
+TORCH_SPEC := $(strip torch==$(TORCH_VERSION) $(TORCH_INDEX_URL))
+
+# Jupyter refuses to run as root unless told to; only pass the flag when root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
+CHROMIUM   ?= /usr/bin/chromium
+
+# Environment for the test run: fast notebook profile, no network access.
+TEST_ENV := STNB_PROFILE=ci \
+	HF_HUB_OFFLINE=1 \
+	TRANSFORMERS_OFFLINE=1 \
+	HF_DATASETS_OFFLINE=1 \
+	TOKENIZERS_PARALLELISM=false \
+	PYTHONUNBUFFERED=1
+
+.PHONY: help venv install browser lab test bench hardware clean distclean FORCE
+
+help:
+	@echo "stnb make targets:"
+	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
+	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci)"
+	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
+	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
+	@echo "  make bench      python -m stnb bench --quick"
+	@echo "  make hardware   python -m stnb hardware"
+	@echo "  make clean      remove caches and build outputs (distclean also removes $(VENV))"
+	@echo "Variables: VENV=$(VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
+
+# ---------------------------------------------------------------- install --
+
+venv install: $(STAMP)
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "stnb needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+$(TORCH_CFG): FORCE | $(PY)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+# torch goes in first and explicitly: the project pins torch==$(TORCH_VERSION),
+# which the already-installed build (CPU or CUDA) then satisfies.
+$(STAMP): pyproject.toml $(TORCH_CFG) | $(PY)
+	$(if $(and $(filter $(TORCH_CFG),$?),$(wildcard $(STAMP))),$(PIP) uninstall -y torch,)
+	$(PIP) install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) "torch==$(TORCH_VERSION)"
+	$(PIP) install -e ".[dev]"
+	@touch $@
+
+# ---------------------------------------------------------------- browser --
+
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then \
+		echo "chromium: $(CHROMIUM)"; \
+	else \
+		echo "Installing Debian chromium (needed by the browser test)"; \
+		$(SUDO) apt-get update; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-liberation; \
+	fi
+
+# -------------------------------------------------------------------- lab --
+
+lab: install
+	@echo "Starting JupyterLab on 127.0.0.1 with token auth."
+	@echo "Open the line below that looks like http://127.0.0.1:8888/lab?token=... (Ctrl-C to stop)."
+	@echo "Remote machine? Tunnel first: ssh -L 8888:127.0.0.1:8888 <host>"
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser $(ALLOW_ROOT)
+
+# ------------------------------------------------------------------- test --
+
+test: install browser
+	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks $(PYTEST_ARGS)
+
+# ------------------------------------------------------------------ other --
+
+bench: install
+	$(PY) -m stnb bench --quick
+
+hardware: install
+	$(PY) -m stnb hardware
+
+clean:
+	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
+	rm -rf build dist *.egg-info .pytest_cache artifacts
+
+distclean: clean
+	rm -rf $(VENV)
+
+FORCE:

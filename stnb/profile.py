@@ -1,0 +1,84 @@
+"""Profiles and the notebooks' first cell: ``import stnb; stnb.setup()``.
+
+STNB_PROFILE=ci (set by ``make test``) makes every notebook finish fast on 2 CPU cores:
+tiny model, few steps. The default profile, 'workshop', trains the real pretrained
+MiniLM long enough to see the loss fall.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import asdict, dataclass
+
+PROFILES = {
+    "workshop": dict(model="minilm", steps=30, per_device_batch_size=16, train_size=2000, dev_size=200,
+                     bench_steps=20),
+    "ci": dict(model="tiny", steps=6, per_device_batch_size=8, train_size=400, dev_size=64, bench_steps=6),
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str
+    steps: int
+    per_device_batch_size: int
+    train_size: int
+    dev_size: int
+    bench_steps: int
+
+    def config(self, **overrides):
+        """A TrainConfig with this profile's sizes; keyword arguments override."""
+        from .config import TrainConfig
+
+        base = dict(model=self.model, steps=self.steps, per_device_batch_size=self.per_device_batch_size,
+                    train_size=self.train_size, dev_size=self.dev_size)
+        base.update(overrides)
+        return TrainConfig(**base)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def current_profile() -> Profile:
+    name = os.environ.get("STNB_PROFILE", "workshop").strip().lower() or "workshop"
+    if name not in PROFILES:
+        from .errors import ConfigError
+
+        raise ConfigError(f"unknown STNB_PROFILE {name!r}; use one of {sorted(PROFILES)}")
+    return Profile(name=name, **PROFILES[name])
+
+
+def setup(seed: int = 0, show: bool = True) -> Profile:
+    """Seeds, offline hub settings, the plotly renderer, and a hardware summary. Returns the profile."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("STNB_ONLINE") != "1":
+        # the bundled models and synthetic data need no hub; set STNB_ONLINE=1 to use hub ids
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+    import torch
+
+    torch.manual_seed(seed)  # CPU generator only: never initialises CUDA in the kernel
+    try:
+        import plotly.io as pio
+
+        # stores the figure as JSON in the notebook (rendered by JupyterLab), not the 4 MB plotly.js bundle
+        pio.renderers.default = "plotly_mimetype"
+    except ImportError:  # pragma: no cover
+        pass
+    prof = current_profile()
+    if show:
+        from .hardware import report
+
+        print(f"stnb profile: {prof.name} (model {prof.model}, {prof.steps} steps, "
+              f"batch {prof.per_device_batch_size}/device)")
+        print(report())
+    return prof

@@ -1,0 +1,178 @@
+"""RunResult and results files (JSONL, appended one run at a time, written atomically)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ResultsFileError
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    world_size: int
+    per_device_batch_size: int
+    global_batch_size: int
+    steps: int
+    samples_per_second: float | None
+    step_times: list
+    losses: list
+    peak_memory_bytes: list            # per rank
+    local_param_count: list            # per rank
+    total_param_count: int
+    verified: bool
+    verification: dict
+    model: str
+    device: str
+    versions: dict
+    memory_breakdown: list = field(default_factory=list)   # per rank {params, grads, optimizer_state}
+    spearman_before: float | None = None
+    spearman_after: float | None = None
+    time_to_first_step_s: float | None = None
+    wall_time_s: float | None = None
+    launcher: str = "stnb"
+    status: str = "ok"                 # ok | not runnable here | failed
+    reason: str = ""
+    saved_to: str | None = None
+    config: dict = field(default_factory=dict)
+    run_id: str = ""
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self), default=_jsonable))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunResult":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_frame(self):
+        """One-row pandas DataFrame (lists kept as objects)."""
+        import pandas as pd
+
+        return pd.DataFrame([self.to_row()])
+
+    def to_row(self) -> dict:
+        d = self.to_dict()
+        cfg = d.get("config") or {}
+        d["peak_memory_max_bytes"] = max(self.peak_memory_bytes) if self.peak_memory_bytes else None
+        d["local_param_fraction"] = (max(self.local_param_count) / self.total_param_count
+                                     if self.local_param_count and self.total_param_count else None)
+        d["final_loss"] = self.losses[-1] if self.losses else None
+        for k in ("loss", "learning_rate", "comm_hook", "gradient_as_bucket_view", "static_graph",
+                  "bucket_cap_mb", "threads_per_rank", "gradient_accumulation_steps", "gather_across_devices"):
+            d.setdefault(k, cfg.get(k))
+        return d
+
+    @classmethod
+    def unavailable(cls, config, reason: str) -> "RunResult":
+        """A 'not runnable here' row: the comparison shows it with its reason."""
+        from .hardware import versions
+
+        return cls(strategy=config.strategy, world_size=config.world_size(),
+                   per_device_batch_size=config.per_device_batch_size,
+                   global_batch_size=config.per_device_batch_size, steps=0, samples_per_second=None,
+                   step_times=[], losses=[], peak_memory_bytes=[], local_param_count=[],
+                   total_param_count=0, verified=False, verification={}, model=config.model,
+                   device=config.resolved_device(), versions=versions(), status="not runnable here",
+                   reason=reason, config=config.to_dict())
+
+
+def _jsonable(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return repr(o)
+
+
+# ---- results files --------------------------------------------------------------------
+
+def append_result(path, result) -> None:
+    """Append one run to a JSONL results file, atomically.
+
+    The existing file is validated first (a corrupted file raises ResultsFileError and is
+    left untouched); the new content is written to a temporary file in the same folder and
+    renamed over the old one, so a crash leaves either the old or the new file, never half.
+    """
+    path = Path(path)
+    row = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    existing = load_results(path, as_frame=False) if path.exists() else []
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise ResultsFileError(f"cannot write results file {path}: {e}; choose a writable path") from e
+    try:
+        with os.fdopen(fd, "w") as f:
+            for r in existing + [row]:
+                f.write(json.dumps(r, default=_jsonable) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def check_writable(path) -> None:
+    """Raise ResultsFileError now (before a run) if `path` cannot be written or is corrupted."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.exists():
+        load_results(path, as_frame=False)
+        if not os.access(path, os.W_OK) or not os.access(parent, os.W_OK):
+            raise ResultsFileError(f"results file {path} is not writable; fix its permissions or choose another path")
+        return
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise ResultsFileError(f"cannot create results file {path}: {probe} is not a writable folder; "
+                               "choose a writable path")
+
+
+def load_results(path, as_frame: bool = True):
+    """Read a JSONL results file. A corrupted line raises ResultsFileError naming the line."""
+    path = Path(path)
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ResultsFileError(f"cannot read results file {path}: {e}") from e
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise ResultsFileError(
+                f"results file {path} is corrupted at line {i} ({e}); it was not modified. "
+                f"Move it aside or repair that line, then run again") from e
+        rows.append(row)
+    if not as_frame:
+        return rows
+    return results_frame(rows)
+
+
+def results_frame(results):
+    """A pandas DataFrame, one row per run, from RunResults or dicts."""
+    import pandas as pd
+
+    rows = []
+    for r in results:
+        rr = r if isinstance(r, RunResult) else RunResult.from_dict(r)
+        rows.append(rr.to_row())
+    return pd.DataFrame(rows)

@@ -1,0 +1,180 @@
+"""How each strategy prepares the model, and how each is verified after preparation.
+
+single  one device, no wrapper.
+dp      torch.nn.DataParallel in one process over every visible GPU (the HF Trainer wraps
+        the model itself when it sees n_gpu > 1).
+ddp     DistributedDataParallel, one process per device (the Trainer wraps it through
+        accelerate); stnb passes its DDP knobs through accelerate's DistributedDataParallelKwargs.
+fsdp    FSDP2 ``fully_shard``: each transformer block and then the root are sharded by stnb
+        *before* the Trainer sees the model. accelerate ignores FSDP settings on CPU and
+        silently runs DDP; stnb does not rely on them. The model is marked as owning its
+        placement and gradient reduction (``is_distributed_loading_by_transformers``), the
+        Trainer's contract for models sharded before training, so the Trainer neither moves
+        nor re-wraps it. Verification checks every parameter is a shard of about 1/N.
+"""
+
+from __future__ import annotations
+
+from .errors import VerificationError
+
+FSDP_SHARD_TOLERANCE = 0.05  # local fraction may exceed 1/N by this much (uneven splits)
+
+
+def local_numel(p) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def tensor_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(local, total) parameter counts; they differ only when the model is sharded."""
+    total = local = 0
+    for p in model.parameters():
+        total += p.numel()
+        local += local_numel(p)
+    return local, total
+
+
+def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None,
+               reshard_after_forward: bool = True, mixed_precision: str = "no") -> dict:
+    """Apply FSDP2 fully_shard to each transformer block, then to the root. Returns details."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .models import layer_classes
+
+    classes = tuple(layer_classes(model, layer_cls))
+    mesh = init_device_mesh(device, (world_size,))
+    mp = MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision == "fp16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    wrapped = 0
+    for m in list(model.modules()):
+        if isinstance(m, classes):
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            wrapped += 1
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # Trainer contract for models that own their placement and gradient reduction
+    model.is_distributed_loading_by_transformers = True
+    return {"wrapped_layer_class": [c.__name__ for c in classes], "wrapped_layers": wrapped,
+            "reshard_after_forward": reshard_after_forward}
+
+
+def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int = 0) -> dict:
+    """Check that the prepared model is what `strategy` promises. Raises VerificationError."""
+    import torch
+    import torch.distributed as dist
+
+    seen_ws = dist.get_world_size() if dist.is_initialized() else 1
+    local, total = param_counts(model)
+    info = {
+        "wrapper": type(wrapped).__name__,
+        "world_size_seen": seen_ws,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "local_param_count": local,
+        "total_param_count": total,
+        "local_param_fraction": local / total if total else None,
+    }
+    problems = []
+    if strategy == "single":
+        if isinstance(wrapped, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            problems.append(f"single run was wrapped in {type(wrapped).__name__}")
+        if seen_ws != 1:
+            problems.append(f"single run sees world_size {seen_ws}")
+    elif strategy == "dp":
+        if not isinstance(wrapped, torch.nn.DataParallel):
+            problems.append(f"expected torch.nn.DataParallel, the trainer used {type(wrapped).__name__}")
+        else:
+            info["device_ids"] = list(wrapped.device_ids)
+            if len(wrapped.device_ids) < 2:
+                problems.append(f"DataParallel over {len(wrapped.device_ids)} device(s); needs >= 2")
+    elif strategy == "ddp":
+        if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            problems.append(f"expected DistributedDataParallel, the trainer used {type(wrapped).__name__}")
+        if seen_ws != world_size_expected:
+            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            problems.append("the model was wrapped in DistributedDataParallel: FSDP silently became DDP")
+        if not isinstance(model, FSDPModule):
+            problems.append(f"root module is {type(model).__name__}, not an FSDP2 module (fully_shard)")
+        not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if not_sharded:
+            problems.append(f"{len(not_sharded)} parameter(s) are not sharded, e.g. {not_sharded[:3]}")
+        ideal = 1.0 / world_size_expected
+        info["ideal_fraction"] = ideal
+        if total and local / total > ideal + FSDP_SHARD_TOLERANCE:
+            problems.append(f"rank holds {local / total:.3f} of the parameters; sharded over "
+                            f"{world_size_expected} ranks it should hold about {ideal:.3f}")
+        if seen_ws != world_size_expected:
+            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
+    info["problems"] = problems
+    info["ok"] = not problems
+    if problems:
+        raise VerificationError(f"strategy {strategy!r} failed verification: " + "; ".join(problems))
+    return info
+
+
+def weights_checksum(model) -> float:
+    """A cheap fingerprint of the (local) weights, to compare ranks after an all-reduce."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            t = p.to_local() if isinstance(p, DTensor) else p
+            total += (t.detach().double().cpu().sum() * (1.0 + (i % 7) * 1e-3))
+    return float(total)
+
+
+def freeze_unused_pooler(model) -> list:
+    """Freeze the HF pooler layer that sentence-transformers never uses.
+
+    BertModel computes a [CLS] pooler output, but sentence-transformers pools token
+    embeddings itself, so the pooler's weights never get a gradient. DDP without
+    find_unused_parameters then fails ("Expected to have finished reduction..."), and with
+    it pays a graph traversal every step. Freezing the pooler changes nothing in training
+    and lets every strategy run the same model. Returns the frozen modules' names.
+    """
+    import torch
+
+    frozen = []
+    for name, module in model.named_modules():
+        pooler = getattr(module, "pooler", None)
+        if isinstance(pooler, torch.nn.Module) and any(p.requires_grad for p in pooler.parameters()):
+            for p in pooler.parameters():
+                p.requires_grad_(False)
+            frozen.append(f"{name}.pooler" if name else "pooler")
+    return frozen
+
+
+def ddp_kwargs(cfg) -> dict:
+    """accelerate DistributedDataParallelKwargs from the config's DDP knobs."""
+    from accelerate.utils import DDPCommunicationHookType
+
+    kw = {
+        "find_unused_parameters": bool(cfg.get("extra", {}).get("find_unused_parameters", False)),
+        "gradient_as_bucket_view": bool(cfg.get("gradient_as_bucket_view")),
+        "static_graph": bool(cfg.get("static_graph")),
+        "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,
+                      "bf16": DDPCommunicationHookType.BF16}[cfg.get("comm_hook", "none")],
+    }
+    if cfg.get("bucket_cap_mb"):
+        kw["bucket_cap_mb"] = int(cfg["bucket_cap_mb"]) if float(cfg["bucket_cap_mb"]).is_integer() \
+            else cfg["bucket_cap_mb"]
+    return kw

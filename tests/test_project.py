@@ -1,0 +1,258 @@
+"""Project-level checks: pins, environment.yml, Makefile, CI entry point, README."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Dependencies allowed to float (no == pin). Everything else is pinned.
+UNPINNED_OK = {"tqdm", "psutil", "pytest-timeout", "pyyaml"}
+
+TOKEN_DISABLERS = (
+    "--ServerApp.token=''",
+    '--ServerApp.token=""',
+    "--ServerApp.token= ",
+    "--NotebookApp.token",
+    "--IdentityProvider.token=''",
+    '--IdentityProvider.token=""',
+    "--IdentityProvider.token= ",
+    "--ServerApp.password",
+    "--ServerApp.disable_check_xsrf",
+)
+
+
+# ------------------------------------------------------------------ helpers --
+
+def _pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _requirements() -> list[Requirement]:
+    project = _pyproject()["project"]
+    reqs = list(project["dependencies"]) + list(project["optional-dependencies"]["dev"])
+    return [Requirement(r) for r in reqs]
+
+
+def _pin(req: Requirement) -> str | None:
+    specs = list(req.specifier)
+    if len(specs) == 1 and specs[0].operator == "==":
+        return specs[0].version
+    return None
+
+
+def _torch_pin() -> str:
+    torch = [r for r in _requirements() if canonicalize_name(r.name) == "torch"]
+    assert len(torch) == 1, "pyproject.toml must name torch exactly once"
+    pin = _pin(torch[0])
+    assert pin, f"torch must be pinned with == in pyproject.toml, got {torch[0]}"
+    return pin
+
+
+def _makefile() -> str:
+    return (ROOT / "Makefile").read_text()
+
+
+def _makefile_default(var: str) -> str:
+    m = re.search(rf"^{var}\s*\??=\s*(\S+)\s*$", _makefile(), re.M)
+    assert m, f"Makefile must define a default for {var}"
+    return m.group(1)
+
+
+def _recipe(target: str) -> str:
+    """The recipe lines (tab-indented) of a Makefile rule whose targets include `target`."""
+    lines = _makefile().splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^([^\t#=:][^=:]*):(?!=)", line)
+        if m and target in m.group(1).split():
+            body = []
+            for nxt in lines[i + 1:]:
+                if nxt.startswith("\t"):
+                    body.append(nxt[1:])
+                elif nxt.strip() == "" or nxt.lstrip().startswith("#"):
+                    continue
+                else:
+                    break
+            return "\n".join(body)
+    raise AssertionError(f"Makefile has no rule for {target!r}")
+
+
+def _env_yml() -> dict:
+    with open(ROOT / "environment.yml") as f:
+        return yaml.safe_load(f)
+
+
+def _env_pip_entries() -> list[str]:
+    deps = _env_yml()["dependencies"]
+    pip_sections = [d["pip"] for d in deps if isinstance(d, dict) and "pip" in d]
+    assert len(pip_sections) == 1, "environment.yml needs exactly one pip: section"
+    return [str(e).strip() for e in pip_sections[0]]
+
+
+def _make_dry_run(target: str) -> str:
+    # A VENV that does not exist makes make print the install steps too, but runs nothing.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    proc = subprocess.run(
+        ["make", "-n", "--no-print-directory", target, "VENV=/nonexistent-stnb-venv"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+
+
+# ------------------------------------------------------ (a) environment.yml --
+
+def test_environment_yml_installs_project_with_dev_extras():
+    env = _env_yml()
+    assert env["name"] == "stnb"
+    assert "conda-forge" in env["channels"]
+    entries = [re.sub(r"\s+", " ", e).replace('"', "").replace("'", "") for e in _env_pip_entries()]
+    assert "-e .[dev]" in entries, f"environment.yml must pip install '-e .[dev]', has {entries}"
+
+
+def test_environment_yml_torch_matches_pyproject_and_makefile():
+    torch = [e for e in _env_pip_entries() if re.match(r"^torch\s*==", e)]
+    assert len(torch) == 1, "environment.yml must name torch==<version> once in its pip section"
+    env_version = torch[0].split("==", 1)[1].strip()
+    assert env_version == _torch_pin(), "environment.yml torch differs from pyproject.toml"
+    assert _makefile_default("TORCH_VERSION") == _torch_pin(), "Makefile TORCH_VERSION differs from pyproject.toml"
+
+
+def test_environment_yml_does_not_repeat_versions():
+    """pyproject.toml is the single source of truth: only python, pip, torch and the project."""
+    deps = _env_yml()["dependencies"]
+    conda_names = sorted(re.split(r"[=<>!~ ]", d, maxsplit=1)[0] for d in deps if isinstance(d, str))
+    assert conda_names == ["pip", "python"], f"unexpected conda dependencies {conda_names}"
+    python = [d for d in deps if isinstance(d, str) and d.startswith("python")][0]
+    m = re.match(r"python\s*=+\s*(\d+)\.(\d+)", python)
+    assert m and (int(m.group(1)), int(m.group(2))) >= (3, 10), python
+    for entry in _env_pip_entries():
+        assert entry.startswith(("-e", "torch==")), f"environment.yml repeats a dependency: {entry!r}"
+
+
+# ------------------------------------------------------------ (b) the pins --
+
+def test_every_dependency_is_pinned():
+    unpinned = [str(r) for r in _requirements()
+                if canonicalize_name(r.name) not in UNPINNED_OK and _pin(r) is None]
+    assert not unpinned, f"pin these with == in pyproject.toml (or extend the allow-list): {unpinned}"
+
+
+def test_allow_list_is_only_the_small_utilities():
+    names = {canonicalize_name(r.name) for r in _requirements()}
+    assert UNPINNED_OK <= names, f"allow-list names missing from pyproject.toml: {UNPINNED_OK - names}"
+
+
+def test_pins_resolve_together_and_match_installed():
+    """The pinned set installs together: what pip resolved equals every pin."""
+    problems = []
+    for req in _requirements():
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            installed = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"{req.name}: not installed")
+            continue
+        # Specifier matching: ==2.13.0 accepts local builds such as 2.13.0+cpu / +cu128.
+        if not req.specifier.contains(installed, prereleases=True):
+            problems.append(f"{req}: installed {installed}")
+    assert not problems, "installed versions differ from pyproject.toml pins:\n" + "\n".join(problems)
+
+
+def test_requires_python_and_readme():
+    project = _pyproject()["project"]
+    assert project["requires-python"] == ">=3.10"
+    assert (ROOT / project["readme"]).is_file()
+
+
+# ------------------------------------------------------ (c) CI and README --
+
+def test_ci_run_calls_make_test():
+    ci = ROOT / ".ci" / "run"
+    assert ci.is_file()
+    assert os.access(ci, os.X_OK), ".ci/run must be executable"
+    text = ci.read_text()
+    assert text.startswith("#!"), ".ci/run needs a shebang"
+    assert "set -euo pipefail" in text
+    code = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert "make test" in code, ".ci/run must run exactly `make test` (the README's test command)"
+
+
+def test_readme_quick_start_has_the_two_commands_in_one_block():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M)
+    commands = [
+        {ln.split("#", 1)[0].strip() for ln in block.splitlines()} for block in blocks
+    ]
+    assert any({"make lab", "make test"} <= cmds for cmds in commands), \
+        "README needs one fenced code block containing `make lab` and `make test`"
+
+
+def test_readme_has_measured_here_section():
+    text = (ROOT / "README.md").read_text()
+    assert re.search(r"^## Measured here\s*$", text, re.M)
+
+
+def test_makefile_test_target_runs_tests_and_notebooks():
+    recipe = _recipe("test")
+    assert "-m pytest tests --nbval-lax --nbval-current-env notebooks" in recipe
+    prereqs = re.search(r"^test:(.*)$", _makefile(), re.M).group(1).split()
+    assert {"install", "browser"} <= set(prereqs)
+    test_env = _makefile()
+    for var in ("STNB_PROFILE=ci", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1",
+                "HF_DATASETS_OFFLINE=1", "TOKENIZERS_PARALLELISM=false", "PYTHONUNBUFFERED=1"):
+        assert var in test_env, f"make test must export {var}"
+
+
+@needs_make
+def test_make_test_dry_run():
+    out = _make_dry_run("test")
+    pytest_lines = [ln for ln in out.splitlines() if "-m pytest" in ln]
+    assert len(pytest_lines) == 1, out
+    line = pytest_lines[0]
+    assert "STNB_PROFILE=ci" in line and "HF_HUB_OFFLINE=1" in line
+    assert "tests --nbval-lax --nbval-current-env notebooks" in line
+    # torch first, explicitly, then the project with dev extras
+    lines = out.splitlines()
+    torch_at = [i for i, ln in enumerate(lines) if "pip install" in ln and f'"torch=={_torch_pin()}"' in ln]
+    project_at = [i for i, ln in enumerate(lines) if 'pip install -e ".[dev]"' in ln]
+    assert torch_at and project_at and torch_at[0] < project_at[0], out
+
+
+# ---------------------------------------------------- (d) lab keeps a token --
+
+def test_lab_keeps_token_auth_and_binds_localhost():
+    recipe = _recipe("lab")
+    assert "jupyter lab" in recipe
+    assert "--ip=127.0.0.1" in recipe
+    assert "--notebook-dir=notebooks" in recipe
+    for bad in TOKEN_DISABLERS + ("0.0.0.0", "--ip=*", "--ip='*'"):
+        assert bad not in recipe, f"lab target must not use {bad!r}"
+    for bad in TOKEN_DISABLERS:
+        assert bad not in _makefile(), f"Makefile must not use {bad!r}"
+
+
+@needs_make
+def test_lab_dry_run_keeps_token_auth():
+    out = _make_dry_run("lab")
+    lab = [ln for ln in out.splitlines() if "jupyter lab" in ln and not ln.lstrip().startswith("echo")]
+    assert len(lab) == 1, out
+    line = lab[0]
+    assert "--ip=127.0.0.1" in line and "--no-browser" in line
+    assert "token" not in line.lower() and "password" not in line.lower()
+    assert ("--allow-root" in line) == (os.geteuid() == 0)
