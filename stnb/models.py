@@ -148,6 +148,11 @@ def _build_tiny(target: str, scratch: str) -> None:
         pooling = Pooling(transformer.get_embedding_dimension(), "mean")
         st = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
         st.save(target, create_model_card=False)
+        # transformers writes model.safetensors as 0600; make the cached model readable by all
+        # (a cache may be shared, e.g. between users of a container image).
+        for folder, _, files in os.walk(target):
+            for f in files:
+                os.chmod(os.path.join(folder, f), 0o644)
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -224,6 +224,14 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     ctx = rank_context()
     t_start = time.time()
     launch_time = launch_time or (ctx.launch_time if ctx else t_start)
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # started by another launcher (torchrun, accelerate launch, raw notebook_launcher):
+        # accelerate initialises the process group from its environment (gloo on CPU, NCCL on GPU)
+        from accelerate import PartialState
+
+        PartialState(cpu=cfg["device"] == "cpu")
+    if cfg.get("threads_per_rank") and not (torch.cuda.is_available() and cfg["device"] != "cpu"):
+        torch.set_num_threads(cfg["threads_per_rank"])
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
