@@ -8,6 +8,7 @@ from .profile import current_profile, setup
 from .launch import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
+from .export import export_script
 
 __version__ = "0.1.0"
 
@@ -15,5 +16,5 @@ __all__ = [
     "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
     "TrainConfig", "VerificationError", "append_result", "hardware", "heartbeat", "last_launch", "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
-    "current_profile",
+    "current_profile", "export_script",
 ]

@@ -46,6 +46,10 @@ def cmd_run(a) -> int:
 
     cfg = config_from_args(a)
     result = run(cfg, results_file=a.results, echo=not a.json)
+    from .scaleout import is_main_process
+
+    if not is_main_process():  # under torchrun / accelerate launch only rank 0 reports
+        return 0
     if a.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -172,6 +172,9 @@ class TrainConfig:
             raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
         if self.mixed_precision == "fp16" and device == "cpu":
             raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
+        if self.comm_hook == "bf16" and device == "cpu" and self.strategy == "ddp":
+            raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
+                              "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
         avail = strategy_availability(device)[self.strategy]
         if not avail["runnable"]:
             raise StrategyUnavailable(self.strategy, avail["reason"])

@@ -20,6 +20,7 @@ launcher lacks:
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import multiprocessing
 import os
@@ -135,6 +136,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _port_in_use(host: str, port: int) -> bool:
+    """True when binding host:port fails the way the rendezvous store's bind would (SO_REUSEADDR
+    set, so a port merely in TIME_WAIT after an earlier launch counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 # ---------------------------------------------------------------------------------------
 # the channel between parent and ranks: a temp folder + a fork-inherited shared array
 
@@ -243,6 +257,12 @@ def _detach_from_kernel() -> None:
     if "tqdm" in sys.modules:
         try:
             import tqdm.std
+
+            # tqdm's monitor thread does not exist in the fork, but the lock it may have held at
+            # fork time was copied locked: give the rank fresh locks.
+            tqdm.std.TqdmDefaultWriteLock.th_lock = threading.RLock()
+            tqdm.std.tqdm.__dict__.get("_lock") is not None and delattr(tqdm.std.tqdm, "_lock")
+            tqdm.std.tqdm.monitor = None
 
             std, std_range = tqdm.std.tqdm, tqdm.std.trange
             notebook_classes = []
@@ -380,6 +400,8 @@ def _rank_main(ch: _Channel, opts: _Options) -> None:
 class _Watchdog(threading.Thread):
     """Parent thread: relays rank output, reports progress, enforces timeout and stall limits."""
 
+    rank_offset = 0  # global rank of this node's local rank 0 (node_rank * nproc)
+
     def __init__(self, ch: _Channel, nproc: int, timeout, stall_timeout, on_progress, echo: bool):
         super().__init__(name="stnb-watchdog", daemon=True)
         self.ch, self.nproc = ch, nproc
@@ -396,6 +418,9 @@ class _Watchdog(threading.Thread):
         self._checked_in = False
         self._last_progress_call = 0.0
         self.killed: set = set()
+        # ranks whose process ended while the launch ran: {local_rank: (time seen, exit code or None)}
+        self.ended: dict = {}
+        self.returned_at: float | None = None  # set when the launcher call returned
 
     # output relay ------------------------------------------------------------------------
     def _relay(self, final: bool = False) -> None:
@@ -421,7 +446,7 @@ class _Watchdog(threading.Thread):
                 for line in lines:
                     line = line.rstrip("\r").rsplit("\r", 1)[-1]  # a progress bar's last state
                     if line.strip():
-                        out.append(f"[rank {r}] {line}\n")
+                        out.append(f"[rank {self.rank_offset + r}] {line}\n")
                 if out:
                     sys.stdout.write("".join(out))
                     sys.stdout.flush()
@@ -463,13 +488,35 @@ class _Watchdog(threading.Thread):
     def _halt(self, reason: str, stalled=()) -> None:
         self.reason = reason
         self.stalled = list(stalled)
-        self.stacks = self.dump_stacks()
+        self.stacks = self.dump_stacks() if reason != "exited" else {}
         self.kill_ranks()
 
+    def _track_ended(self, now: float) -> None:
+        """Note ranks whose process has ended. A rank that ends with exit code 0 but without a
+        result (os._exit(0), a C library calling exit()) is never reported by torchelastic, whose
+        other ranks then wait for it forever; stop such a launch after _EXIT_GRACE seconds."""
+        if self.returned_at is not None:
+            return
+        for r, pid in self.ch.pids().items():
+            if r not in self.ended:
+                ended, code = _process_ended(pid)
+                if ended:
+                    self.ended[r] = (now, code)
+        silent = [r for r, (t, _) in self.ended.items()
+                  if now - t > _EXIT_GRACE and _silent(self.ch, r)]
+        if silent:
+            self._halt("exited", stalled=sorted(silent))
+
     def run(self) -> None:
-        while not self.stop_event.wait(0.1):
+        n = 0
+        while not self.stop_event.wait(0.02):
             try:
-                self._tick()
+                # ended ranks are looked for every 20 ms: torchelastic reaps a dead rank within its
+                # 0.1 s monitor interval, and only a rank seen dead can be blamed for what follows
+                self._track_ended(time.time())
+                n += 1
+                if not self.reason and n % 5 == 0:
+                    self._tick()
             except Exception:  # never let the watchdog die silently
                 traceback.print_exc()
             if self.reason:
@@ -492,6 +539,11 @@ class _Watchdog(threading.Thread):
         if self.timeout is not None and now - self.start_time > self.timeout:
             self._halt("timeout")
             return
+        if self.stall_timeout is not None and not self._checked_in:
+            missing = [r for r in range(self.nproc) if self.ch.get(r, _PID) <= 0]
+            if now - self.start_time > max(self.stall_timeout, 60.0):
+                self._halt("not started", stalled=missing)
+                return
         if self.stall_timeout is not None and self._checked_in:
             running = [r for r in range(self.nproc) if self.ch.get(r, _STATE) == _RUNNING]
             if running:
@@ -539,6 +591,33 @@ def _kill_tree(pids) -> None:
             pass
     if psutil is not None and procs:
         psutil.wait_procs(procs, timeout=5)
+
+
+_EXIT_GRACE = 2.0  # seconds a silently ended rank may take to be noticed by torchelastic
+
+
+def _process_ended(pid: int) -> tuple:
+    """(ended, exit code) of a rank process: a zombie or gone is ended. A zombie's exit status is
+    read from /proc without reaping it (multiprocessing still has to join it); negative = signal."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True, None
+    except (OSError, IndexError):
+        return False, None
+    if fields[0] not in ("Z", "X"):
+        return False, None
+    try:
+        status = int(fields[49])  # field 52, exit_code (Linux >= 3.5)
+    except (IndexError, ValueError):
+        return True, None
+    return True, (-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+def _silent(ch, r: int) -> bool:
+    """The rank left neither a result nor an error record."""
+    return not os.path.exists(ch.path("result", r)) and ch.read_error(r) is None
 
 
 def _children_now() -> set:
@@ -674,6 +753,10 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
     from .hardware import backend_for, cpu_cores
 
     backend = backend_for(device)
+    if master_port is not None and num_nodes == 1 and _port_in_use(master_addr, master_port):
+        raise ConfigError(f"master_port={master_port} is already in use on {master_addr} (another launch, a "
+                          "Jupyter server or some other program holds it); leave master_port=None and stnb "
+                          "picks a free port, or choose another port")
     port = master_port or free_port(master_addr)
     threads = threads_per_rank or max(1, cpu_cores() // nproc)
     world_size = nproc * num_nodes
@@ -686,19 +769,28 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
     _LAST = info
     before = _children_now()
     watchdog = _Watchdog(ch, nproc, timeout, stall_timeout, on_progress, echo)
+    watchdog.rank_offset = node_rank * nproc  # output is prefixed with global ranks
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     failure: BaseException | None = None
     interrupted = False
-    env = {"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-           if num_nodes == 1 else os.environ.get("GLOO_SOCKET_IFNAME", "")}
+    # gloo on loopback when every rank is on this machine (one node, or "nodes" on localhost)
+    local_only = num_nodes == 1 or master_addr in ("127.0.0.1", "localhost", "::1")
+    env = {"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo" if local_only else "")}
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update({k: v for k, v in env.items() if v})
     quiet = _QuietElasticLogs()
+    # Collect this process's garbage now and freeze the rest until the launch returns: a forked
+    # rank must never run destructors of objects it inherited (e.g. torchelastic's TCPStore left
+    # in a reference cycle by an earlier failed launch); that crashed ranks with SIGSEGV.
+    gc.collect()
+    gc.freeze()
     watchdog.start()
     try:
         quiet.__enter__()
-        if nproc == 1 and num_nodes == 1:
-            _run_single(ch, opts, master_addr, port)
+        if nproc == 1:
+            # notebook_launcher runs a 1-process "launch" inside this process (the kernel) even
+            # with num_nodes > 1; fork the rank here instead, as global rank node_rank
+            _run_single(ch, opts, master_addr, port, rank=node_rank)
         else:
             from accelerate import notebook_launcher
 
@@ -710,12 +802,14 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
                                   num_nodes=num_nodes)
     except KeyboardInterrupt:
         interrupted = True
-    except BaseException as e:  # ChildFailedError, SignalException, RuntimeError from the launcher...
+    except Exception as e:  # ChildFailedError, SignalException, RuntimeError from the launcher...
         if _is_sigint(e):
             interrupted = True
         else:
             failure = e
     finally:
+        watchdog.returned_at = time.time()
+        gc.unfreeze()
         quiet.__exit__()
         for s, h in saved.items():
             try:
@@ -795,8 +889,18 @@ class _QuietElasticLogs:
     def __enter__(self):
         import logging
 
-        self._levels = {n: logging.getLogger(n).level for n in self.NAMES}
-        for n in self.NAMES:
+        try:  # create the loggers now, so the ones below exist before they are muted
+            import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+            import torch.distributed.launcher.api  # noqa: F401
+        except Exception:  # pragma: no cover
+            pass
+        # torchelastic gives every module its own logger with its own level (LOGLEVEL), so
+        # muting the parent is not enough: mute every existing logger below these names
+        names = [n for n in list(logging.Logger.manager.loggerDict)
+                 if any(n == p or n.startswith(p + ".") for p in self.NAMES)]
+        names = sorted(set(names) | set(self.NAMES))
+        self._levels = {n: logging.getLogger(n).level for n in names}
+        for n in names:
             logging.getLogger(n).setLevel(logging.CRITICAL)
 
     def __exit__(self, *exc):
@@ -806,11 +910,15 @@ class _QuietElasticLogs:
             logging.getLogger(n).setLevel(lvl)
 
 
-def _run_single(ch, opts, master_addr, port) -> None:
-    """One rank: fork it ourselves (notebook_launcher would run it inside the kernel)."""
+def _run_single(ch, opts, master_addr, port, rank: int = 0) -> None:
+    """One rank on this node: fork it ourselves (notebook_launcher would run it inside the kernel).
+
+    With several nodes (one process each) it is global rank ``rank`` (= node_rank) of
+    ``opts.world_size``."""
     env = {}
     if opts.init_distributed:
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+        env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(opts.world_size),
+               "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
                "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
 
     def target():
@@ -866,6 +974,13 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
         return LaunchError(f"launch timed out after {watchdog.timeout:g} s; all {nproc} ranks were stopped. "
                            "Raise timeout=... or make the run shorter.", ranks=ranks, kind="timeout",
                            rank_traceback=_format_stacks(watchdog.stacks, base), logs=logs)
+    if watchdog.reason == "not started":
+        ranks = [base + r for r in watchdog.stalled]
+        return LaunchError(
+            f"rank(s) {', '.join(map(str, ranks))} did not start within {max(watchdog.stall_timeout, 60.0):g} s "
+            "after the fork; all ranks were stopped. This usually means the process forked while another "
+            "thread held a lock; run the launch again, and report it if it repeats.",
+            ranks=ranks, kind="stalled", rank_traceback=_format_stacks(watchdog.stacks, base), logs=logs)
     if watchdog.reason == "stalled":
         ranks = [base + r for r in watchdog.stalled]
         return LaunchError(
@@ -876,27 +991,72 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
             rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled",
             rank_traceback=_format_stacks(watchdog.stacks, base), logs=logs)
     errors = [e for e in (ch.read_error(r) for r in range(nproc)) if e is not None]
-    real = [e for e in errors if e["type"] not in ("KeyboardInterrupt", "SystemExit", "SignalException")] or errors
+    collateral = ("KeyboardInterrupt", "SystemExit", "SignalException")
+    real = [e for e in errors if e["type"] not in collateral]
+    first = min(real, key=lambda e: e["time"]) if real else None
+    codes = _exit_codes(failure) if failure is not None else {}
+    # A rank that ended without a result or an error record (SIGKILL, os._exit) is the cause of
+    # what the others then report ("Connection closed by peer", SignalException): blame it.
+    returned = watchdog.returned_at or time.time()
+    silent = {}
+    for r, (t, code) in watchdog.ended.items():
+        if t <= returned and (first is None or t <= first["time"] + 1.0) and _silent(ch, r):
+            silent[r] = code
+    for r, code in codes.items():
+        if code not in (0, None) and _silent(ch, r) and (r in silent or first is None or code < 0):
+            silent[r] = code if silent.get(r) is None else silent[r]
+    if first is not None and not silent and any(p in first["message"] for p in _PEER_GONE):
+        # the rank that raised says its peer went away; the peer that left no trace is the cause
+        silent = {r: codes.get(r) for r in range(nproc) if _silent(ch, r) and ch.get(r, _PID) > 0}
+    if watchdog.reason == "exited" or silent:
+        r = min(silent or watchdog.stalled, key=lambda x: (silent.get(x) is None, x))
+        code = silent.get(r, codes.get(r))
+        if code is None and r in silent:
+            why = ("ended without returning a result or raising an exception (killed from outside, e.g. "
+                   "SIGKILL or the out-of-memory killer - try a smaller batch size - or os._exit())")
+            kind = "killed"
+        elif code is None or code >= 0:
+            why = (f"exited (exit code {code if code is not None else 'unknown'}) without returning a result "
+                   "or raising an exception (did the function call os._exit()/sys.exit(), or did a library "
+                   "end the process?)")
+            kind = "exited"
+        else:
+            why = f"was killed by {_signame(-code)}"
+            if -code == signal.SIGKILL:
+                why += " (from outside, or by the out-of-memory killer: try a smaller batch size)"
+            kind = "killed"
+        also = ""
+        if first is not None:
+            also = (f" Rank {first['rank']} then raised {first['type']}: "
+                    f"{first['message'].splitlines()[0] if first['message'] else ''} (a consequence).")
+        log_tail = "\n".join(logs.get(r, "").splitlines()[-20:])
+        tb = f"--- last output of rank {base + r} ---\n{log_tail}" if log_tail else ""
+        if first is not None:
+            tb += f"\n--- traceback of rank {first['rank']} ---\n{first['traceback']}"
+        ranks = sorted({base + x for x in silent} | {base + x for x in watchdog.stalled})
+        return LaunchError(f"rank {base + r} {why}; the other ranks were stopped.{also}", rank=base + r,
+                           ranks=ranks, kind=kind, rank_traceback=tb.strip(), logs=logs)
     if real:
-        first = min(real, key=lambda e: e["time"])
         others = sorted({e["rank"] for e in real} - {first["rank"]})
         also = f" (rank(s) {', '.join(map(str, others))} failed too)" if others else ""
         return LaunchError(f"rank {first['rank']} raised {first['type']}: {first['message']}{also}",
                            rank=first["rank"], ranks=sorted({e["rank"] for e in real}), kind="raised",
                            rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
                            logs=logs)
+    bad = {r: c for r, c in codes.items() if c not in (0, None)}
+    exits = [e for e in errors if e["type"] == "SystemExit" and (failure is None or e["local_rank"] in bad)]
+    if exits:  # sys.exit() in a rank: it raised SystemExit instead of returning
+        e = min(exits, key=lambda x: x["time"])
+        return LaunchError(f"rank {e['rank']} raised SystemExit: {e['message']} (sys.exit() ends a rank without a "
+                           "result; return a value from the function instead)", rank=e["rank"],
+                           ranks=sorted({x["rank"] for x in exits}), kind="exited",
+                           rank_traceback=f"--- traceback of rank {e['rank']} ---\n{e['traceback']}", logs=logs)
     if failure is None:
         return None
-    codes = _exit_codes(failure)
-    bad = {r: c for r, c in codes.items() if c not in (0, None)}
     if bad:
         r, code = min(bad.items())
         if code is not None and code < 0:
-            try:
-                signame = signal.Signals(-code).name
-            except ValueError:
-                signame = f"signal {-code}"
-            why = f"was killed by {signame}"
+            why = f"was killed by {_signame(-code)}"
             if -code == signal.SIGKILL:
                 why += " (from outside, or by the out-of-memory killer: try a smaller batch size)"
         else:
@@ -906,9 +1066,25 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
                            ranks=[base + x for x in sorted(bad)], kind="killed" if (code or 0) < 0 else "exited",
                            rank_traceback=f"--- last output of rank {base + r} ---\n{log_tail}" if log_tail else "",
                            logs=logs)
+    if errors:  # only KeyboardInterrupt / SystemExit / SignalException were recorded
+        e = min(errors, key=lambda x: x["time"])
+        return LaunchError(f"rank {e['rank']} raised {e['type']}: {e['message']}", rank=e["rank"],
+                           ranks=sorted({x["rank"] for x in errors}), kind="raised",
+                           rank_traceback=f"--- traceback of rank {e['rank']} ---\n{e['traceback']}", logs=logs)
     msg = "".join(traceback.format_exception_only(type(failure), failure)).strip()
     return LaunchError(f"the launch failed before any rank reported an error: {msg}", kind="exited",
                        rank_traceback="".join(traceback.format_exception(failure)), logs=logs)
+
+
+# what a collective raises in a rank whose peer process died
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _format_stacks(stacks: dict, base: int) -> str:

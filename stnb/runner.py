@@ -31,6 +31,10 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
     from .models import resolve_model
 
     config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
+    from . import scaleout
+
+    if scaleout.inside_external_launch():  # a rank of torchrun / accelerate launch: don't launch again
+        return scaleout.run_here(config, results_file=results_file)
     config.validate()
     if results_file is not None:
         check_writable(results_file)
@@ -47,14 +51,50 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
     t0 = time.time()
-    rank_results = launch(train_rank, config.to_dict(), model_path, t0, num_processes=ws,
-                          timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
-                          threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
-                          distributed=config.strategy in ("ddp", "fsdp"), env=env)
+    bars = None
+    if on_progress is None and echo:
+        bars = StepBars(config.strategy)
+        on_progress = bars.update
+    try:
+        rank_results = launch(train_rank, config.to_dict(), model_path, t0, num_processes=ws,
+                              timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
+                              threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
+                              distributed=config.strategy in ("ddp", "fsdp"), env=env)
+    finally:
+        if bars is not None:
+            bars.close()
     result = merge(config, rank_results, device=device, n_gpu=gpu_count(), wall_time_s=time.time() - t0)
     if results_file is not None:
         append_result(results_file, result)
     return result
+
+
+class StepBars:
+    """Default live progress for ``run``: one tqdm bar per rank (a widget in Jupyter, text elsewhere),
+    fed from the launch's progress relay in this process: ranks never draw bars themselves."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bars = {}
+
+    def update(self, states) -> None:
+        from tqdm.auto import tqdm
+
+        for st in states:
+            if st.total <= 0:
+                continue
+            bar = self.bars.get(st.rank)
+            if bar is None:
+                bar = self.bars[st.rank] = tqdm(total=st.total, desc=f"{self.label} rank {st.rank}",
+                                                unit="step", leave=True, mininterval=0.5)
+            if st.step > bar.n:
+                bar.update(st.step - bar.n)
+            if st.loss is not None:
+                bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
 
 
 def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,

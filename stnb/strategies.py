@@ -167,8 +167,13 @@ def ddp_kwargs(cfg) -> dict:
     """accelerate DistributedDataParallelKwargs from the config's DDP knobs."""
     from accelerate.utils import DDPCommunicationHookType
 
+    extra = cfg.get("extra") or {}
     kw = {
-        "find_unused_parameters": bool(cfg.get("extra", {}).get("find_unused_parameters", False)),
+        "find_unused_parameters": bool(extra.get("find_unused_parameters", False)),
+        # extra={"broadcast_buffers": False}: skip DDP's broadcast of module buffers from rank 0 at
+        # every forward (a collective, and a sync point, per micro-batch). BERT's buffers
+        # (position_ids, token_type_ids) never change, so skipping it changes nothing else.
+        "broadcast_buffers": bool(extra.get("broadcast_buffers", True)),
         "gradient_as_bucket_view": bool(cfg.get("gradient_as_bucket_view")),
         "static_graph": bool(cfg.get("static_graph")),
         "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,

@@ -1,0 +1,210 @@
+"""Per-rank memory: what each strategy should need, and what a run measured.
+
+The model *state* of a training rank has up to four parts:
+
+==================  ======================  =====================================
+part                single / dp / ddp       fsdp (N ranks)
+==================  ======================  =====================================
+params              4 B x P                 4 B x P / N   (each rank keeps a shard)
+grads               4 B x T                 4 B x T / N
+optimizer_state     8 B x T (AdamW)         8 B x T / N
+ddp_buckets         -  (ddp: 4 B x T)       -
+==================  ======================  =====================================
+
+P is the number of parameters, T the number of *trainable* ones (stnb freezes BERT's unused
+pooler, so T is a little smaller than P), 4 B is one fp32 number. AdamW keeps two moments
+per trainable parameter (``exp_avg`` and ``exp_avg_sq``), hence 8 B; it also keeps a
+one-number ``step`` per tensor, a few hundred bytes that the prediction leaves out.
+
+DDP copies every gradient into communication buckets for the all-reduce, so it holds the
+gradients twice unless ``gradient_as_bucket_view=True`` makes ``.grad`` a view into the
+bucket. FSDP divides all three parts by the world size: that is the whole point of sharding.
+DP (``torch.nn.DataParallel``) keeps the full state on GPU 0 and short-lived replicas of the
+parameters on the other GPUs; the prediction is GPU 0's.
+
+Activations (which grow with batch size and sequence length), the CUDA context, allocator
+caches and, on CPU, the Python process itself come on top: a run's *peak* memory is always
+above the predicted model state. ``compare(result)`` puts the prediction next to what a run
+measured for every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .errors import ConfigError
+
+COMPONENTS = ("params", "grads", "optimizer_state", "ddp_buckets")
+
+# optimizer state per trainable parameter, in units of bytes_per_param
+OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adafactor": 1}
+
+_STRATEGIES = ("single", "dp", "ddp", "fsdp")
+
+
+def predict(strategy: str, param_count: int, world_size: int = 1, trainable_param_count: int | None = None,
+            bytes_per_param: int = 4, optimizer: str = "adamw", gradient_as_bucket_view: bool = False) -> dict:
+    """Predicted model-state bytes held by *one* rank.
+
+    strategy: 'single', 'dp', 'ddp' or 'fsdp'.
+    param_count: all parameters of the model (P).
+    world_size: ranks (fsdp divides by it; the other strategies ignore it).
+    trainable_param_count: parameters that get gradients and optimizer state (T; default P).
+    bytes_per_param: 4 for fp32 weights (mixed precision still keeps fp32 master weights).
+    optimizer: 'adamw'/'adam' (2 states per parameter), 'sgd_momentum' (1), 'sgd' (0).
+    gradient_as_bucket_view: DDP's option that lets gradients live in the buckets (no copy).
+
+    Returns ``{"params", "grads", "optimizer_state", "ddp_buckets", "total"}`` in bytes.
+
+    >>> predict("ddp", 1_000_000, world_size=2)["total"]
+    20000000
+    >>> predict("fsdp", 1_000_000, world_size=2)["total"]
+    8000000
+    """
+    if strategy not in _STRATEGIES:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(map(repr, _STRATEGIES))}")
+    _check_count("param_count", param_count, 0)
+    _check_count("world_size", world_size, 1)
+    _check_count("bytes_per_param", bytes_per_param, 1)
+    trainable = param_count if trainable_param_count is None else trainable_param_count
+    _check_count("trainable_param_count", trainable, 0)
+    param_count, world_size, trainable, bytes_per_param = map(int, (param_count, world_size, trainable,
+                                                                   bytes_per_param))
+    if trainable > param_count:
+        raise ConfigError(f"trainable_param_count={trainable} is larger than param_count={param_count}")
+    key = str(optimizer).lower()
+    if key not in OPTIMIZER_SLOTS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(map(repr, OPTIMIZER_SLOTS))}")
+
+    params = bytes_per_param * param_count
+    grads = bytes_per_param * trainable
+    optimizer_state = OPTIMIZER_SLOTS[key] * bytes_per_param * trainable
+    ddp_buckets = 0
+    if strategy == "ddp" and not gradient_as_bucket_view:
+        ddp_buckets = bytes_per_param * trainable
+    if strategy == "fsdp":
+        params = math.ceil(params / world_size)
+        grads = math.ceil(grads / world_size)
+        optimizer_state = math.ceil(optimizer_state / world_size)
+    out = {"params": params, "grads": grads, "optimizer_state": optimizer_state, "ddp_buckets": ddp_buckets}
+    out["total"] = sum(out.values())
+    return out
+
+
+def predict_table(param_count: int, world_size: int = 2, trainable_param_count: int | None = None,
+                  strategies=_STRATEGIES, **kwargs):
+    """``predict`` for several strategies side by side: a DataFrame, one row per strategy, in MiB."""
+    import pandas as pd
+
+    rows = []
+    for s in strategies:
+        p = predict(s, param_count, world_size if s in ("ddp", "fsdp") else 1, trainable_param_count, **kwargs)
+        rows.append({"strategy": s, "world_size": world_size if s in ("ddp", "fsdp") else 1,
+                     **{f"{k}_mib": v / 2**20 for k, v in p.items()}})
+    return pd.DataFrame(rows)
+
+
+def compare(result, optimizer: str = "adamw"):
+    """Predicted vs measured model-state memory of every rank of a run.
+
+    ``result`` is a RunResult (or its dict / a row of ``stnb.results_frame``). The measurement
+    is what each rank's training loop saw after its first optimizer step: the bytes of its
+    (local) parameters, of their ``.grad`` tensors and of the optimizer's state tensors. Frozen
+    parameters have neither gradients nor optimizer state, so the trainable count used for the
+    prediction is read from the measured gradients (summed over ranks for fsdp, whose ranks
+    each hold a shard). DDP's gradient buckets live inside its reducer and are not measured.
+
+    Returns a DataFrame with columns rank, component, predicted_bytes, measured_bytes,
+    measured_over_predicted, predicted_mib, measured_mib, note. The 'peak' row puts the run's
+    measured peak (CUDA: max_memory_allocated; CPU: growth of the rank's resident memory) next
+    to the predicted model state: the difference is activations and everything else.
+    """
+    import pandas as pd
+
+    r = _as_dict(result)
+    status = r.get("status", "ok")
+    breakdown = r.get("memory_breakdown") or []
+    if status != "ok" or not breakdown or not any(breakdown):
+        why = r.get("reason") or "the run recorded no memory breakdown"
+        raise ConfigError(f"run {r.get('strategy')!r} (status {status!r}) has no memory measurement to compare: {why}")
+    strategy = r["strategy"]
+    world_size = int(r.get("world_size") or 1)
+    total_params = int(r.get("total_param_count") or 0)
+    local_counts = r.get("local_param_count") or []
+    cfg = r.get("config") or {}
+    first = next(b for b in breakdown if b)
+    bpp = 4
+    if local_counts and local_counts[0] and first.get("params"):
+        bpp = max(1, round(first["params"] / local_counts[0]))
+    grads_measured = [b.get("grads", 0) for b in breakdown if b]
+    grad_bytes = sum(grads_measured) if strategy == "fsdp" else max(grads_measured)
+    trainable = min(total_params, math.ceil(grad_bytes / bpp)) if grad_bytes else total_params
+    pred = predict(strategy, total_params, world_size if strategy in ("ddp", "fsdp") else 1, trainable,
+                   bytes_per_param=bpp, optimizer=optimizer,
+                   gradient_as_bucket_view=bool(_first(r.get("gradient_as_bucket_view"),
+                                                       cfg.get("gradient_as_bucket_view"), False)))
+    peaks = r.get("peak_memory_bytes") or []
+    rows = []
+    for rank, meas in enumerate(breakdown):
+        meas = meas or {}
+        for comp in COMPONENTS:
+            if comp == "ddp_buckets" and strategy != "ddp":
+                continue
+            m = meas.get(comp)
+            note = ""
+            if comp == "ddp_buckets":
+                m = None
+                note = ("not measured: the buckets live inside DDP's reducer"
+                        if pred[comp] else "gradient_as_bucket_view=True: gradients are the buckets, no copy")
+            elif comp == "optimizer_state":
+                note = f"{optimizer}: {OPTIMIZER_SLOTS[optimizer.lower()]} states per trainable parameter"
+            elif comp == "grads" and trainable < total_params:
+                note = f"{total_params - trainable} frozen parameters have no gradient"
+            rows.append(_row(rank, comp, pred[comp], m, note))
+        measured_state = sum(meas.get(c, 0) for c in ("params", "grads", "optimizer_state"))
+        predicted_state = pred["params"] + pred["grads"] + pred["optimizer_state"]
+        rows.append(_row(rank, "total", predicted_state, measured_state,
+                         "params + grads + optimizer_state" + (" (ddp_buckets not included)"
+                                                              if strategy == "ddp" else "")))
+        if rank < len(peaks) and peaks[rank]:
+            rows.append(_row(rank, "peak", pred["total"], peaks[rank],
+                             "measured peak includes activations and the runtime; predicted: model state only"))
+    df = pd.DataFrame(rows, columns=["rank", "component", "predicted_bytes", "measured_bytes",
+                                     "measured_over_predicted", "predicted_mib", "measured_mib", "note"])
+    df["measured_bytes"] = df["measured_bytes"].astype("Int64")
+    df["measured_over_predicted"] = df["measured_over_predicted"].astype(float)
+    df["measured_mib"] = df["measured_mib"].astype(float)
+    return df
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _row(rank, comp, predicted, measured, note):
+    ratio = (measured / predicted) if (measured is not None and predicted) else None
+    return {"rank": rank, "component": comp, "predicted_bytes": int(predicted),
+            "measured_bytes": None if measured is None else int(measured),
+            "measured_over_predicted": ratio, "predicted_mib": predicted / 2**20,
+            "measured_mib": None if measured is None else measured / 2**20, "note": note}
+
+
+def _as_dict(result) -> dict:
+    if hasattr(result, "to_dict") and not hasattr(result, "index"):  # RunResult
+        return result.to_dict()
+    if hasattr(result, "to_dict"):  # pandas Series (a results_frame row)
+        return dict(result.to_dict())
+    if isinstance(result, dict):
+        return result
+    raise ConfigError(f"compare needs a RunResult, its dict or a results_frame row; got {type(result).__name__}")
+
+
+def _first(*values):
+    for v in values:
+        if v is not None and v == v:  # not None, not NaN
+            return v
+    return None
+
+
+def _check_count(name, value, lo):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")

@@ -1,0 +1,262 @@
+"""Functions the launch / fault / kernel tests run inside ranks.
+
+They live in an importable module (not in test closures) so they work with any start
+method and read like the teaching code in ``stnb`` itself. Every function that provokes a
+fault first writes the wall-clock time of the fault to ``mark`` (a file path) when given,
+so a test can measure "time from the fault to the error".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _mark(mark: str | None) -> None:
+    if mark:
+        tmp = f"{mark}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(repr(time.time()))
+        os.replace(tmp, mark)
+
+
+def _pid(mark: str | None) -> None:
+    """Every rank leaves its pid next to the mark, so a test can check the process is gone."""
+    if mark:
+        with open(f"{mark}.pid{_rank()}", "w") as f:
+            f.write(str(os.getpid()))
+
+
+def rank_pids(mark: str) -> list:
+    """The pids the ranks of the last launch left next to ``mark``."""
+    import glob
+
+    return [int(open(p).read()) for p in sorted(glob.glob(f"{glob.escape(mark)}.pid*"))]
+
+
+def _idle(seconds: float) -> None:
+    """Sleep in small steps, heartbeating, so the stall watchdog never fires on an idle rank."""
+    import stnb
+
+    end = time.time() + seconds
+    while time.time() < end:
+        stnb.heartbeat()
+        time.sleep(0.05)
+
+
+# ---- healthy ranks ------------------------------------------------------------------------
+
+def info(tag: str = "ok") -> dict:
+    """What a rank sees: its rank, the world, an all_reduce over every rank, its pid."""
+    import torch
+    import torch.distributed as dist
+
+    import stnb
+
+    ctx = stnb.rank_context()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)  # sum of 1..N when every rank takes part
+    gathered = [None] * world
+    dist.all_gather_object(gathered, os.getpid())
+    return {"tag": tag, "rank": rank, "world_size": world, "initialized": dist.is_initialized(),
+            "backend": dist.get_backend(), "all_reduce": t.item(), "pid": os.getpid(), "ppid": os.getppid(),
+            "pids": gathered, "ctx_rank": ctx.rank if ctx else None,
+            "master_port": os.environ.get("MASTER_PORT")}
+
+
+def rank_value(scale: int = 10) -> int:
+    """Returns something different per rank (and after a short rank-dependent delay, so a
+    launcher that collected results in completion order would be caught)."""
+    r = _rank()
+    time.sleep(0.3 * (1 - min(r, 1)))  # rank 0 finishes last
+    return r * scale
+
+
+def sleep_then_return(seconds: float = 3.0) -> int:
+    _idle(seconds)
+    return _rank()
+
+
+def sleep_long(seconds: float = 120.0) -> int:
+    """A long, healthy-looking run (heartbeats) for interrupt / timeout / busy tests."""
+    print(f"rank {_rank()} sleeping {seconds} s", flush=True)
+    _idle(seconds)
+    return _rank()
+
+
+def sleep_silent(seconds: float = 120.0, mark: str | None = None) -> int:
+    """A long run whose stack does move (a Python loop) but which never heartbeats."""
+    _pid(mark)
+    _mark(mark)
+    end = time.time() + seconds
+    n = 0
+    while time.time() < end:
+        n += 1
+        time.sleep(0.01)
+    return n
+
+
+def sleep_silent_then_rank(seconds: float = 3.0, mark: str | None = None) -> int:
+    """Marks that it runs, works (a moving Python loop) for ``seconds``, returns its rank."""
+    sleep_silent(seconds, mark)
+    return _rank()
+
+
+def spam(lines: int = 400, width: int = 60) -> int:
+    """Print many lines as fast as possible, stdout and stderr, with partial writes."""
+    r = _rank()
+    body = ("x" * width)
+    for i in range(lines):
+        stream = sys.stdout if i % 2 == 0 else sys.stderr
+        # write in pieces so a per-write relay would split the line
+        stream.write(f"spam r{r} i{i:04d} ")
+        stream.write(body)
+        stream.write(f" end r{r} i{i:04d}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(1, f"spam r{r} c-level line end r{r}\n".encode())  # C-level write to fd 1
+    return lines
+
+
+def chatty(lines: int = 200) -> dict:
+    """A notebook-style rank: prints a lot, shows tqdm.auto bars, builds an ipywidgets widget."""
+    import ipywidgets
+    from tqdm.auto import tqdm, trange
+
+    r = _rank()
+    for i in range(lines):
+        print(f"chatty r{r} line {i:04d} " + "y" * 40)
+    for _ in tqdm(range(50), desc=f"bar r{r}", mininterval=0):
+        time.sleep(0.002)
+    for _ in trange(20, desc=f"trange r{r}", mininterval=0):
+        pass
+    w = ipywidgets.IntProgress(value=3, max=10, description=f"r{r}")
+    try:
+        from IPython.display import display
+
+        display(w)  # must not reach the kernel's sockets from a fork
+    except Exception as e:  # pragma: no cover - display is optional here
+        print(f"display failed: {e!r}")
+    print(f"chatty r{r} done", flush=True)
+    return {"rank": r, "widget_value": w.value, "tqdm_class": tqdm.__module__}
+
+
+# ---- faults -------------------------------------------------------------------------------
+
+def raise_on(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 120.0) -> int:
+    """``bad_rank`` raises after a short delay; the others would run for minutes."""
+    r = _rank()
+    _pid(mark)
+    if r == bad_rank:
+        time.sleep(0.5)
+        print(f"rank {r} about to fail", flush=True)
+        _mark(mark)
+        _fail_here(r)
+    _idle(others_sleep)
+    return r
+
+
+def _fail_here(r: int):
+    raise ValueError(f"deliberate failure in rank {r}")
+
+
+def sigkill_on(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 120.0) -> int:
+    r = _rank()
+    _pid(mark)
+    if r == bad_rank:
+        time.sleep(0.5)
+        print(f"rank {r} about to be SIGKILLed", flush=True)
+        _mark(mark)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _idle(others_sleep)
+    return r
+
+
+def exit_without_return(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 0.0) -> int:
+    """``bad_rank`` leaves with os._exit(0): a clean exit code but no result."""
+    r = _rank()
+    _pid(mark)
+    if r == bad_rank:
+        time.sleep(0.5)
+        _mark(mark)
+        os._exit(0)
+    _idle(others_sleep)
+    return r
+
+
+def exit_then_collective(bad_rank: int = 1, mark: str | None = None) -> int:
+    """``bad_rank`` leaves with os._exit(0) while the others wait for it in a collective."""
+    import torch.distributed as dist
+
+    r = _rank()
+    _pid(mark)
+    if r == bad_rank:
+        time.sleep(0.5)
+        _mark(mark)
+        os._exit(0)
+    dist.barrier()
+    return r
+
+
+def hang_in_collective(mark: str | None = None) -> int:
+    """Rank 0 waits in all_reduce for a rank that waits in a barrier: a classic mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    r = _rank()
+    _pid(mark)
+    _mark(mark)
+    if r == 0:
+        t = torch.ones(4)
+        dist.all_reduce(t)  # HANG-HERE-ALLREDUCE
+    else:
+        dist.barrier()  # HANG-HERE-BARRIER
+    return r
+
+
+def hang_forever(mark: str | None = None) -> int:
+    """Every rank blocks in one C call (its Python stack never moves)."""
+    _pid(mark)
+    _mark(mark)
+    time.sleep(3600)  # HANG-HERE-SLEEP
+    return _rank()
+
+
+def unpicklable():
+    return lambda: None
+
+
+def sys_exit_on(bad_rank: int = 1, code=0, mark: str | None = None) -> int:
+    """``bad_rank`` calls sys.exit(code) (SystemExit, a BaseException) instead of returning."""
+    r = _rank()
+    _pid(mark)
+    if r == bad_rank:
+        time.sleep(0.5)
+        _mark(mark)
+        sys.exit(code)
+    return r
+
+
+def sigkill_in_collective(bad_rank: int = 1, mark: str | None = None) -> int:
+    """``bad_rank`` is SIGKILLed while the other ranks wait for it in an all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    r = _rank()
+    _pid(mark)
+    if r == bad_rank:
+        time.sleep(0.5)
+        _mark(mark)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return r

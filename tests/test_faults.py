@@ -1,0 +1,191 @@
+"""The fault matrix, provoked for real: for each fault a clear error within 10 s of the fault
+(or of the stall / timeout limit), no process left behind, and the next launch in the same
+process works. The cases themselves live in tests/faultcases.py, shared with the
+``python tests/fault_matrix.py`` command that prints the measured table.
+
+Times are asserted against generous limits only (the machine is shared and busy); the
+measured numbers are what fault_matrix.py prints.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+import faultcases as fc
+import rankfns
+from stnb.errors import ConfigError, LaunchError, ResultsFileError
+
+FAULT_TO_ERROR_S = 10.0  # the issue's limit: a clear error within 10 s of the fault
+REFUSAL_S = 2.0          # refusals happen before anything starts
+
+
+def _source_line(marker: str) -> int:
+    with open(rankfns.__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line:
+                return i
+    raise AssertionError(marker)
+
+
+def _common(out: fc.Outcome, limit: float = FAULT_TO_ERROR_S) -> None:
+    assert out.time_to_error_s is not None, f"{out.case}: no error raised"
+    assert out.time_to_error_s < limit, f"{out.case}: error came {out.time_to_error_s} s after the fault"
+    assert out.orphans == [], f"{out.case}: processes left behind: {out.orphans}"
+    assert out.rank_pids_alive == [], f"{out.case}: rank processes still alive: {out.rank_pids_alive}"
+    assert out.next_ok, f"{out.case}: the next launch failed: {out.next_error}"
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    return str(tmp_path)
+
+
+def test_1_rank_raises(tmp):
+    out = fc.case_raise(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "raised" and e.rank == 1 and e.ranks == [1]
+    msg = str(e)
+    assert msg.startswith("rank 1 raised ValueError: deliberate failure in rank 1")
+    assert "Traceback" in msg and "_fail_here" in msg  # the rank's own traceback
+    assert len(out.rank_pids) == 2  # both ranks ran (the other one would have slept 120 s)
+    _common(out)
+
+
+def test_2_rank_sigkilled(tmp):
+    out = fc.case_sigkill(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    # the killed rank is named, not the rank torchelastic stopped afterwards
+    assert e.kind == "killed" and e.rank == 1, str(e)
+    assert "SIGKILL" in str(e) and "out-of-memory" in str(e)
+    assert "about to be SIGKILLed" in e.rank_traceback  # the rank's last output
+    _common(out)
+
+
+def test_2b_rank_sigkilled_during_collective(tmp):
+    out = fc.case_sigkill_in_collective(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    # rank 0 then fails with "Connection closed by peer": the cause is still rank 1
+    assert e.kind == "killed" and e.rank == 1, str(e)
+    assert str(e).startswith("rank 1 was killed by SIGKILL")
+    _common(out)
+
+
+def test_3_rank_hangs_in_collective(tmp):
+    out = fc.case_stall(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "stalled" and e.ranks == [0, 1], str(e)
+    msg = str(e)
+    assert "rank(s) 0, 1 stalled" in msg and "stall_timeout" in msg
+    stacks = e.rank_traceback
+    assert "--- stack of rank 0 ---" in stacks and "--- stack of rank 1 ---" in stacks
+    rank0, rank1 = stacks.split("--- stack of rank 1 ---")
+    # each rank's Python stack at the stall: the collective and the line of the rank function
+    assert "in all_reduce" in rank0
+    assert f'rankfns.py", line {_source_line("HANG-HERE-ALLREDUCE")} in hang_in_collective' in rank0
+    assert "in barrier" in rank1
+    assert f'rankfns.py", line {_source_line("HANG-HERE-BARRIER")} in hang_in_collective' in rank1
+    _common(out)
+
+
+def test_4_keyboard_interrupt(tmp):
+    out = fc.case_keyboard_interrupt(tmp)
+    assert out.extra["signal_sent"], "the launch ended before SIGINT could be sent"
+    assert isinstance(out.error, KeyboardInterrupt), repr(out.error)
+    assert "all ranks were stopped" in str(out.error)
+    assert len(out.rank_pids) == 2
+    _common(out)
+
+
+def test_5_port_busy(tmp):
+    out = fc.case_port_busy(tmp)
+    assert out.error is None, f"{out.error!r}"
+    res = out.extra["results"]
+    assert [r["rank"] for r in res] == [0, 1] and all(r["all_reduce"] == 3.0 for r in res)
+    assert res[0]["master_port"] != "29500"
+    assert out.orphans == [] and out.next_ok
+
+
+def test_6_cuda_initialised(tmp):
+    out = fc.case_cuda_initialised(tmp)
+    e = out.error
+    assert isinstance(e, ConfigError), repr(e)
+    assert "CUDA is already initialised" in str(e) and "restart the kernel" in str(e)
+    assert not out.children_seen, "a process was started before the refusal"
+    _common(out, limit=REFUSAL_S)
+
+
+def test_7_rank_exits_without_returning(tmp):
+    out = fc.case_exit_without_return(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "exited" and e.rank == 1, str(e)
+    assert "exit code 0" in str(e) and "os._exit()" in str(e)
+    _common(out)
+
+
+def test_7b_rank_exits_while_others_wait(tmp):
+    out = fc.case_exit_then_collective(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "exited" and e.rank == 1, str(e)
+    _common(out)
+
+
+def test_7c_rank_calls_sys_exit(tmp):
+    out = fc.case_sys_exit(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.rank == 1 and "SystemExit" in str(e) and "return a value" in str(e), str(e)
+    _common(out)
+
+
+def test_8_missing_model_path(tmp):
+    out = fc.case_missing_model(tmp)
+    e = out.error
+    assert isinstance(e, ConfigError), repr(e)
+    assert "/nonexistent/model" in str(e) and "does not exist" in str(e) and "'tiny'" in str(e)
+    assert not out.children_seen, "a process was started before the refusal"
+    _common(out, limit=REFUSAL_S)
+
+
+def test_9_results_file_not_writable(tmp):
+    out = fc.case_results_not_writable(tmp)
+    e = out.error
+    assert isinstance(e, ResultsFileError), repr(e)
+    assert out.extra["target"] in str(e) and "writable" in str(e)
+    assert not out.children_seen, "a process was started before the refusal"
+    assert not os.path.exists(out.extra["target"])
+    _common(out, limit=REFUSAL_S)
+
+
+def test_10_two_launches_at_once(tmp):
+    out = fc.case_two_launches(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "busy" and "already running" in str(e)
+    assert out.extra["second_result"] is None
+    assert out.extra["first"] == [0, 1], "the first launch must complete normally"
+    _common(out, limit=REFUSAL_S)
+
+
+def test_11_overall_timeout(tmp):
+    out = fc.case_timeout(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "timeout" and e.ranks == [0, 1]
+    assert f"timed out after {fc.TIMEOUT_LIMIT:g} s" in str(e) and "timeout=" in str(e)
+    # every rank's stack at the time of the timeout
+    for r in (0, 1):
+        assert f"--- stack of rank {r} ---" in e.rank_traceback
+    assert e.rank_traceback.count("in sleep_silent") >= 2
+    _common(out)

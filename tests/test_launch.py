@@ -1,0 +1,227 @@
+"""stnb.launch with real processes: results, torch.distributed in every rank, a busy 29500,
+a failing rank, per-rank output, and the refusals that happen before anything starts.
+
+Functions run in ranks live in tests/rankfns.py (an importable module).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import re
+import time
+
+import psutil
+import pytest
+import torch
+
+import importlib
+
+import faultcases as fc
+import rankfns
+import stnb
+from stnb.errors import ConfigError, LaunchError
+from stnb.hardware import cpu_cores
+
+stnb_launch = importlib.import_module("stnb.launch")  # the module (stnb.launch is the function)
+
+
+def _descendants() -> set:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+# ---- results and torch.distributed ----------------------------------------------------------
+
+def test_returns_every_rank_result_in_rank_order():
+    before = _descendants()
+    res = stnb.launch(rankfns.info, "hello", num_processes=2, echo=False)
+    assert isinstance(res, list) and len(res) == 2
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["tag"] == "hello"
+        assert r["initialized"] and r["world_size"] == 2 and r["backend"] == "gloo"
+        assert r["ctx_rank"] == r["rank"]  # stnb.rank_context() agrees
+        assert r["all_reduce"] == 3.0  # 1 + 2: both ranks took part in one collective
+    # one job of two processes, not two single-process runs: distinct processes, neither is
+    # this one, and each saw the other's pid through all_gather_object
+    pids = [r["pid"] for r in res]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert res[0]["pids"] == res[1]["pids"] == pids
+    assert _descendants() - before == set()
+
+
+def test_results_ordered_by_rank_not_by_completion():
+    # rank 0 finishes last; the list is still [rank 0, rank 1]
+    assert stnb.launch(rankfns.rank_value, 10, num_processes=2, echo=False) == [0, 10]
+
+
+def test_single_process_launch():
+    res = stnb.launch(rankfns.info, num_processes=1, echo=False)
+    assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1
+    assert res[0]["pid"] != os.getpid()
+
+
+def test_busy_port_29500_does_not_matter():
+    with fc.busy_port(29500):
+        res = stnb.launch(rankfns.info, num_processes=2, echo=False)
+    assert [r["rank"] for r in res] == [0, 1] and all(r["all_reduce"] == 3.0 for r in res)
+    assert res[0]["master_port"] != "29500" and res[0]["master_port"] == res[1]["master_port"]
+
+
+def test_explicit_busy_master_port_is_refused_before_starting():
+    before = _descendants()
+    with fc.busy_port(29500) as held:
+        if not held:
+            pytest.skip("29500 is held by another program; cannot hold it ourselves")
+        with pytest.raises(ConfigError) as ei:
+            stnb.launch(rankfns.info, num_processes=2, echo=False, master_port=29500)
+    msg = str(ei.value)
+    assert "29500" in msg and "already in use" in msg and "master_port=None" in msg
+    assert _descendants() - before == set()
+
+
+def test_explicit_free_master_port_is_used():
+    port = stnb_launch.free_port()
+    res = stnb.launch(rankfns.info, num_processes=2, echo=False, master_port=port)
+    assert res[0]["master_port"] == str(port)
+
+
+# ---- a rank that raises -------------------------------------------------------------------
+
+def test_rank_raises_launch_error_others_stopped_no_children(tmp_path):
+    mark = str(tmp_path / "mark")
+    before = _descendants()
+    t0 = time.time()
+    with pytest.raises(LaunchError) as ei:
+        # rank 0 would idle for 120 s: it must be stopped, not waited for
+        stnb.launch(rankfns.raise_on, 1, mark, 120.0, num_processes=2, echo=False)
+    t_err = time.time()
+    e = ei.value
+    assert e.rank == 1 and e.kind == "raised"
+    msg = str(e)
+    assert "rank 1" in msg and "ValueError: deliberate failure in rank 1" in msg
+    assert "--- traceback of rank 1 ---" in msg and 'rankfns.py", line' in msg and "_fail_here" in msg
+    fault = fc.read_mark(mark)
+    assert fault is not None
+    stopped_after = t_err - fault
+    print(f"error {stopped_after:.2f} s after the fault; launch took {t_err - t0:.2f} s")
+    assert stopped_after < 10, stopped_after  # generous: machine is shared
+    # every rank process is gone, and no descendant of ours is left (zombies included)
+    pids = rankfns.rank_pids(mark)
+    assert len(pids) == 2
+    assert not [p for p in pids if fc._alive(p)]
+    assert _descendants() - before == set()
+    # the rank's output is kept on the error
+    assert "about to fail" in e.logs[1]
+    # and the next launch in this process works
+    assert [r["rank"] for r in stnb.launch(rankfns.info, num_processes=2, echo=False)] == [0, 1]
+
+
+def test_unpicklable_result_names_the_fix():
+    with pytest.raises(LaunchError) as ei:
+        stnb.launch(rankfns.unpicklable, num_processes=2, echo=False)
+    assert "cannot be pickled" in str(ei.value) and "return plain data" in str(ei.value)
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+LINE = re.compile(r"^\[rank (\d)\] spam r(\d) i(\d{4}) x{60} end r(\d) i(\d{4})$")
+
+
+def test_rank_output_prefixed_whole_lines_not_interleaved(capfd):
+    res = stnb.launch(rankfns.spam, 400, num_processes=2)
+    assert res == [400, 400]
+    out, err = capfd.readouterr()
+    lines = [ln for ln in out.splitlines() if "spam" in ln]
+    per_rank = {0: [], 1: []}
+    for ln in lines:
+        if "c-level" in ln:
+            m = re.match(r"^\[rank (\d)\] spam r(\d) c-level line end r(\d)$", ln)
+            assert m and m.group(1) == m.group(2) == m.group(3), ln
+            continue
+        m = LINE.match(ln)
+        assert m, f"not a whole, prefixed line: {ln!r}"
+        assert m.group(1) == m.group(2) == m.group(4), f"line of another rank: {ln!r}"
+        assert m.group(3) == m.group(5)
+        per_rank[int(m.group(1))].append(int(m.group(3)))
+    # every line of both ranks (stdout and stderr of the rank), each rank's in order
+    for r in (0, 1):
+        assert per_rank[r] == list(range(400)), f"rank {r}: {len(per_rank[r])} lines"
+    assert sum("c-level" in ln for ln in lines) == 2
+    assert "spam" not in err  # the parent prints rank output on stdout only
+
+
+def test_echo_false_keeps_output_in_last_launch(capfd):
+    stnb.launch(rankfns.spam, 5, num_processes=2, echo=False)
+    out, _ = capfd.readouterr()
+    assert "spam" not in out
+    logs = stnb.last_launch().logs
+    assert all(f"spam r{r} i0004" in logs[r] for r in (0, 1))
+
+
+# ---- refusals before anything starts ----------------------------------------------------------
+
+def _refused(call):
+    before = _descendants()
+    with fc.ChildSampler(before) as sampler:
+        with pytest.raises(ConfigError) as ei:
+            call()
+    assert not sampler.seen, "a process was started before the refusal"
+    assert _descendants() - before == set()
+    return str(ei.value)
+
+
+def test_check_fork_safe_refuses_when_cuda_initialised(monkeypatch):
+    stnb_launch.check_fork_safe()  # fine here: no CUDA in this process
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError) as ei:
+        stnb_launch.check_fork_safe()
+    msg = str(ei.value)
+    assert "CUDA is already initialised" in msg and "forked" in msg
+    assert "restart the kernel" in msg and "inside the launched function" in msg
+    # and launch refuses before starting anything
+    msg = _refused(lambda: stnb.launch(rankfns.info, num_processes=2, echo=False))
+    assert "CUDA is already initialised" in msg
+
+
+def test_more_processes_than_cores_refused():
+    n = cpu_cores() + 1  # 3 on the 2-core CI machine
+    msg = _refused(lambda: stnb.launch(rankfns.info, num_processes=n, echo=False, device="cpu"))
+    assert f"num_processes={n}" in msg and "CPU core" in msg and f"num_processes <= {cpu_cores()}" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_cuda_device_without_gpu_refused():
+    msg = _refused(lambda: stnb.launch(rankfns.info, num_processes=2, echo=False, device="cuda"))
+    assert "no CUDA GPU" in msg and "device='cpu'" in msg
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(num_processes=0), ["num_processes", "integer >= 1", "0"]),
+    (dict(num_processes=-1), ["num_processes", "integer >= 1", "-1"]),
+    (dict(num_processes="2"), ["num_processes", "integer >= 1", "'2'"]),
+    (dict(num_processes=True), ["num_processes", "integer >= 1", "True"]),
+    (dict(num_processes=2.0), ["num_processes", "integer >= 1"]),
+    (dict(timeout=0), ["timeout", "positive number of seconds"]),
+    (dict(timeout=-5), ["timeout", "positive number of seconds"]),
+    (dict(timeout="10"), ["timeout", "positive number of seconds"]),
+    (dict(stall_timeout=0), ["stall_timeout", "positive number of seconds"]),
+    (dict(device="tpu"), ["device", "'auto', 'cpu' or 'cuda'"]),
+    (dict(threads_per_rank=0), ["threads_per_rank", "integer >= 1"]),
+    (dict(num_nodes=0), ["num_nodes", "integer >= 1"]),
+    (dict(node_rank=1), ["node_rank", "num_nodes=1"]),
+], ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_bad_arguments_refused(kwargs, words):
+    msg = _refused(lambda: stnb.launch(rankfns.info, **{"num_processes": 2, "echo": False, **kwargs}))
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("fn", ["rankfns.info", None, 42])
+def test_non_callable_refused(fn):
+    msg = _refused(lambda: stnb.launch(fn, num_processes=2, echo=False))
+    assert "needs a callable" in msg and type(fn).__name__ in msg

@@ -1,0 +1,194 @@
+"""stnb.plots: figures from hand-made RunResults (no training), checked trace by trace."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+import stnb
+from stnb import RunResult, TrainConfig
+from stnb import plots
+
+DP_REASON = "DataParallel needs at least 2 CUDA GPUs in one process; this machine has 0"
+
+
+def _run(strategy, world_size, sps, model="tiny", per_device=4, losses=(0.5, 0.4, 0.3), **cfg):
+    devices = world_size
+    state = {"params": 4000, "grads": 4000, "optimizer_state": 8000, "total": 16000}
+    if strategy == "fsdp":
+        state = {k: v // world_size for k, v in state.items()}
+    config = TrainConfig(strategy=strategy, model=model, per_device_batch_size=per_device,
+                         num_processes=world_size if strategy in ("ddp", "fsdp") else None, **cfg).to_dict()
+    return RunResult(
+        strategy=strategy, world_size=world_size, per_device_batch_size=per_device,
+        global_batch_size=per_device * devices, steps=len(losses), samples_per_second=sps,
+        step_times=[0.1] * len(losses), losses=list(losses), peak_memory_bytes=[(100 + r) * 2**20 for r in range(world_size)],
+        local_param_count=[1000 // (world_size if strategy == "fsdp" else 1)] * world_size, total_param_count=1000,
+        verified=True, verification={}, model=model, device="cpu", versions={},
+        memory_breakdown=[dict(state) for _ in range(world_size)], config=config, run_id=f"{strategy}{world_size}{model}")
+
+
+def _unrunnable():
+    return RunResult.unavailable(TrainConfig(strategy="dp", model="tiny", per_device_batch_size=4), DP_REASON)
+
+
+@pytest.fixture
+def df():
+    return stnb.results_frame([
+        _run("single", 1, 100.0),
+        _run("ddp", 2, 160.0, comm_hook="fp16", gradient_as_bucket_view=True),
+        _run("fsdp", 2, 120.0),
+        _unrunnable(),
+        _run("ddp", 2, 50.0, model="minilm"),  # no single minilm run: no speedup
+    ])
+
+
+def _trace(fig, name_part):
+    found = [t for t in fig.data if name_part in (t.name or "")]
+    assert found, f"no trace named like {name_part!r}: {[t.name for t in fig.data]}"
+    return found[0]
+
+
+def test_throughput_bars_and_hover_show_numbers_and_configuration(df):
+    fig = plots.throughput(df)
+    assert isinstance(fig, go.Figure)
+    bars = _trace(fig, "samples/s")
+    assert list(bars.x) == ["single", "ddp ×2 · tiny", "fsdp ×2", "ddp ×2 · minilm"]
+    assert list(bars.y) == [100.0, 160.0, 120.0, 50.0]
+    hover = bars.hovertext[1]
+    for text in ("strategy: ddp", "world size: 2", "4 per device, 8 global", "model: tiny", "device: cpu",
+                 "comm_hook: fp16", "gradient_as_bucket_view: True", "samples/s: 160.0", "speedup: 1.60x"):
+        assert text in hover, (text, hover)
+    assert "comm_hook" not in bars.hovertext[2]  # DDP options only on DDP runs
+    assert "samples/s: %{y" in bars.hovertemplate
+    json.loads(fig.to_json())  # plain JSON: renders without widgets
+
+
+def test_not_runnable_rows_appear_as_placeholders_with_the_reason(df):
+    fig = plots.throughput(df)
+    ghost = _trace(fig, "not runnable here")
+    assert list(ghost.x) == ["dp"]
+    assert ghost.text[0] == "not runnable here"
+    assert DP_REASON in ghost.hovertext[0]
+    assert ghost.marker.pattern.shape == "/"
+    assert ghost.y[0] == pytest.approx(160.0)  # full height of the panel, not a measurement
+
+
+def test_speedup_over_single_of_the_same_model_with_ideal_line(df):
+    fig = plots.speedup(df)
+    bars = _trace(fig, "speedup (this machine)")
+    assert list(bars.x) == ["single", "ddp ×2 · tiny", "fsdp ×2"]
+    assert list(bars.y) == pytest.approx([1.0, 1.6, 1.2])
+    ideal = _trace(fig, "ideal")
+    assert dict(zip(ideal.x, ideal.y)) == {"single": 1.0, "ddp ×2 · tiny": 2.0, "fsdp ×2": 2.0}
+    ghosts = _trace(fig, "not runnable here")
+    missing = dict(zip(ghosts.x, ghosts.hovertext))
+    assert DP_REASON in missing["dp"]
+    assert "no 'single' run of model minilm" in missing["ddp ×2 · minilm"]
+
+
+def test_efficiency_is_speedup_per_device_against_one(df):
+    fig = plots.efficiency(df)
+    bars = _trace(fig, "efficiency (this machine)")
+    assert list(bars.y) == pytest.approx([1.0, 0.8, 0.6])
+    ideal = _trace(fig, "ideal (1.0)")
+    assert set(ideal.y) == {1.0}
+
+
+def test_reference_frame_holds_the_published_numbers():
+    ref = plots.reference_frame().set_index("strategy")
+    assert ref.loc["single", "samples_per_second"] == 2724
+    assert ref.loc["ddp", "samples_per_second"] == 6980
+    assert ref.loc["dp", "published_speedup"] == pytest.approx(1.349)
+    assert ref.loc["fsdp", "published_speedup"] == pytest.approx(2.122)
+    assert ref.loc["ddp", "per_device_batch_size"] == 32 and ref.loc["ddp", "max_seq_length"] == 384
+    assert set(ref["source"]) == {"sentence-transformers docs (4x V100)"}
+
+
+def test_reference_is_shown_beside_ours_and_labelled_as_theirs(df):
+    fig = plots.throughput(df, reference=True)
+    theirs = _trace(fig, "published: sentence-transformers docs (4x V100)")
+    assert theirs.xaxis == "x2"  # its own panel: V100 numbers would dwarf ours
+    assert list(theirs.y) == [2724.0, 3675.0, 6980.0, 5782.0]
+    assert "published, not measured here" in theirs.hovertext[0]
+    titles = [a.text for a in fig.layout.annotations]
+    assert any("theirs" in t for t in titles) and any("ours" in t for t in titles)
+
+    sp = plots.speedup(df, reference=True)
+    ref_bars = _trace(sp, "speedup (published")
+    assert list(ref_bars.x) == ["single (docs)", "dp ×4 (docs)", "ddp ×4 (docs)", "fsdp ×4 (docs)"]
+    assert list(ref_bars.y) == pytest.approx([1.0, 1.349, 2.562, 2.122], abs=1e-3)
+    assert ref_bars.marker.pattern.shape == "/"
+    ideal = dict(zip(_trace(sp, "ideal").x, _trace(sp, "ideal").y))
+    assert ideal["ddp ×4 (docs)"] == 4.0
+
+
+def test_with_reference_on_a_frame_and_on_a_figure(df):
+    both = plots.with_reference(df)
+    assert set(both["source"]) == {"this machine", "sentence-transformers docs (4x V100)"}
+    assert len(both) == len(df) + 4
+    rebuilt = plots.with_reference(plots.speedup(df))
+    assert any("published" in (t.name or "") for t in rebuilt.data)
+    # a frame that already carries the reference plots it without asking again
+    assert any("published" in (t.name or "") for t in plots.throughput(both).data)
+    with pytest.raises(ValueError, match="no numbers"):
+        plots.with_reference(plots.loss_curves(df))
+
+
+def test_memory_peak_per_rank_and_stacked_state(df):
+    fig = plots.memory(df)
+    peak = _trace(fig, "peak memory")
+    x = list(zip(*peak.x))
+    assert ("ddp ×2 · tiny", "rank 1") in x and ("single", "rank 0") in x
+    assert peak.y[x.index(("ddp ×2 · tiny", "rank 1"))] == pytest.approx(101.0)
+    assert fig.layout.barmode == "stack"
+    parts = [t for t in fig.data if t.name in ("params", "grads", "optimizer state")]
+    assert [t.name for t in parts] == ["params", "grads", "optimizer state"]
+    fsdp_at = list(zip(*parts[0].x)).index(("fsdp ×2", "rank 0"))
+    assert parts[0].y[fsdp_at] == pytest.approx(2000 / 2**20)
+    pred = _trace(fig, "predicted")
+    assert pred.y[fsdp_at] == pytest.approx(8000 / 2**20)  # (4 + 4 + 8) B x 1000 / 2 ranks
+    ghost = _trace(fig, "not runnable here")
+    assert DP_REASON in ghost.hovertext[0]
+
+
+def test_loss_curves_one_line_per_run(df):
+    fig = plots.loss_curves(df)
+    lines = [t for t in fig.data if t.type == "scatter"]
+    assert [t.name for t in lines] == ["single", "ddp ×2 · tiny", "fsdp ×2", "ddp ×2 · minilm"]
+    assert list(lines[0].x) == [1, 2, 3] and list(lines[0].y) == [0.5, 0.4, 0.3]
+    assert "batch: 4 per device" in lines[1].hovertext[0]
+    assert any("not runnable here" in a.text for a in fig.layout.annotations)
+
+
+def test_dashboard_puts_four_panels_together(df):
+    fig = plots.dashboard(df, reference=True)
+    axes = {t.xaxis for t in fig.data}
+    assert axes == {"x", "x2", "x3", "x4"}
+    names = [t.name for t in fig.data if t.showlegend is not False]
+    assert len(names) == len(set(names))  # no repeated legend entries
+    assert any("published" in (t.name or "") for t in fig.data)
+
+
+def test_plots_accept_results_files_and_run_lists(tmp_path, df):
+    path = tmp_path / "runs.jsonl"
+    for r in (_run("single", 1, 10.0), _run("ddp", 2, 15.0), _unrunnable()):
+        stnb.append_result(path, r)
+    fig = plots.speedup(stnb.load_results(path))
+    assert list(_trace(fig, "speedup (this machine)").y) == pytest.approx([1.0, 1.5])
+    assert list(plots.throughput([_run("single", 1, 10.0)]).data[0].y) == [10.0]
+    with pytest.raises(TypeError, match="results DataFrame"):
+        plots.throughput("runs.jsonl")
+
+
+def test_duplicate_configurations_get_distinct_labels():
+    frame = stnb.results_frame([_run("single", 1, 10.0, per_device=4), _run("single", 1, 12.0, per_device=8),
+                                _run("single", 1, 11.0, per_device=8)])
+    x = list(plots.throughput(frame).data[0].x)
+    assert x == ["single · b4", "single · b8", "single · b8 #2"]
+    # speedup of a batch-8 run is measured against a batch-8 single run
+    assert list(plots.speedup(frame).data[0].y) == pytest.approx([1.0, 1.0, 1.0])
+    assert isinstance(plots.reference_frame(), pd.DataFrame)

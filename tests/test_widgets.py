@@ -1,0 +1,156 @@
+"""stnb.widgets.Panel in plain Python: set the widgets, press Run (the real callback), check the panel."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import stnb
+from stnb import widgets
+from stnb.hardware import strategy_availability
+
+SMALL = dict(train_size=64, dev_size=16)
+
+
+def _only_dp_unavailable(device=None):
+    out = dict(strategy_availability(device))
+    out["dp"] = {"runnable": False, "reason": "DataParallel needs at least 2 CUDA GPUs (test)"}
+    return out
+
+
+@pytest.fixture
+def no_dp(monkeypatch):
+    """dp unavailable whatever this machine has: the panel and stnb.run both see it."""
+    monkeypatch.setattr(widgets, "strategy_availability", _only_dp_unavailable)
+    # sys.modules: the attribute stnb.hardware is the report function, not the module
+    monkeypatch.setattr(sys.modules["stnb.hardware"], "strategy_availability", _only_dp_unavailable)
+
+
+def test_defaults_come_from_the_current_profile():
+    prof = stnb.current_profile()
+    panel = widgets.Panel()
+    cfg = panel.run_config()
+    assert (cfg.model, cfg.steps, cfg.per_device_batch_size) == (prof.model, prof.steps, prof.per_device_batch_size)
+    assert cfg.train_size == prof.train_size
+    assert "stnb-panel" in panel._dom_classes
+    for w, cls in ((panel.run_button, "stnb-run"), (panel.table, "stnb-results"), (panel.plot, "stnb-plot"),
+                   (panel.error, "stnb-error"), (panel.progress, "stnb-progress")):
+        assert cls in w._dom_classes
+    assert "no runs yet" in panel.table.value and len(panel.results) == 0
+
+
+def test_unrunnable_strategy_is_marked_and_disables_run(no_dp):
+    panel = widgets.Panel(**SMALL)
+    labels = dict((v, k) for k, v in panel.strategy.options)
+    assert labels["dp"] == "dp (not runnable here: DataParallel needs at least 2 CUDA GPUs (test))"
+    assert labels["single"] == "single"
+    panel.strategy.value = "dp"
+    assert panel.run_button.disabled
+    assert "dp cannot run here" in panel.validation.value and "2 CUDA GPUs" in panel.validation.value
+    panel.strategy.value = "single"
+    assert not panel.run_button.disabled and panel.processes.disabled
+
+
+def test_run_config_follows_the_widgets():
+    panel = widgets.Panel(**SMALL)
+    panel.strategy.value = "fsdp"
+    panel.processes.value = 2
+    panel.batch.value = 5
+    panel.steps.value = 7
+    panel.model.value = "minilm"
+    cfg = panel.run_config()
+    assert (cfg.strategy, cfg.num_processes, cfg.per_device_batch_size, cfg.steps, cfg.model) == \
+        ("fsdp", 2, 5, 7, "minilm")
+    panel.strategy.value = "single"
+    assert panel.run_config().num_processes is None  # processes only mean something for ddp/fsdp
+    panel.model.value = "  "
+    assert panel.run_config().model == stnb.current_profile().model
+
+
+def test_run_button_trains_ddp_and_adds_a_row_with_live_progress():
+    panel = widgets.Panel(**SMALL)
+    panel.strategy.value = "ddp"
+    panel.processes.value = 2
+    panel.batch.value = 4
+    panel.steps.value = 3
+    panel.model.value = "tiny"
+    assert not panel.run_button.disabled, panel.validation.value
+    panel.run_button.click()  # the real on_click handler, synchronously
+    assert panel.error.value == "", panel.error.value
+    df = panel.results
+    assert len(df) == 1
+    row = df.iloc[0]
+    assert (row["strategy"], row["world_size"], row["per_device_batch_size"], row["global_batch_size"]) == \
+        ("ddp", 2, 4, 8)
+    assert row["status"] == "ok" and row["verified"] and row["samples_per_second"] > 0
+    # progress: one bar per rank, driven from the launch's watchdog thread, finished
+    assert len(panel.progress_bars) == 2
+    assert [b.value for b in panel.progress_bars] == [3, 3]
+    assert all("done" in lab.value and "step 3/3" in lab.value for lab in panel.progress_labels)
+    assert "stnb-watchdog" in panel.progress_threads and panel.progress_updates >= 2
+    # the table and the plot were updated, and the panel is ready again
+    assert "<td>ddp ×2</td>" in panel.table.value
+    (out,) = panel.plot.outputs
+    assert "application/vnd.plotly.v1+json" in out["data"]
+    assert panel.figure is not None and any(t.name == "samples/s (this machine)" for t in panel.figure.data)
+    assert not panel.run_button.disabled and panel.run_button.description == "Run"
+    assert "done" in panel.status.value
+
+
+def test_invalid_config_shows_the_error_and_the_panel_stays_usable(tmp_path):
+    results_file = tmp_path / "runs.jsonl"
+    panel = widgets.Panel(results_file=str(results_file), **SMALL)
+    panel.strategy.value = "ddp"
+    panel.processes.value = 64
+    assert panel.run_button.disabled and "processes=64" in panel.validation.value
+    assert panel.run() is None  # what a click does, even past the disabled button
+    assert "ConfigError" in panel.error.value and "num_processes=64" in panel.error.value
+    assert isinstance(panel.last_error, stnb.ConfigError)
+    assert len(panel.results) == 0 and not results_file.exists()
+    # still usable: fix the setting and run
+    panel.strategy.value = "single"
+    panel.batch.value = 4
+    panel.steps.value = 3
+    assert not panel.run_button.disabled
+    panel.run_button.click()
+    assert panel.error.value == ""
+    assert list(panel.results["strategy"]) == ["single"]
+    assert len(stnb.load_results(results_file)) == 1
+    # a new panel on the same file starts with that run
+    again = widgets.Panel(results_file=str(results_file), **SMALL)
+    assert list(again.results["strategy"]) == ["single"] and "<td>single</td>" in again.table.value
+
+
+def test_strategy_unavailable_adds_a_not_runnable_row(no_dp, tmp_path):
+    results_file = tmp_path / "runs.jsonl"
+    panel = widgets.Panel(results_file=str(results_file), **SMALL)
+    panel.strategy.value = "dp"
+    panel.run_button.click()
+    assert "StrategyUnavailable" in panel.error.value and "2 CUDA GPUs (test)" in panel.error.value
+    row = panel.results.iloc[0]
+    assert row["status"] == "not runnable here" and "2 CUDA GPUs" in row["reason"]
+    assert "not runnable here: DataParallel" in panel.table.value
+    assert stnb.load_results(results_file).iloc[0]["status"] == "not runnable here"
+    assert panel.plot.outputs  # the comparison shows the placeholder
+
+
+def test_launch_errors_are_shown(monkeypatch):
+    def boom(config, **kw):
+        raise stnb.LaunchError("rank 1 raised RuntimeError: boom", rank=1, ranks=[1],
+                               rank_traceback="--- traceback of rank 1 ---\nRuntimeError: boom",
+                               logs={0: "fine\n", 1: "Traceback...\nRuntimeError: boom\n"})
+
+    monkeypatch.setattr("stnb.runner.run", boom)
+    panel = widgets.Panel(**SMALL)
+    assert panel.run() is None
+    assert "LaunchError" in panel.error.value and "rank 1 raised RuntimeError: boom" in panel.error.value
+    assert "<details>" in panel.error.value and "traceback of rank 1" in panel.error.value
+    assert not panel.run_button.disabled
+
+
+def test_a_second_run_while_one_is_running_is_refused():
+    panel = widgets.Panel(**SMALL)
+    panel._running = True
+    assert panel.run() is None
+    assert "already in progress" in panel.error.value
