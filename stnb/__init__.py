@@ -3,7 +3,7 @@
 from .config import TrainConfig
 from .errors import (ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
                      VerificationError)
-from .hardware import report as hardware
+from . import hardware  # callable: stnb.hardware() -> HardwareReport
 from .profile import current_profile, setup
 from .launch import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
@@ -18,3 +18,15 @@ __all__ = [
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
     "current_profile", "export_script",
 ]
+
+
+_LAZY = ("bench", "examples", "export", "memory", "plots", "scaleout", "widgets")
+
+
+def __getattr__(name):
+    """``stnb.plots``, ``stnb.widgets``... work after a plain ``import stnb`` (imported on first use)."""
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'stnb' has no attribute {name!r}")

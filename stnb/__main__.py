@@ -19,6 +19,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--max-seq-length", type=int, default=64)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--train-size", type=int, default=2000, help="training pairs (synthetic data: generated)")
+    p.add_argument("--dev-size", type=int, default=200, help="dev pairs for the Spearman evaluation")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--threads-per-rank", type=int, default=None)
     p.add_argument("--mixed-precision", default="no", help="no, bf16 or fp16")
@@ -36,7 +38,7 @@ def config_from_args(a):
     return TrainConfig(strategy=a.strategy, num_processes=a.nproc, model=a.model, data=a.data, loss=a.loss,
                        gather_across_devices=a.gather_across_devices, steps=a.steps,
                        per_device_batch_size=a.batch_size, learning_rate=a.lr, max_seq_length=a.max_seq_length,
-                       seed=a.seed, device=a.device, threads_per_rank=a.threads_per_rank,
+                       seed=a.seed, train_size=a.train_size, dev_size=a.dev_size, device=a.device, threads_per_rank=a.threads_per_rank,
                        mixed_precision=a.mixed_precision, evaluate=not a.no_eval, save_to=a.save_to,
                        timeout=a.timeout, stall_timeout=a.stall_timeout)
 

@@ -159,6 +159,7 @@ class BenchOptions:
     results: str | None = None
     report: str | None = None
     run_timeout: float = 900.0
+    quiet_wait: float = 0.0              # before each run, wait up to this long for other processes to calm down
     echo: bool = True
 
     @classmethod
@@ -201,6 +202,8 @@ class Item:
 def _key(section, name, launcher, repeat, cfg_dict) -> str:
     cfg = json.loads(json.dumps(cfg_dict, sort_keys=True, default=str))
     cfg.get("extra", {}).pop("bench", None)
+    for k in ("timeout", "stall_timeout"):  # process control, not the measurement
+        cfg.pop(k, None)
     blob = json.dumps({"section": section, "name": name, "launcher": launcher, "repeat": repeat, "config": cfg},
                       sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
@@ -228,10 +231,11 @@ def _knob_variants(device: str, threads: int, quick: bool) -> list:
     a = 2 if quick else 4
     nobb = {"extra": {"broadcast_buffers": False}}
     tuned = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
+    # static_graph breaks under no_sync (pytorch/pytorch#143580); TrainConfig refuses the combination
+    tuned_acc = {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
     v = [
         ("defaults", {}, 1),
         ("no buffer broadcast", nobb, 1),
-        ("bucket 5 MB", {"bucket_cap_mb": 5}, 1),
         ("bucket 100 MB (one bucket)", {"bucket_cap_mb": 100}, 1),
         ("static_graph + bucket view", {"static_graph": True, "gradient_as_bucket_view": True}, 1),
         ("fp16 hook", {"comm_hook": "fp16"}, 1),
@@ -239,12 +243,13 @@ def _knob_variants(device: str, threads: int, quick: bool) -> list:
         ("tuned: static + view + 100 MB + no broadcast", tuned, 1),
         (f"accumulate {a} (no_sync)", {"gradient_accumulation_steps": a}, a),
         (f"accumulate {a} + fp16 hook", {"gradient_accumulation_steps": a, "comm_hook": "fp16"}, a),
-        (f"accumulate {a} + tuned", {"gradient_accumulation_steps": a, **tuned}, a),
+        (f"accumulate {a} + view + 100 MB + no broadcast", {"gradient_accumulation_steps": a, **tuned_acc}, a),
     ]
     if device == "cpu":
         v.append((f"{threads * 2} threads/rank (oversubscribed)", {"threads_per_rank": threads * 2}, 1))
     if quick:
-        keep = {"defaults", "fp16 hook", "tuned: static + view + 100 MB + no broadcast", f"accumulate {a} + tuned"}
+        keep = {"defaults", "fp16 hook", "tuned: static + view + 100 MB + no broadcast",
+                f"accumulate {a} + view + 100 MB + no broadcast"}
         v = [x for x in v if x[0] in keep]
     return v
 
@@ -383,7 +388,8 @@ def _execute(item: Item, opts: BenchOptions):
     except Exception as e:  # noqa: BLE001 - a crashed run is recorded and the sweep goes on
         r = RunResult.unavailable(cfg, "")
         r.status = "failed"
-        r.reason = f"{type(e).__name__}: {e}"[:4000]
+        msg = f"{type(e).__name__}: {e}"
+        r.reason = msg if len(msg) <= 6000 else msg[:2000] + "\n[...]\n" + msg[-4000:]
         r.launcher = item.launcher
         return r
     res.config = cfg.to_dict()  # keep the bench tag (merge stores the config it was given)
@@ -429,11 +435,15 @@ def _output_to(path: str):
 
 
 def _tail(path: str, n: int = 25) -> str:
+    """The last ``n`` lines of a log, preceded by its first error lines (the cause, not the echo)."""
     try:
         with open(path, errors="replace") as f:
-            return "\n".join(f.read().splitlines()[-n:])
+            lines = f.read().splitlines()
     except OSError:
         return ""
+    keys = ("Error", "error:", "Traceback", "terminate called", "what():", "Abort", "Exception")
+    first = [ln for ln in lines[:-n] if any(k in ln for k in keys)][:12]
+    return "\n".join(first + (["..."] if first else []) + lines[-n:])
 
 
 def _kill_new_children(before: set) -> None:
@@ -563,20 +573,19 @@ def _worker(argv) -> int:
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, res)
-    try:
-        if int(os.environ.get("RANK", "0")) == 0:
-            gathered.sort(key=lambda d: d["rank"])
-            config = TrainConfig.from_dict(cfg)
-            result = merge(config, gathered, device=config.resolved_device(), n_gpu=gpu_count(),
-                           wall_time_s=time.time() - launch_time, launcher="torchrun")
-            data = json.dumps(result.to_dict())
-            with open(out_path + ".tmp", "w") as f:
-                f.write(data)
-            os.replace(out_path + ".tmp", out_path)
-            print(data, flush=True)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        gathered.sort(key=lambda d: d["rank"])
+        config = TrainConfig.from_dict(cfg)
+        result = merge(config, gathered, device=config.resolved_device(), n_gpu=gpu_count(),
+                       wall_time_s=time.time() - launch_time, launcher="torchrun")
+        data = json.dumps(result.to_dict())
+        with open(out_path + ".tmp", "w") as f:
+            f.write(data)
+        os.replace(out_path + ".tmp", out_path)
+        print(data, flush=True)
+    if dist.is_initialized():  # (a failing rank exits instead; torchrun then stops the others)
+        dist.barrier()  # leave together: no rank tears down its connections while rank 0 merges
+        dist.destroy_process_group()
     return 0
 
 
@@ -621,6 +630,51 @@ def _run_concurrent(cfg, timeout: float):
     res.peak_memory_bytes = [m.peak_memory_bytes[0] for m in merged]
     res.launcher = "concurrent"
     return res
+
+
+# ---- how busy the machine is with other work ------------------------------------------------------
+
+def _machine_busy() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped children)."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()[1:]
+        vals = [int(x) for x in parts]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    busy = (sum(vals[:8]) - idle) / hz                  # user..steal, without guest (counted in user)
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system
+
+
+def _foreign_share(before, after, wall: float) -> float | None:
+    """Fraction of the machine's CPU capacity used by *other* processes between two samples."""
+    from .hardware import cpu_cores
+
+    if before is None or after is None or wall <= 0:
+        return None
+    ncpu = os.cpu_count() or cpu_cores()
+    other = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, min(1.0, other / (wall * ncpu)))
+
+
+def wait_until_quiet(max_wait: float, threshold: float = 0.10, window: float = 2.0, echo: bool = True) -> float | None:
+    """Wait (up to ``max_wait`` s) until other processes use less than ``threshold`` of the CPUs
+    over ``window`` seconds. Returns the last measured share (None where /proc/stat is missing)."""
+    deadline = time.time() + max_wait
+    told = False
+    while True:
+        a, t0 = _machine_busy(), time.time()
+        time.sleep(window)
+        share = _foreign_share(a, _machine_busy(), time.time() - t0)
+        if share is None or share < threshold or time.time() >= deadline:
+            return share
+        if echo and not told:
+            print(f"    waiting for a quiet machine: other processes use {share:.0%} of the CPUs "
+                  f"(up to {max_wait:.0f} s)", flush=True)
+            told = True
 
 
 # ---- the bench ---------------------------------------------------------------------------------
@@ -684,8 +738,14 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
     t_start = time.time()
     try:
         for i, it in enumerate(todo, 1):
-            t0 = time.time()
+            if opts.quiet_wait and not it.unavailable:
+                wait_until_quiet(opts.quiet_wait, echo=echo)
+            t0, b0 = time.time(), _machine_busy()
             res = _execute(it, opts)
+            share = _foreign_share(b0, _machine_busy(), time.time() - t0)
+            tag = ((res.config or {}).get("extra") or {}).get("bench")
+            if isinstance(tag, dict):
+                tag["foreign_cpu_share"] = None if share is None else round(share, 4)
             append_result(path, res)
             ran += 1
             failed += res.status == "failed"
@@ -786,6 +846,7 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
               "world_size": good[0]["world_size"] if good else None,
               "launcher": good[0].get("launcher") if good else None,
               "verified": all(r.get("verified") for r in good) if good else None,
+              "other_load": _median([_tag_of(r).get("foreign_cpu_share") for r in good]),
               "status": "ok" if good else next((r.get("status") for r in reps.values()), "missing"),
               "reason": "" if good else next((r.get("reason", "") for r in reps.values()), "")}
         return st
@@ -868,12 +929,27 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
                 "DDP's gap is all-reduce and synchronisation.")
         if dflt and dflt["efficiency"] is not None and "launchers" not in names_in:
             out["targets"].insert(0, _target("efficiency_default", dflt["efficiency"]))
+    shares = [(_tag_of(r).get("foreign_cpu_share"), key) for key, reps in by.items() for r in reps.values()
+              if ok(r) and key[0] != "sweep"]
+    noisy = [x for x in shares if x[0] is not None and x[0] > NOISY]
+    if noisy:
+        out["notes"].append(
+            f"{len(noisy)} of {len(shares)} compared runs shared the machine with other work (other processes used "
+            f"more than {NOISY:.0%} of the CPUs, up to {max(x[0] for x in noisy):.0%}); their timings are not "
+            "trustworthy. Re-run on a quiet machine (--quiet-wait 300 waits for one before each run).")
     if opts.preset == "quick":
         out["notes"].append("quick mode: tiny random model and a few steps. It checks that every section runs; "
                             "its timings are not the measurement (run the bench without --quick for that).")
     out["notes"].append("Raw DDP on a 2-core CPU machine was measured at 0.80-0.88 of the 2-core limit "
                         "(issue); the limit is 2 x a 1-thread single process, measured in the same repeat.")
     return out
+
+
+NOISY = 0.05  # other processes' share of the CPUs above which a run's timing is flagged
+
+
+def _tag_of(row) -> dict:
+    return ((row.get("config") or {}).get("extra") or {}).get("bench") or {}
 
 
 def _concurrent_n(reps: dict) -> int | None:
@@ -893,6 +969,10 @@ def _target(key, value) -> dict:
     else:
         verdict = "PASS" if value <= thr else "BELOW"
     return {"key": key, "label": label, "value": value, "op": op, "target": thr, "verdict": verdict}
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.0%}"
 
 
 def _f(v, spec=".1f", dash="-"):
@@ -915,11 +995,11 @@ def format_summary(s: dict) -> str:
     if la:
         lines.append(f"== launchers: the same DDP train_rank, {la['nproc']} ranks (median of repeats) ==")
         lines.append(f"{'variant':<40}{'samples/s':>11}{'[min - max]':>20}{'step s':>9}{'first step s':>14}"
-                     f"{'runs':>6}")
+                     f"{'runs':>6}{'other load':>12}")
         for r in la["variants"]:
             rng = f"[{_f(r['min'])} - {_f(r['max'])}]" if r["ok"] else r["status"]
             lines.append(f"{r['variant']:<40}{_f(r['samples_per_second']):>11}{rng:>20}{_f(r['step_s'], '.3f'):>9}"
-                         f"{_f(r['time_to_first_step_s']):>14}{r['ok']:>4}/{r['runs']}")
+                         f"{_f(r['time_to_first_step_s']):>14}{r['ok']:>4}/{r['runs']}{_pct(r['other_load']):>12}")
             if not r["ok"] and r["reason"]:
                 lines.append(f"    {r['reason'].splitlines()[0][:110]}")
         ra = la["ratios"]
@@ -928,17 +1008,21 @@ def format_summary(s: dict) -> str:
                  "efficiency_stnb": f"efficiency stnb = DDP / ({la['nproc']} x {la['baseline']})",
                  "efficiency_raw": "efficiency notebook_launcher", "efficiency_torchrun": "efficiency torchrun",
                  "ddp_vs_single_whole_machine": "DDP / single process on every core"}
-        lines.append("ratios (median of per-repeat ratios): " + "; ".join(
-            f"{names[k]} {_f(v, '.3f')}" for k, v in ra.items() if k in names))
+        lines.append("ratios (median of the per-repeat ratios):")
+        for k, v in ra.items():
+            if k in names:
+                n_pairs = len(la["ratio_samples"].get(k) or [])
+                lines.append(f"  {names[k]:<66} {_f(v, '.3f'):>7}   ({n_pairs} repeat{'s' if n_pairs != 1 else ''})")
         lines.append("")
     kn = s["sections"].get("knobs")
     if kn:
         lines.append("== DDP knobs (stnb.launch), efficiency = samples/s / (N x matching 1-device baseline) ==")
         lines.append(f"{'variant':<48}{'samples/s':>11}{'step s':>9}{'efficiency':>12}{'vs defaults':>13}"
-                     f"{'runs':>6}")
+                     f"{'runs':>6}{'other load':>12}")
         for r in kn["variants"]:
             lines.append(f"{r['variant']:<48}{_f(r['samples_per_second']):>11}{_f(r['step_s'], '.3f'):>9}"
-                         f"{_f(r['efficiency'], '.3f'):>12}{_f(r['vs_defaults'], '.3f'):>13}{r['ok']:>4}/{r['runs']}")
+                         f"{_f(r['efficiency'], '.3f'):>12}{_f(r['vs_defaults'], '.3f'):>13}{r['ok']:>4}/{r['runs']}"
+                         f"{_pct(r['other_load']):>12}")
             if not r["ok"] and r["reason"]:
                 lines.append(f"    {r['status']}: {r['reason'].splitlines()[0][:110]}")
         lines.append("")
@@ -1074,6 +1158,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--results", default=None, help="JSONL results file (default artifacts/bench/<preset>.jsonl)")
     p.add_argument("--report", default=None, help="HTML report (default: next to the results file)")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is stopped")
+    p.add_argument("--quiet-wait", type=float, default=None,
+                   help="before each run, wait up to this many seconds until other processes use < 10%% of "
+                        "the CPUs (default 0: do not wait)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     p.set_defaults(func=cmd_bench)
 
@@ -1092,7 +1179,8 @@ def options_from_args(a) -> BenchOptions:
                 batch_sizes=a.batch_sizes, nprocs=a.nprocs, batch_size=a.batch_size,
                 comparison_nproc=a.comparison_nproc, steps=a.steps, warmup=a.warmup, repeats=a.repeats,
                 sweep_repeats=a.sweep_repeats, train_size=a.train_size, device=a.device, results=a.results,
-                report=a.report, run_timeout=a.run_timeout, knobs=a.knobs, sections=sections or None)
+                report=a.report, run_timeout=a.run_timeout, knobs=a.knobs, sections=sections or None,
+                quiet_wait=a.quiet_wait)
     opts = BenchOptions.from_preset(preset, **over)
     if opts.steps <= opts.warmup:
         raise ConfigError(f"--steps {opts.steps} leaves no measured step after --warmup {opts.warmup}; "

@@ -83,6 +83,16 @@ class TrainConfig:
         return self.per_device_batch_size * ws * self.gradient_accumulation_steps
 
     def replace(self, **changes) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:  # dataclasses.replace would raise a bare TypeError
+            import difflib
+
+            hints = [f"{u!r} -> {m[0]!r}" for u in unknown
+                     for m in [difflib.get_close_matches(u, names, n=1)] if m]
+            raise ConfigError(f"unknown TrainConfig field(s) {unknown}"
+                              + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                              + f"; valid fields: {sorted(names)}")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -147,6 +157,10 @@ class TrainConfig:
         if self.strategy == "fsdp" and (self.comm_hook != "none" or self.static_graph or self.gradient_as_bucket_view):
             raise ConfigError("comm_hook/static_graph/gradient_as_bucket_view apply to DDP, not FSDP; "
                               "use strategy='ddp' or leave them at their defaults")
+        if self.strategy == "ddp" and self.static_graph and self.gradient_accumulation_steps > 1:
+            raise ConfigError("static_graph=True cannot be combined with gradient_accumulation_steps > 1: DDP's "
+                              "static graph breaks under no_sync() (pytorch/pytorch#143580: an INTERNAL ASSERT on "
+                              "the first backward); use static_graph=False when accumulating gradients")
         if self.loss == "cosine" and self.gather_across_devices:
             raise ConfigError("gather_across_devices only applies to loss='mnrl' (in-batch negatives); "
                               "set loss='mnrl' or gather_across_devices=False")

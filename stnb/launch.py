@@ -158,6 +158,8 @@ class _Channel:
         self.nproc = nproc
         self.dir = tempfile.mkdtemp(prefix="stnb-launch-")
         self.shm = multiprocessing.get_context("fork").Array("d", nproc * _SLOTS, lock=False)
+        for r in range(nproc):
+            self.shm[r * _SLOTS + _LOSS] = float("nan")
 
     def path(self, kind: str, rank: int) -> str:
         return os.path.join(self.dir, f"{kind}-{rank}")
@@ -254,6 +256,12 @@ def _detach_from_kernel() -> None:
             InteractiveShell.clear_instance()
     except Exception:
         pass
+    comm = sys.modules.get("comm")
+    if comm is not None and hasattr(comm, "_create_comm") and hasattr(comm, "_get_comm_manager"):
+        # ipykernel points comm.create_comm at kernel comms, which send "comm_open" on the
+        # kernel's sockets (an ipywidgets widget does on creation); in a rank they must be inert
+        comm.create_comm = comm._create_comm
+        comm.get_comm_manager = comm._get_comm_manager
     if "tqdm" in sys.modules:
         try:
             import tqdm.std
@@ -460,7 +468,7 @@ class _Watchdog(threading.Thread):
             loss = self.ch.get(r, _LOSS)
             out.append(RankState(rank=r, state=names.get(self.ch.get(r, _STATE), "?"),
                                  step=int(self.ch.get(r, _STEP)), total=int(self.ch.get(r, _TOTAL)),
-                                 loss=loss if self.ch.get(r, _STEP) > 0 else None,
+                                 loss=None if loss != loss else loss,  # NaN until a loss is reported
                                  seconds_since_progress=(now - beat) if beat else 0.0))
         return out
 

@@ -361,9 +361,10 @@ def _ghost(rows, height, multicategory=False):
     height = height if height and height == height and height > 0 else 1.0
     labels = list(rows["label"])
     texts = [_why_missing(r) for _, r in rows.iterrows()]
+    short = [_short_reason(r) for _, r in rows.iterrows()]
     x = [labels, ["n/a"] * len(labels)] if multicategory else labels
     return go.Bar(
-        x=x, y=[height] * len(labels), name="not runnable here / no result", text=[t.split(":")[0] for t in texts],
+        x=x, y=[height] * len(labels), name="not runnable here / no result", text=short,
         textposition="inside", insidetextanchor="middle", textangle=-90, textfont=dict(color="#555"),
         marker=dict(color=GHOST_COLOR, line=dict(color="#999", width=1), pattern=dict(shape="/", fgcolor="#bbb")),
         hovertext=[f"{t}<br>{h}" for t, h in zip(texts, rows["hover"])],
@@ -380,6 +381,15 @@ def _why_missing(r) -> str:
     if r.get("baseline_reason"):
         return f"no baseline: {_esc(r['baseline_reason'])}"
     return "no measurement: the run recorded no number for this"
+
+
+def _short_reason(r) -> str:
+    status = r.get("status") or "ok"
+    if status != "ok":
+        return status
+    if r.get("baseline_reason"):
+        return "no 'single' run to compare with"
+    return "no measurement"
 
 
 def _note_unrunnable(fig, rows):
@@ -413,7 +423,7 @@ def _prepare(df, reference: bool = False):
     if reference:
         df = pd.concat([df, reference_frame()], ignore_index=True)
     df = df.reset_index(drop=True)
-    defaults = {"source": OURS, "status": "ok", "reason": "", "model": "?", "device": "?", "world_size": 1,
+    defaults = {"strategy": "?", "source": OURS, "status": "ok", "reason": "", "model": "?", "device": "?", "world_size": 1,
                 "per_device_batch_size": None, "global_batch_size": None, "gradient_accumulation_steps": 1,
                 "samples_per_second": None, "losses": None, "peak_memory_bytes": None, "memory_breakdown": None,
                 "local_param_count": None, "total_param_count": None, "verified": None, "run_id": "",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -99,30 +101,75 @@ def append_result(path, result) -> None:
     """Append one run to a JSONL results file, atomically.
 
     The existing file is validated first (a corrupted file raises ResultsFileError and is
-    left untouched); the new content is written to a temporary file in the same folder and
-    renamed over the old one, so a crash leaves either the old or the new file, never half.
+    left untouched); the old bytes plus the new line are written to a temporary file in the
+    same folder and renamed over the old one, so a crash leaves either the old or the new
+    file, never half. A lock file next to it serialises appends from threads and processes
+    (two notebooks writing one file lose no run).
     """
     path = Path(path)
     row = result.to_dict() if hasattr(result, "to_dict") else dict(result)
-    existing = load_results(path, as_frame=False) if path.exists() else []
+    line = json.dumps(row, default=_jsonable) + "\n"  # before anything is touched
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise ResultsFileError(f"cannot write results file {path}: {e}; choose a writable path") from e
+    with _append_lock(path):
+        old = ""
+        if path.exists():
+            old = _read_text(path)
+            _parse(path, old)  # raises ResultsFileError naming the bad line; the file stays as it is
+            if old and not old.endswith("\n"):
+                old += "\n"
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        except OSError as e:
+            raise ResultsFileError(f"cannot write results file {path}: {e}; choose a writable path") from e
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(old)
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            # mkstemp makes the file 0600; keep the old file's mode (or the usual 0666 & ~umask)
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+@contextlib.contextmanager
+def _append_lock(path: Path):
+    """An exclusive flock on ``.<name>.lock`` beside the results file (no-op without fcntl)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    try:
+        fd = os.open(path.parent / f".{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
         raise ResultsFileError(f"cannot write results file {path}: {e}; choose a writable path") from e
     try:
-        with os.fdopen(fd, "w") as f:
-            for r in existing + [row]:
-                f.write(json.dumps(r, default=_jsonable) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would race with other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def check_writable(path) -> None:
@@ -145,11 +192,21 @@ def check_writable(path) -> None:
 def load_results(path, as_frame: bool = True):
     """Read a JSONL results file. A corrupted line raises ResultsFileError naming the line."""
     path = Path(path)
-    rows = []
+    rows = _parse(path, _read_text(path))
+    if not as_frame:
+        return rows
+    return results_frame(rows)
+
+
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text()
-    except OSError as e:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
         raise ResultsFileError(f"cannot read results file {path}: {e}") from e
+
+
+def _parse(path: Path, text: str) -> list:
+    rows = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -162,9 +219,7 @@ def load_results(path, as_frame: bool = True):
                 f"results file {path} is corrupted at line {i} ({e}); it was not modified. "
                 f"Move it aside or repair that line, then run again") from e
         rows.append(row)
-    if not as_frame:
-        return rows
-    return results_frame(rows)
+    return rows
 
 
 def results_frame(results):

@@ -183,12 +183,12 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
             if state["t_last_end"] is None:
                 state["first_step_wall"] = time.time()
             state["t_last_end"] = now
-            loss = state["losses"][-1] if state["losses"] else None
-            report_progress(st.global_step, st.max_steps, loss)
+            report_progress(st.global_step, st.max_steps)  # the step's loss follows in on_log
 
         def on_log(self, args, st, control, logs=None, **kw):
             if logs and "loss" in logs:
                 state["losses"].append(float(logs["loss"]))
+                report_progress(st.global_step, st.max_steps, float(logs["loss"]))
 
     return StnbCallback()
 

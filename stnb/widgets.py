@@ -38,7 +38,9 @@ _WIDE = {"description_width": "initial"}
 
 _CSS = """<style>
 .stnb-table { border-collapse: collapse; font-size: 12px; }
-.stnb-table th, .stnb-table td { padding: 2px 8px; border-bottom: 1px solid #ddd; text-align: right; }
+.stnb-table th, .stnb-table td { padding: 2px 8px; border-bottom: 1px solid #ddd; text-align: right;
+  white-space: nowrap; line-height: 1.4; }
+.stnb-table th { vertical-align: bottom; }
 .stnb-table td:first-child, .stnb-table th:first-child { text-align: left; }
 .stnb-table tr.stnb-unrunnable td { color: #888; font-style: italic; }
 </style>"""
@@ -344,10 +346,14 @@ class Panel(W.VBox):
                      r["verified"] if ok else "", r["status"] if ok else f"{r['status']}: {r['reason']}"]
             tds = "".join(f"<td>{escape(str(c))}</td>" for c in cells)
             rows.append(f'<tr class="{"stnb-ok" if ok else "stnb-unrunnable"}">{tds}</tr>')
-        head = "".join(f"<th>{h}</th>" for h in (
-            "run", "strategy", "processes", "per-device batch", "global batch", "model", "device", "samples/s",
-            "speedup", "peak MiB (max rank)", "final loss", "verified", "status"))
-        return f'{_CSS}<table class="stnb-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+        head = "".join(f'<th title="{t}">{h}</th>' for h, t in (
+            ("run", "label used in the plots"), ("strategy", ""), ("ranks", "processes (world size)"),
+            ("batch/device", "per-device batch size"), ("global batch", "samples per optimizer step"),
+            ("model", ""), ("device", ""), ("samples/s", "steady-state throughput"),
+            ("speedup", "over the 'single' run of the same model"), ("peak MiB", "largest peak over the ranks"),
+            ("final loss", ""), ("verified", "stnb checked the strategy did what it claims"), ("status", "")))
+        return (f'{_CSS}<div style="overflow-x:auto;max-width:100%"><table class="stnb-table"><thead><tr>{head}'
+                f'</tr></thead><tbody>{"".join(rows)}</tbody></table></div>')
 
     def _refresh_outputs(self) -> None:
         self.table.value = self._table_html()

@@ -107,7 +107,7 @@ class Lab:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def stop(self) -> None:
-        procs = [self.proc] + []
+        procs = []
         try:
             import psutil
 
@@ -136,8 +136,18 @@ class Lab:
                 pass
         self._log.close()
 
-    def alive_descendants(self, procs) -> list:
-        return [p for p in procs if p.is_running() and p.status() != "zombie"]
+    @staticmethod
+    def alive(procs) -> list:
+        import psutil
+
+        left = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return left
 
 
 @pytest.fixture
@@ -166,7 +176,7 @@ def lab(tmp_path):
             pass
         server.stop()
         time.sleep(1)
-        left = server.alive_descendants(tracked)
+        left = Lab.alive(tracked)
         assert not left, f"processes left behind by jupyter lab: {[p.pid for p in left]}"
 
 
@@ -193,21 +203,29 @@ def test_ddp_panel_in_jupyterlab(lab):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # tall enough that the whole panel (form, progress, table, dashboard) fits in the notebook view
+            page = browser.new_page(viewport={"width": 1400, "height": 2200})
             console = []
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
             t0 = time.time()
             page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}?token={lab.token}", timeout=120_000)
             page.wait_for_selector(".jp-Notebook", timeout=120_000)
             # the kernel must be up before Run All (accept the kernel dialog if Lab asks)
-            _wait_for(page, lambda: page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
-                      and page.locator(".jp-Dialog").count() == 0, 120, "the kernel to start")
+            _wait_for(page, lambda: _kernel_idle(page), 180, "the kernel to start")
             timings["open"] = time.time() - t0
 
-            # Run > Run All Cells
+            # Run > Run All Cells (again if Lab swallowed the first click, e.g. behind a dialog)
             t0 = time.time()
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            for attempt in range(3):
+                page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+                page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+                try:
+                    _wait_for(page, lambda: _started(page), 30, "the first cell to start")
+                    break
+                except TimeoutError:
+                    page.keyboard.press("Escape")
+            else:
+                raise AssertionError("Run > Run All Cells did not start the notebook")
             try:
                 _wait_for(page, lambda: page.locator(".stnb-panel button.stnb-run").count() > 0,
                           NOTEBOOK_RUN_S, "the panel", fail_on_cell_error=True)
@@ -282,10 +300,19 @@ def test_ddp_panel_in_jupyterlab(lab):
     assert SCREENSHOT.stat().st_size > 10_000
 
 
+def _kernel_idle(page) -> bool:
+    """The notebook's kernel is connected and idle (status bar: "Python 3 (ipykernel) | Idle")."""
+    return page.locator("#jp-main-statusbar", has_text="| Idle").count() > 0
+
+
+def _started(page) -> bool:
+    prompts = page.locator(".jp-InputPrompt").all_inner_texts()
+    return any("*" in p or any(ch.isdigit() for ch in p) for p in prompts)
+
+
 def _idle(page) -> bool:
     """Every queued cell ran: the kernel is idle and no prompt shows [*]."""
-    return (page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
-            and page.locator(".jp-InputPrompt", has_text="[*]").count() == 0)
+    return _kernel_idle(page) and page.locator(".jp-InputPrompt", has_text="[*]").count() == 0
 
 
 def _wait_for(page, condition, timeout_s: float, what: str, fail_on_cell_error: bool = False) -> None:

@@ -192,3 +192,13 @@ def test_duplicate_configurations_get_distinct_labels():
     # speedup of a batch-8 run is measured against a batch-8 single run
     assert list(plots.speedup(frame).data[0].y) == pytest.approx([1.0, 1.0, 1.0])
     assert isinstance(plots.reference_frame(), pd.DataFrame)
+
+
+def test_empty_and_unrunnable_only_tables_still_plot():
+    empty = stnb.results_frame([])
+    for fn in (plots.throughput, plots.speedup, plots.efficiency, plots.memory, plots.loss_curves, plots.dashboard):
+        assert len(fn(empty).data) == 0
+    only_dp = stnb.results_frame([_unrunnable()])
+    fig = plots.throughput(only_dp)
+    assert [t.name for t in fig.data] == ["not runnable here / no result"]
+    assert len(plots.throughput(empty, reference=True).data) == 1  # theirs alone

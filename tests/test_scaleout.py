@@ -59,6 +59,22 @@ def _run_together(cmds, cwd, timeout=150, env=None):
     return outs
 
 
+def _run_on_a_free_port(make_cmds, cwd, timeout=150):
+    """Run the nodes' commands on a free master port; once more on a new port if another program
+    on this machine took the port between choosing it and binding it."""
+    for attempt in (1, 2):
+        outs = _run_together(make_cmds(free_port()), cwd=cwd, timeout=timeout)
+        collided = any(rc != 0 and ("address already in use" in err.lower() or "eaddrinuse" in err.lower())
+                       for rc, _, err in outs)
+        if not collided:
+            break
+    return outs
+
+
+def _failure(i, rc, out, err) -> str:
+    return f"node {i} exited with {rc}\n--- stdout ---\n{out[-2000:]}\n--- stderr ---\n{err[-4000:]}"
+
+
 def _last_json(stdout: str) -> dict:
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
     assert lines, "no output"
@@ -234,12 +250,12 @@ def test_launch_two_nodes_on_localhost_form_one_world_and_train(tmp_path):
     import psutil
 
     cfg = TrainConfig(**dict(TINY, evaluate=False)).to_dict()
-    port = free_port()
     cmd = [sys.executable, "-c", _NODE]
-    outs = _run_together([cmd + [str(i), str(port), json.dumps(cfg)] for i in (0, 1)], cwd=tmp_path)
+    outs = _run_on_a_free_port(lambda port: [cmd + [str(i), str(port), json.dumps(cfg)] for i in (0, 1)],
+                               cwd=tmp_path)
     results = []
     for i, (rc, out, err) in enumerate(outs):
-        assert rc == 0, f"node {i} failed:\n{err[-3000:]}"
+        assert rc == 0, _failure(i, rc, out, err)
         res = _last_json(out)
         assert len(res) == 1  # one rank on each node
         results.append(res[0])
@@ -257,13 +273,14 @@ def test_launch_two_nodes_on_localhost_form_one_world_and_train(tmp_path):
 
 def test_cli_under_torchrun_two_nodes(tmp_path):
     """`python -m stnb run` unchanged under torchrun --nnodes=2 (static rendezvous on localhost)."""
-    port = free_port()
-    cmds = [[str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={i}",
-             "--master_addr=127.0.0.1", f"--master_port={port}", "--rdzv_backend=static",
-             "-m", "stnb", "run", *CLI_TINY, "--results", str(tmp_path / f"runs{i}.jsonl")] for i in (0, 1)]
-    outs = _run_together(cmds, cwd=tmp_path)
+    def cmds(port):
+        return [[str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={i}",
+                 "--master_addr=127.0.0.1", f"--master_port={port}", "--rdzv_backend=static",
+                 "-m", "stnb", "run", *CLI_TINY, "--results", str(tmp_path / f"runs{i}.jsonl")] for i in (0, 1)]
+
+    outs = _run_on_a_free_port(cmds, cwd=tmp_path)
     for i, (rc, out, err) in enumerate(outs):
-        assert rc == 0, f"node {i} failed:\n{err[-3000:]}"
+        assert rc == 0, _failure(i, rc, out, err)
     d = _last_json(outs[0][1])
     rr = _check_run_result(d, "torchrun", 2)
     assert rr.config["num_processes"] == 2 and rr.config["threads_per_rank"] == 1
@@ -278,13 +295,12 @@ def test_exported_script_under_accelerate_launch_matches_a_notebook_run(tmp_path
     cfg = TrainConfig(**TINY)
     script = tmp_path / "train.py"
     stnb.export_script(cfg, script, results_file=str(tmp_path / "runs.jsonl"), echo=False)
-    port = free_port()
     # `accelerate launch --cpu` starts one process unless given an MPI hostfile; --multi_gpu
     # starts N torch-elastic ranks, which run on CPU cores (gloo) here
-    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
-           "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={port}", str(script)]
-    [(rc, out, err)] = _run_together([cmd], cwd=tmp_path)
-    assert rc == 0, err[-3000:]
+    [(rc, out, err)] = _run_on_a_free_port(lambda port: [[
+        str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+        "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={port}", str(script)]], cwd=tmp_path)
+    assert rc == 0, _failure(0, rc, out, err)
     d = _last_json(out)
     script_run = _check_run_result(d, "accelerate", 2)
     assert out.count('"run_id"') == 1  # one JSON line, from rank 0

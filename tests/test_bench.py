@@ -1,0 +1,159 @@
+"""python -m stnb bench: persisted sweeps, resume, corrupted files, the st-docs refusal, the report.
+
+Real runs use the tiny random BERT and 3 steps; no test looks at a timing value.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+import stnb
+from stnb import bench
+from stnb.__main__ import main as cli
+
+TINY = ["--model", "tiny", "--steps", "3", "--warmup", "1", "--train-size", "64", "--batch-size", "4"]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _tag(row):
+    return row["config"]["extra"]["bench"]
+
+
+def test_sweep_one_line_per_run_resume_and_report(tmp_path, capsys):
+    results, report = tmp_path / "runs.jsonl", tmp_path / "report.html"
+    args = ["bench", "--sweep", "--strategies", "dp,single", "--batch-sizes", "4,8", *TINY,
+            "--results", str(results), "--report", str(report)]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    rows = _lines(results)
+    assert len(rows) == 4, "one line per run"
+    by = {_tag(r)["name"]: r for r in rows}
+    assert set(by) == {"dp b4", "dp b8", "single b4", "single b8"}
+    for name in ("single b4", "single b8"):
+        assert by[name]["status"] == "ok" and by[name]["verified"] and by[name]["samples_per_second"] > 0
+    assert by["single b8"]["global_batch_size"] == 8
+    assert by["dp b4"]["status"] == "not runnable here" and "GPU" in by["dp b4"]["reason"]
+    assert "== sweep (stnb.run) ==" in out and "single b8" in out
+    # the report: a standalone page with the summary and plotly figures
+    page = report.read_text()
+    assert "<html" in page and "stnb bench" in page and "single b8" in page and "plotly" in page.lower()
+
+    # re-running the same command resumes: nothing runs again, the file is unchanged
+    before = results.read_text()
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "4 already there, 0 to run" in out
+    assert results.read_text() == before
+
+    # a crash mid-sweep loses only the unfinished run: drop the last line, re-run, one run happens
+    results.write_text("".join(line + "\n" for line in before.splitlines()[:3]))
+    missing = _tag(json.loads(before.splitlines()[3]))["name"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "3 already there, 1 to run" in out and f"sweep: {missing}" in out
+    rows = _lines(results)
+    assert len(rows) == 4 and sorted(_tag(r)["name"] for r in rows) == sorted(by)
+    assert rows[:3] == [json.loads(line) for line in before.splitlines()[:3]], "finished runs are kept as they were"
+    assert not psutil.Process().children(recursive=True), "a rank process survived the bench"
+
+
+def test_launchers_and_knobs_sections(tmp_path, capsys):
+    """The same train_rank under stnb.launch, raw notebook_launcher and torchrun, and a DDP knob."""
+    results = tmp_path / "cmp.jsonl"
+    args = ["bench", "--launchers", "--ddp-knobs", "--knobs", "fp16 hook", "--repeats", "1", *TINY,
+            "--results", str(results), "--report", str(tmp_path / "cmp.html")]
+    assert cli(args) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    rows = _lines(results)
+    launchers = {_tag(r)["name"]: r for r in rows if _tag(r)["section"] == "launchers"}
+    for name, launcher in (("ddp stnb.launch", "stnb"), ("ddp notebook_launcher", "notebook_launcher"),
+                           ("ddp torchrun", "torchrun")):
+        r = launchers[name]
+        assert r["status"] == "ok", r["reason"]
+        assert r["launcher"] == launcher and r["world_size"] == 2 and r["verified"] is True
+        assert r["verification"]["weights_identical_across_ranks"] is True
+        assert r["time_to_first_step_s"] > 0 and r["samples_per_second"] > 0
+    assert launchers["single 1 device (1 thread)"]["config"]["threads_per_rank"] == 1
+    knobs = {_tag(r)["name"]: r for r in rows if _tag(r)["section"] == "knobs"}
+    assert knobs["ddp fp16 hook"]["status"] == "ok" and knobs["ddp fp16 hook"]["config"]["comm_hook"] == "fp16"
+    conc = knobs["2 x single at once (no communication)"]
+    assert conc["status"] == "ok" and len(conc["verification"]["independent_runs"]) == 2
+    # the summary names every ratio and gives a verdict for every target, whatever the numbers
+    for text in ("stnb / notebook_launcher", "stnb / torchrun", "efficiency stnb", "== targets =="):
+        assert text in out
+    targets = [line for line in out.splitlines() if line.startswith(("PASS", "BELOW"))]
+    assert len(targets) == len(bench.TARGETS)
+    assert not psutil.Process().children(recursive=True)
+
+
+def test_corrupted_results_file_is_reported_not_overwritten(tmp_path, capsys):
+    results = tmp_path / "runs.jsonl"
+    good = json.dumps({"strategy": "single", "status": "ok"})
+    results.write_text(good + "\n{not json\n")
+    before = results.read_bytes()
+    rc = cli(["bench", "--sweep", "--strategies", "single", "--batch-sizes", "4", *TINY, "--results", str(results)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "corrupted at line 2" in err and "not modified" in err
+    assert results.read_bytes() == before
+    assert not (tmp_path / "runs.html").exists()
+
+
+def test_st_docs_refuses_here_with_a_clear_reason(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc = cli(["bench", "--preset", "st-docs", "--results", str(tmp_path / "docs.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "preset 'st-docs' cannot run here" in err
+    assert "HF_HUB_OFFLINE=1" in err
+    if len(stnb.hardware().gpus) < 2:
+        assert "at least 2 CUDA GPUs" in err and "this machine has" in err
+    assert "does not substitute" in err
+    assert not any(tmp_path.iterdir()), "nothing may run (or be written) before the refusal"
+
+
+def test_st_docs_refuses_through_the_command_line():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "stnb", "bench", "--preset", "st-docs"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "preset 'st-docs' cannot run here" in out.stderr
+
+
+def test_plan_is_interleaved_and_keys_are_stable():
+    opts = bench.BenchOptions.from_preset("quick", sections=("launchers", "knobs"), repeats=2)
+    items = bench.plan(opts)
+    keys = [it.key for it in items]
+    assert len(keys) == len(set(keys)), "every planned run has its own key"
+    assert keys == [it.key for it in bench.plan(opts)], "keys do not change between invocations"
+    launchers = [it for it in items if it.section == "launchers"]
+    first = [it.name for it in launchers if it.repeat == 0]
+    second = [it.name for it in launchers if it.repeat == 1]
+    assert sorted(first) == sorted(second) and first != second, "repeats are interleaved in a rotating order"
+    # a different setting is a different run (no false resume)
+    other = bench.plan(bench.BenchOptions.from_preset("quick", sections=("launchers",), repeats=2, steps=9))
+    assert not set(keys) & {it.key for it in other}
+
+
+def test_targets_verdicts():
+    assert bench._target("stnb_vs_raw", 0.99)["verdict"] == "PASS"
+    assert bench._target("stnb_vs_raw", 0.97)["verdict"] == "BELOW"
+    assert bench._target("overhead", 0.01)["verdict"] == "PASS"
+    assert bench._target("overhead", 0.03)["verdict"] == "BELOW"
+    assert bench._target("efficiency_best", None)["verdict"] == "n/a"
+
+
+def test_ddp_knob_combinations_refused_before_any_process_starts():
+    with pytest.raises(stnb.ConfigError, match="143580"):
+        stnb.TrainConfig(strategy="ddp", num_processes=2, model="tiny", static_graph=True,
+                         gradient_accumulation_steps=2).validate(check_resources=False)
+    if not stnb.hardware().gpus:
+        with pytest.raises(stnb.ConfigError, match="comm_hook='bf16' needs CUDA"):
+            stnb.TrainConfig(strategy="ddp", num_processes=2, model="tiny", device="cpu",
+                             comm_hook="bf16").validate()

@@ -1,0 +1,284 @@
+"""Results files: one JSON line appended per run, written atomically (temp file + rename), a
+corrupted file detected and reported with the line, never silently overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import faultcases as fc
+import stnb
+from stnb import ResultsFileError, RunResult, TrainConfig
+from stnb import results as results_mod
+
+
+def _result(i: int = 0) -> RunResult:
+    return RunResult(strategy="ddp", world_size=2, per_device_batch_size=4, global_batch_size=8, steps=3,
+                     samples_per_second=10.0 + i, step_times=[0.1, 0.2, 0.3], losses=[1.0, 0.9, 0.8],
+                     peak_memory_bytes=[1, 2], local_param_count=[5, 5], total_param_count=5, verified=True,
+                     verification={"ok": True}, model="tiny", device="cpu", versions={"torch": "x"},
+                     run_id=f"run{i}")
+
+
+def _leftovers(folder: Path, name: str) -> list:
+    return [p.name for p in folder.iterdir() if p.name.startswith(f".{name}.") and p.name.endswith(".tmp")]
+
+
+# ---- appending ----------------------------------------------------------------------------
+
+def test_append_one_line_per_run(tmp_path):
+    path = tmp_path / "sub" / "results.jsonl"  # the folder is created
+    for i in range(3):
+        stnb.append_result(path, _result(i))
+        assert len(path.read_text().splitlines()) == i + 1
+    rows = stnb.load_results(path, as_frame=False)
+    assert [r["run_id"] for r in rows] == ["run0", "run1", "run2"]
+    assert rows[1]["samples_per_second"] == 11.0
+    frame = stnb.load_results(path)
+    assert list(frame["run_id"]) == ["run0", "run1", "run2"]
+    # each line is a complete JSON object on its own
+    for line in path.read_text().splitlines():
+        assert isinstance(json.loads(line), dict)
+    assert _leftovers(path.parent, path.name) == []
+
+
+def test_append_keeps_earlier_runs_byte_for_byte(tmp_path):
+    path = tmp_path / "results.jsonl"
+    stnb.append_result(path, _result(0))
+    first = path.read_bytes()
+    stnb.append_result(path, {"run_id": "plain-dict", "strategy": "single"})
+    assert path.read_bytes().startswith(first)
+
+
+def test_append_keeps_file_mode(tmp_path):
+    path = tmp_path / "results.jsonl"
+    stnb.append_result(path, _result(0))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()  # not mkstemp's 0600
+    path.chmod(0o664)  # e.g. shared with a group
+    stnb.append_result(path, _result(1))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o664
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_hand_edited_file_keeps_its_bytes(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"run_id":  "by hand", "note": "caf\u00e9"}')  # odd spacing, no final newline
+    before = path.read_bytes()
+    stnb.append_result(path, {"run_id": "new"})
+    assert path.read_bytes().startswith(before + b"\n")
+    assert [r["run_id"] for r in stnb.load_results(path, as_frame=False)] == ["by hand", "new"]
+
+
+def test_blank_lines_are_tolerated(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"run_id": "a"}) + "\n\n" + json.dumps({"run_id": "b"}) + "\n")
+    stnb.append_result(path, {"run_id": "c"})
+    assert [r["run_id"] for r in stnb.load_results(path, as_frame=False)] == ["a", "b", "c"]
+
+
+# ---- atomic -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["fsync", "replace"])
+def test_exception_during_write_keeps_old_content(tmp_path, monkeypatch, where):
+    path = tmp_path / "results.jsonl"
+    stnb.append_result(path, _result(0))
+    stnb.append_result(path, _result(1))
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(results_mod.os, where, boom)
+    with pytest.raises(OSError, match="simulated"):
+        stnb.append_result(path, _result(2))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _leftovers(tmp_path, path.name) == []  # the temp file was removed
+    stnb.append_result(path, _result(2))  # and the file is still usable
+    assert len(stnb.load_results(path, as_frame=False)) == 3
+
+
+def test_exception_while_serialising_keeps_old_content(tmp_path, monkeypatch):
+    path = tmp_path / "results.jsonl"
+    stnb.append_result(path, _result(0))
+    before = path.read_bytes()
+    real = json.dumps
+
+    def dumps(obj, *a, **k):  # the new row cannot be serialised
+        if isinstance(obj, dict) and obj.get("run_id") == "run1":
+            raise TypeError("simulated serialisation failure")
+        return real(obj, *a, **k)
+
+    monkeypatch.setattr(results_mod.json, "dumps", dumps)
+    with pytest.raises(TypeError):
+        stnb.append_result(path, _result(1))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _leftovers(tmp_path, path.name) == []
+
+
+CRASHER = r"""
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from stnb import results
+path, ready = sys.argv[1], sys.argv[2]
+real_fsync = os.fsync
+def slow_fsync(fd):
+    real_fsync(fd)
+    open(ready, "w").close()   # the temp file is written; the rename has not happened
+    time.sleep(60)
+results.os.fsync = slow_fsync
+results.append_result(path, {{"run_id": "never-lands", "pad": "x" * 200000}})
+"""
+
+
+def test_process_killed_mid_append_leaves_old_file(tmp_path):
+    path = tmp_path / "results.jsonl"
+    for i in range(3):
+        stnb.append_result(path, _result(i))
+    before = path.read_bytes()
+    ready = tmp_path / "ready"
+    code = CRASHER.format(tests=str(Path(__file__).parent))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), str(ready)])
+    try:
+        end = time.time() + 60
+        while not ready.exists() and time.time() < end and proc.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), "the writer never reached the middle of its append"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert path.read_bytes() == before  # the old file, whole
+    assert [r["run_id"] for r in stnb.load_results(path, as_frame=False)] == ["run0", "run1", "run2"]
+    stnb.append_result(path, _result(3))  # a stale temp file does not get in the way
+    assert len(stnb.load_results(path, as_frame=False)) == 4
+
+
+LOOPER = r"""
+import sys
+sys.path.insert(0, {tests!r})
+from stnb import results
+path = sys.argv[1]
+i = 0
+while True:
+    results.append_result(path, {{"run_id": f"w{{i}}", "pad": "y" * 50000}})
+    i += 1
+"""
+
+
+def test_random_kills_never_leave_a_partial_file(tmp_path):
+    path = tmp_path / "results.jsonl"
+    code = LOOPER.format(tests=str(Path(__file__).parent))
+    last = 0
+    for delay in (0.8, 1.1, 1.4):
+        proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        if path.exists():
+            rows = stnb.load_results(path, as_frame=False)  # parses: no partial line
+            assert len(rows) >= last
+            last = len(rows)
+
+
+# ---- concurrent appends -------------------------------------------------------------------
+
+def test_concurrent_appends_lose_no_run(tmp_path):
+    path = tmp_path / "results.jsonl"
+    errors = []
+
+    def writer(w):
+        try:
+            for i in range(15):
+                stnb.append_result(path, {"run_id": f"t{w}-{i}"})
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    ids = [r["run_id"] for r in stnb.load_results(path, as_frame=False)]
+    assert sorted(ids) == sorted(f"t{w}-{i}" for w in range(4) for i in range(15)), f"{len(ids)} of 60 rows"
+
+
+# ---- corrupted files ----------------------------------------------------------------------
+
+CORRUPT = {
+    "truncated-last-line": lambda good: good + good[: len(good) // 2],          # a crash by another writer
+    "truncated-middle-line": lambda good: good + good[:40] + "\n" + good,
+    "not-an-object": lambda good: good + "[1, 2, 3]\n",
+    "garbage": lambda good: good + "\x00\x00\x00garbage\n",
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT))
+def test_corrupted_file_reported_with_line_and_left_untouched(tmp_path, kind):
+    path = tmp_path / "results.jsonl"
+    good = json.dumps({"run_id": "ok", "samples_per_second": 1.0}) + "\n"
+    path.write_text(CORRUPT[kind](good))
+    before = path.read_bytes()
+    with pytest.raises(ResultsFileError) as ei:
+        stnb.append_result(path, _result(9))
+    msg = str(ei.value)
+    assert "corrupted at line 2" in msg and str(path) in msg
+    assert "was not modified" in msg and ("repair" in msg or "Move it aside" in msg)
+    assert path.read_bytes() == before  # never silently overwritten
+    assert _leftovers(tmp_path, path.name) == []
+    with pytest.raises(ResultsFileError, match="line 2"):
+        stnb.load_results(path)
+    with pytest.raises(ResultsFileError, match="line 2"):
+        results_mod.check_writable(path)
+
+
+def test_run_refuses_corrupted_results_file_before_starting(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"run_id": "ok"}\n{"run_id": "trunc')
+    before = path.read_bytes()
+    procs_before = fc.descendants()
+    with fc.ChildSampler(procs_before) as sampler:
+        with pytest.raises(ResultsFileError, match="line 2"):
+            stnb.run(TrainConfig(model="tiny", device="cpu", steps=3), results_file=path, echo=False)
+    assert not sampler.seen
+    assert path.read_bytes() == before
+
+
+def test_results_path_is_a_folder(tmp_path):
+    with pytest.raises(ResultsFileError) as ei:
+        stnb.append_result(tmp_path, _result(0))
+    assert str(tmp_path) in str(ei.value)
+
+
+def test_results_path_under_a_regular_file(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    target = blocker / "sub" / "results.jsonl"
+    with pytest.raises(ResultsFileError, match="writable"):
+        results_mod.check_writable(target)
+    with pytest.raises(ResultsFileError, match="writable path"):
+        stnb.append_result(target, _result(0))
+    assert blocker.read_text() == "x"
