@@ -9,7 +9,9 @@ import sys
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="ddp", help="single, dp, ddp or fsdp (default ddp)")
-    p.add_argument("--nproc", type=int, default=None, help="processes for ddp/fsdp (default: 2 on CPU, all GPUs)")
+    p.add_argument("--nproc", "--num-processes", dest="nproc", type=int, default=None,
+                   help="processes for ddp/fsdp (default: 2 on CPU, all GPUs). Under torchrun, whose own "
+                        "--nproc_per_node makes --nproc ambiguous, use --num-processes or leave it out")
     p.add_argument("--model", default="minilm", help="minilm, tiny, a hub id or a local path")
     p.add_argument("--data", default="synthetic", help="synthetic, a .csv/.jsonl file or a hub dataset")
     p.add_argument("--loss", default="cosine", help="cosine or mnrl")

@@ -1130,7 +1130,12 @@ def _csv(kind):
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="sweep + launcher and DDP-knob comparisons; results persisted run by run",
-        description=__doc__.split("\n\n")[0] + " Re-running resumes: runs already in the results file are skipped.",
+        description="Sweep (strategies x batch sizes x processes), launcher comparison (stnb.launch / raw "
+                    "notebook_launcher / torchrun / single process) and DDP knobs, each run appended to a JSONL "
+                    "results file as soon as it finishes. Re-running the same command resumes (runs already in the "
+                    "file are skipped); an HTML report and a summary table with PASS/BELOW per target follow.",
+        epilog="DDP knob variants (--knobs): " + "; ".join(knob_names("cpu")) + ".\n"
+               "Full measurement on a quiet machine: python -m stnb bench --quiet-wait 300",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke test of every section (tiny model, ~1 minute)")
     p.add_argument("--preset", default=None, choices=[k for k in PRESETS if k != "quick"],
@@ -1147,7 +1152,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--batch-sizes", type=_csv(int), default=None, help="sweep per-device batch sizes, e.g. 8,16,32")
     p.add_argument("--nprocs", type=_csv(int), default=None, help="sweep process counts for ddp/fsdp, e.g. 2")
     p.add_argument("--batch-size", type=int, default=None, help="per-device batch of the comparisons")
-    p.add_argument("--nproc", type=int, default=None, dest="comparison_nproc",
+    p.add_argument("--nproc", type=int, default=None, dest="comparison_nproc", metavar="N",
                    help="ranks in the comparisons (default: every core / GPU)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None, help="steps excluded from samples/s")

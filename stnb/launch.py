@@ -372,6 +372,12 @@ def _rank_main(ch: _Channel, opts: _Options) -> None:
             seen = dist.get_world_size()
             if seen != opts.world_size:
                 raise LaunchError(f"rank {rank} sees world_size {seen}, expected {opts.world_size}")
+            if opts.backend == "gloo":
+                # gloo connects every pair inside init_process_group; a rank that finished a short
+                # function and destroyed its group while a slower peer was still connecting made
+                # that peer fail with "connectFullMesh failed ... Connection closed by peer".
+                # Nobody leaves before everybody is connected.
+                dist.barrier()
         result = opts.fn(*opts.args, **opts.kwargs)
         try:
             data = pickle.dumps(result)

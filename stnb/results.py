@@ -78,7 +78,7 @@ class RunResult:
 
         return cls(strategy=config.strategy, world_size=config.world_size(),
                    per_device_batch_size=config.per_device_batch_size,
-                   global_batch_size=config.per_device_batch_size, steps=0, samples_per_second=None,
+                   global_batch_size=config.global_batch_size(), steps=0, samples_per_second=None,
                    step_times=[], losses=[], peak_memory_bytes=[], local_param_count=[],
                    total_param_count=0, verified=False, verification={}, model=config.model,
                    device=config.resolved_device(), versions=versions(), status="not runnable here",

@@ -260,3 +260,14 @@ def sigkill_in_collective(bad_rank: int = 1, mark: str | None = None) -> int:
     t = torch.ones(2)
     dist.all_reduce(t)
     return r
+
+
+def torch_work(n: int = 20) -> float:
+    """Parallel CPU kernels (OpenMP) in the rank, e.g. after the parent ran some itself."""
+    import torch
+
+    x = torch.randn(256, 4096)
+    s = 0.0
+    for _ in range(n):
+        s += float(torch.nn.functional.layer_norm(x, (4096,)).sum())
+    return s
