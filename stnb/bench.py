@@ -25,7 +25,10 @@ At the end an HTML report (plotly; ``stnb.plots`` figures when available) is wri
 summary table is printed, with PASS/BELOW for each performance target. Timing targets never
 change the exit status; a run that crashes does (exit 1, after everything else has run).
 
-Measured numbers are only as good as the machine is quiet: run the full bench on an idle machine.
+Measured numbers are only as good as the machine is quiet. Each run records the share of the CPUs
+that other processes used meanwhile (the "other load" column; runs above 5 % are flagged), and
+``--quiet-wait S`` waits up to S seconds for a quiet machine before each run. The full measurement:
+``python -m stnb bench --quiet-wait 300`` (sections can also be run one at a time into the same file).
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, ResultsFileError, StnbError, StrategyUnavailable
+from .errors import ConfigError, ResultsFileError, StrategyUnavailable
 
 __all__ = ["BenchOptions", "BenchReport", "bench", "plan", "summarize", "check_preset", "add_cli", "TARGETS"]
 
@@ -888,6 +891,10 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
         out["sections"]["launchers"] = {"variants": rows, "ratios": {k: v[0] for k, v in ratios.items()},
                                         "ratio_samples": {k: v[1] for k, v in ratios.items()},
                                         "nproc": nproc, "baseline": dev1}
+        out["notes"].append(
+            "time to first step: stnb.launch and notebook_launcher fork this process, which has already imported "
+            "torch / transformers / sentence-transformers (like a notebook kernel that has trained once); torchrun "
+            "starts fresh interpreters that import them, which is part of its time to the first step.")
         r = out["sections"]["launchers"]["ratios"]
         out["targets"].append(_target("stnb_vs_raw", r.get("stnb_vs_raw")))
         out["targets"].append(_target("stnb_vs_torchrun", r.get("stnb_vs_torchrun")))

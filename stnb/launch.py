@@ -386,6 +386,14 @@ def _rank_main(ch: _Channel, opts: _Options) -> None:
                               "return plain data (numbers, lists, dicts, tensors moved to CPU)") from e
         ch.write_atomic("result", local_rank, data)
         ch.set(local_rank, _STATE, _DONE)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # leave together: tearing gloo connections down while a peer is still finishing the
+            # last collective can make that peer abort. If a peer failed instead, the barrier
+            # fails too; this rank's result stands and the peer's own error is what is reported.
+            try:
+                dist.barrier()
+            except Exception:
+                pass
     except BaseException as e:
         ch.set(local_rank, _STATE, _FAILED)
         record = {"rank": rank, "local_rank": local_rank, "type": type(e).__name__, "message": str(e),

@@ -254,6 +254,10 @@ def _destroy_group() -> None:
 
     try:
         if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                # leave together: a rank that tears its gloo connections down while a peer is still
+                # finishing the last collective can make that peer abort
+                dist.barrier()
             dist.destroy_process_group()
     except Exception:
         pass
