@@ -587,7 +587,11 @@ class _Watchdog(threading.Thread):
 
 
 def _kill_tree(pids) -> None:
-    """SIGKILL the given processes and all their descendants; wait until they are gone."""
+    """SIGKILL the given processes and all their descendants; wait until they are dead.
+
+    Dead, not reaped: the ranks are children of multiprocessing / torchelastic, which must
+    collect their exit status themselves. (psutil.wait_procs reaped them; multiprocessing then
+    got ECHILD, believed the rank alive forever, and a 1-rank launch hung after a stall.)"""
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil is a dependency
@@ -611,8 +615,43 @@ def _kill_tree(pids) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    if psutil is not None and procs:
-        psutil.wait_procs(procs, timeout=5)
+    end = time.time() + 5
+    while procs and time.time() < end:
+        alive = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        procs = alive
+        if procs:
+            time.sleep(0.02)
+
+
+def _release_openmp_threads() -> None:
+    """End this thread's GNU OpenMP worker pool before forking (the next parallel op restarts it).
+
+    libgomp keeps a pool per thread that ran a parallel region; a forked rank inherits the
+    pool's bookkeeping but not its threads, so the rank's first multi-threaded torch op (e.g.
+    layer_norm) waits for them forever. That hung every rank with more than one thread after
+    the notebook had run any torch code itself. omp_pause_resource_all (OpenMP 5.0) ends the
+    pool cleanly. Intel's and LLVM's OpenMP runtimes handle fork themselves.
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return
+    for path in sorted(libs):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        pause(2)  # omp_pause_hard
 
 
 _EXIT_GRACE = 2.0  # seconds a silently ended rank may take to be noticed by torchelastic
@@ -806,6 +845,7 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
     # in a reference cycle by an earlier failed launch); that crashed ranks with SIGSEGV.
     gc.collect()
     gc.freeze()
+    _release_openmp_threads()
     watchdog.start()
     try:
         quiet.__enter__()

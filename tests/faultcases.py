@@ -16,6 +16,7 @@ Every case returns an ``Outcome``:
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -35,6 +36,9 @@ import rankfns  # noqa: E402
 
 import stnb  # noqa: E402
 from stnb.errors import ConfigError, LaunchError, ResultsFileError  # noqa: E402
+
+# every launch here runs gloo ranks on CPU cores, also on a machine with GPUs
+cpu_launch = functools.partial(stnb.launch, device="cpu")
 
 STALL_LIMIT = 3.0
 TIMEOUT_LIMIT = 4.0
@@ -136,7 +140,7 @@ def read_mark(path) -> float | None:
 def healthy_launch() -> tuple[bool, str]:
     """The recovery check: a normal 2-rank launch returns every rank's correct answer."""
     try:
-        res = stnb.launch(rankfns.info, "after", num_processes=2, echo=False)
+        res = cpu_launch(rankfns.info, "after", num_processes=2, echo=False)
     except BaseException as e:  # noqa: BLE001 - reported, not hidden
         return False, f"{type(e).__name__}: {e}"
     ok = ([r["rank"] for r in res] == [0, 1] and all(r["world_size"] == 2 for r in res)
@@ -184,27 +188,36 @@ def _mark_path(tmp: str, name: str) -> str:
 
 def case_raise(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "raise")
-    return measure("1. a rank raises", lambda: stnb.launch(rankfns.raise_on, 1, mark, num_processes=2,
+    return measure("1. a rank raises", lambda: cpu_launch(rankfns.raise_on, 1, mark, num_processes=2,
                                                           echo=False), mark=mark)
 
 
 def case_sigkill(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "sigkill")
-    return measure("2. a rank is SIGKILLed", lambda: stnb.launch(rankfns.sigkill_on, 1, mark, num_processes=2,
+    return measure("2. a rank is SIGKILLed", lambda: cpu_launch(rankfns.sigkill_on, 1, mark, num_processes=2,
                                                                  echo=False), mark=mark)
 
 
 def case_sigkill_in_collective(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "sigkill2")
     return measure("2b. a rank is SIGKILLed while rank 0 waits in all_reduce",
-                   lambda: stnb.launch(rankfns.sigkill_in_collective, 1, mark, num_processes=2, echo=False),
+                   lambda: cpu_launch(rankfns.sigkill_in_collective, 1, mark, num_processes=2, echo=False),
                    mark=mark)
 
 
 def case_stall(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "stall")
     return measure(f"3. a rank hangs in a collective (stall_timeout={STALL_LIMIT:g})",
-                   lambda: stnb.launch(rankfns.hang_in_collective, mark, num_processes=2, echo=False,
+                   lambda: cpu_launch(rankfns.hang_in_collective, mark, num_processes=2, echo=False,
+                                       stall_timeout=STALL_LIMIT),
+                   mark=mark, after_limit=STALL_LIMIT)
+
+
+def case_stall_single(tmp: str) -> Outcome:
+    """One rank (stnb forks it itself, not torchelastic) that blocks in one C call."""
+    mark = _mark_path(tmp, "stall1")
+    return measure(f"3b. a 1-rank launch stalls (stall_timeout={STALL_LIMIT:g})",
+                   lambda: cpu_launch(rankfns.hang_forever, mark, num_processes=1, echo=False,
                                        stall_timeout=STALL_LIMIT),
                    mark=mark, after_limit=STALL_LIMIT)
 
@@ -234,7 +247,7 @@ def case_keyboard_interrupt(tmp: str) -> Outcome:
         th = threading.Thread(target=interrupter, daemon=True)
         th.start()
         try:
-            stnb.launch(rankfns.sleep_silent, 120.0, ready, num_processes=2, echo=False, stall_timeout=None)
+            cpu_launch(rankfns.sleep_silent, 120.0, ready, num_processes=2, echo=False, stall_timeout=None)
         finally:
             done.set()
 
@@ -250,7 +263,7 @@ def case_port_busy(tmp: str) -> Outcome:
     with busy_port(29500) as bound:
         t = time.time()
         try:
-            res = stnb.launch(rankfns.info, num_processes=2, echo=False)
+            res = cpu_launch(rankfns.info, num_processes=2, echo=False)
             out.extra["results"] = res
             out.note = f"succeeded on port {res[0]['master_port']} (29500 bound: {bound})"
         except BaseException as e:  # noqa: BLE001
@@ -270,7 +283,7 @@ def case_cuda_initialised(tmp: str) -> Outcome:
     torch.cuda.is_initialized = lambda: True
     try:
         out = measure("6. CUDA already initialised in the parent",
-                      lambda: stnb.launch(rankfns.info, num_processes=2, echo=False),
+                      lambda: cpu_launch(rankfns.info, num_processes=2, echo=False),
                       check_next=False, sample_children=True)
     finally:
         torch.cuda.is_initialized = real
@@ -281,14 +294,14 @@ def case_cuda_initialised(tmp: str) -> Outcome:
 def case_exit_without_return(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "exit")
     return measure("7. a rank exits without returning (os._exit(0))",
-                   lambda: stnb.launch(rankfns.exit_without_return, 1, mark, num_processes=2, echo=False),
+                   lambda: cpu_launch(rankfns.exit_without_return, 1, mark, num_processes=2, echo=False),
                    mark=mark)
 
 
 def case_exit_then_collective(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "exit2")
     return measure("7b. a rank os._exit(0)s while rank 0 waits in a barrier",
-                   lambda: stnb.launch(rankfns.exit_then_collective, 1, mark, num_processes=2, echo=False,
+                   lambda: cpu_launch(rankfns.exit_then_collective, 1, mark, num_processes=2, echo=False,
                                        stall_timeout=STALL_LIMIT),
                    mark=mark)
 
@@ -296,7 +309,7 @@ def case_exit_then_collective(tmp: str) -> Outcome:
 def case_sys_exit(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "sysexit")
     return measure("7c. a rank calls sys.exit(0)",
-                   lambda: stnb.launch(rankfns.sys_exit_on, 1, 0, mark, num_processes=2, echo=False),
+                   lambda: cpu_launch(rankfns.sys_exit_on, 1, 0, mark, num_processes=2, echo=False),
                    mark=mark)
 
 
@@ -332,7 +345,7 @@ def case_two_launches(tmp: str) -> Outcome:
             time.sleep(0.05)
         t = time.time()
         try:
-            box["result"] = stnb.launch(rankfns.info, num_processes=2, echo=False)
+            box["result"] = cpu_launch(rankfns.info, num_processes=2, echo=False)
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
         box["dt"] = time.time() - t
@@ -340,7 +353,7 @@ def case_two_launches(tmp: str) -> Outcome:
 
     th = threading.Thread(target=second, daemon=True)
     th.start()
-    first = stnb.launch(rankfns.sleep_silent_then_rank, 3.0, ready, num_processes=2, echo=False)
+    first = cpu_launch(rankfns.sleep_silent_then_rank, 3.0, ready, num_processes=2, echo=False)
     th.join(30)
     out.error = box.get("error")
     out.time_to_error_s = round(box["dt"], 2) if "dt" in box else None
@@ -354,12 +367,12 @@ def case_two_launches(tmp: str) -> Outcome:
 def case_timeout(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "timeout")
     return measure(f"11. overall timeout={TIMEOUT_LIMIT:g} s",
-                   lambda: stnb.launch(rankfns.sleep_silent, 120.0, mark, num_processes=2, echo=False,
+                   lambda: cpu_launch(rankfns.sleep_silent, 120.0, mark, num_processes=2, echo=False,
                                        timeout=TIMEOUT_LIMIT),
                    after_limit=TIMEOUT_LIMIT, pid_mark=mark)
 
 
-CASES = [case_raise, case_sigkill, case_sigkill_in_collective, case_stall, case_keyboard_interrupt,
+CASES = [case_raise, case_sigkill, case_sigkill_in_collective, case_stall, case_stall_single, case_keyboard_interrupt,
          case_port_busy, case_cuda_initialised, case_exit_without_return, case_exit_then_collective,
          case_sys_exit, case_missing_model, case_results_not_writable, case_two_launches, case_timeout]
 

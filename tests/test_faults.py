@@ -97,6 +97,19 @@ def test_3_rank_hangs_in_collective(tmp):
     _common(out)
 
 
+def test_3b_one_rank_launch_stalls_repeatedly(tmp_path):
+    # the single rank is forked by stnb itself; killing it must not leave that launch (or the
+    # next one) waiting forever for a child someone else already reaped
+    for i in range(4):
+        (tmp_path / f"try{i}").mkdir()
+        out = fc.case_stall_single(str(tmp_path / f"try{i}"))
+        e = out.error
+        assert isinstance(e, LaunchError), repr(e)
+        assert e.kind == "stalled" and e.ranks == [0]
+        assert f'rankfns.py", line {_source_line("HANG-HERE-SLEEP")} in hang_forever' in e.rank_traceback
+        _common(out)
+
+
 def test_4_keyboard_interrupt(tmp):
     out = fc.case_keyboard_interrupt(tmp)
     assert out.extra["signal_sent"], "the launch ended before SIGINT could be sent"

@@ -7,7 +7,7 @@ fork", which it logs when a forked process touches the kernel's sockets - lands 
 
   0. imports stnb and tests/rankfns.py (as tests_rankfns)
   1. stnb.launch(tests_rankfns.chatty, num_processes=2): many prints, tqdm.auto bars and an
-     ipywidgets widget inside each rank
+     ipywidgets widget inside each rank (every launch here passes device="cpu": gloo ranks)
   2. a launch whose rank 1 raises (the cell fails with LaunchError)
   3. a long launch, interrupted from another thread with KernelManager.interrupt_kernel
   4. psutil: the kernel's child processes
@@ -47,16 +47,16 @@ CELLS = [
     """,
     # 1
     """
-    res = stnb.launch(tests_rankfns.chatty, 120, num_processes=2)
+    res = stnb.launch(tests_rankfns.chatty, 120, num_processes=2, device="cpu")
     print("RESULT " + json.dumps(res))
     """,
     # 2 (raises)
     """
-    stnb.launch(tests_rankfns.raise_on, 1, None, 120.0, num_processes=2)
+    stnb.launch(tests_rankfns.raise_on, 1, None, 120.0, num_processes=2, device="cpu")
     """,
     # 3 (interrupted)
     """
-    stnb.launch(tests_rankfns.sleep_silent, 300.0, {ready!r}, num_processes=2, stall_timeout=None)
+    stnb.launch(tests_rankfns.sleep_silent, 300.0, {ready!r}, num_processes=2, stall_timeout=None, device="cpu")
     """,
     # 4
     """
@@ -68,7 +68,7 @@ CELLS = [
     """,
     # 5
     """
-    res = stnb.launch(tests_rankfns.info, "after", num_processes=2)
+    res = stnb.launch(tests_rankfns.info, "after", num_processes=2, device="cpu")
     print("AFTER " + json.dumps([[r["rank"], r["world_size"], r["all_reduce"]] for r in res]))
     """,
     # 6 control: a fork that talks to the kernel's sockets must be noticed by this test

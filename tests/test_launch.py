@@ -13,6 +13,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import re
+import subprocess
+import sys
 import time
 
 import psutil
@@ -28,6 +30,7 @@ from stnb.errors import ConfigError, LaunchError
 from stnb.hardware import cpu_cores
 
 stnb_launch = importlib.import_module("stnb.launch")  # the module (stnb.launch is the function)
+cpu_launch = fc.cpu_launch  # stnb.launch(..., device="cpu"): gloo ranks, also where GPUs exist
 
 
 def _descendants() -> set:
@@ -38,7 +41,7 @@ def _descendants() -> set:
 
 def test_returns_every_rank_result_in_rank_order():
     before = _descendants()
-    res = stnb.launch(rankfns.info, "hello", num_processes=2, echo=False)
+    res = cpu_launch(rankfns.info, "hello", num_processes=2, echo=False)
     assert isinstance(res, list) and len(res) == 2
     assert [r["rank"] for r in res] == [0, 1]
     for r in res:
@@ -56,18 +59,35 @@ def test_returns_every_rank_result_in_rank_order():
 
 def test_results_ordered_by_rank_not_by_completion():
     # rank 0 finishes last; the list is still [rank 0, rank 1]
-    assert stnb.launch(rankfns.rank_value, 10, num_processes=2, echo=False) == [0, 10]
+    assert cpu_launch(rankfns.rank_value, 10, num_processes=2, echo=False) == [0, 10]
 
 
 def test_single_process_launch():
-    res = stnb.launch(rankfns.info, num_processes=1, echo=False)
+    res = cpu_launch(rankfns.info, num_processes=1, echo=False)
     assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1
     assert res[0]["pid"] != os.getpid()
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ranks_with_threads_after_the_parent_ran_torch(nproc):
+    # the notebook ran a multi-threaded torch op before launching (libgomp then owns a thread
+    # pool in this process); ranks with more than one thread each must not deadlock in theirs
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(256, 4096)
+        torch.nn.functional.layer_norm(x, (4096,)).sum()
+        res = cpu_launch(rankfns.torch_work, 5, num_processes=nproc, threads_per_rank=2, echo=False,
+                          stall_timeout=20)
+        assert len(res) == nproc and len(set(res)) == 1
+        torch.nn.functional.layer_norm(x, (4096,)).sum()  # the parent's own pool still works
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_busy_port_29500_does_not_matter():
     with fc.busy_port(29500):
-        res = stnb.launch(rankfns.info, num_processes=2, echo=False)
+        res = cpu_launch(rankfns.info, num_processes=2, echo=False)
     assert [r["rank"] for r in res] == [0, 1] and all(r["all_reduce"] == 3.0 for r in res)
     assert res[0]["master_port"] != "29500" and res[0]["master_port"] == res[1]["master_port"]
 
@@ -78,7 +98,7 @@ def test_explicit_busy_master_port_is_refused_before_starting():
         if not held:
             pytest.skip("29500 is held by another program; cannot hold it ourselves")
         with pytest.raises(ConfigError) as ei:
-            stnb.launch(rankfns.info, num_processes=2, echo=False, master_port=29500)
+            cpu_launch(rankfns.info, num_processes=2, echo=False, master_port=29500)
     msg = str(ei.value)
     assert "29500" in msg and "already in use" in msg and "master_port=None" in msg
     assert _descendants() - before == set()
@@ -86,7 +106,7 @@ def test_explicit_busy_master_port_is_refused_before_starting():
 
 def test_explicit_free_master_port_is_used():
     port = stnb_launch.free_port()
-    res = stnb.launch(rankfns.info, num_processes=2, echo=False, master_port=port)
+    res = cpu_launch(rankfns.info, num_processes=2, echo=False, master_port=port)
     assert res[0]["master_port"] == str(port)
 
 
@@ -98,7 +118,7 @@ def test_rank_raises_launch_error_others_stopped_no_children(tmp_path):
     t0 = time.time()
     with pytest.raises(LaunchError) as ei:
         # rank 0 would idle for 120 s: it must be stopped, not waited for
-        stnb.launch(rankfns.raise_on, 1, mark, 120.0, num_processes=2, echo=False)
+        cpu_launch(rankfns.raise_on, 1, mark, 120.0, num_processes=2, echo=False)
     t_err = time.time()
     e = ei.value
     assert e.rank == 1 and e.kind == "raised"
@@ -118,12 +138,12 @@ def test_rank_raises_launch_error_others_stopped_no_children(tmp_path):
     # the rank's output is kept on the error
     assert "about to fail" in e.logs[1]
     # and the next launch in this process works
-    assert [r["rank"] for r in stnb.launch(rankfns.info, num_processes=2, echo=False)] == [0, 1]
+    assert [r["rank"] for r in cpu_launch(rankfns.info, num_processes=2, echo=False)] == [0, 1]
 
 
 def test_unpicklable_result_names_the_fix():
     with pytest.raises(LaunchError) as ei:
-        stnb.launch(rankfns.unpicklable, num_processes=2, echo=False)
+        cpu_launch(rankfns.unpicklable, num_processes=2, echo=False)
     assert "cannot be pickled" in str(ei.value) and "return plain data" in str(ei.value)
 
 
@@ -133,7 +153,7 @@ LINE = re.compile(r"^\[rank (\d)\] spam r(\d) i(\d{4}) x{60} end r(\d) i(\d{4})$
 
 
 def test_rank_output_prefixed_whole_lines_not_interleaved(capfd):
-    res = stnb.launch(rankfns.spam, 400, num_processes=2)
+    res = cpu_launch(rankfns.spam, 400, num_processes=2)
     assert res == [400, 400]
     out, err = capfd.readouterr()
     lines = [ln for ln in out.splitlines() if "spam" in ln]
@@ -156,7 +176,7 @@ def test_rank_output_prefixed_whole_lines_not_interleaved(capfd):
 
 
 def test_echo_false_keeps_output_in_last_launch(capfd):
-    stnb.launch(rankfns.spam, 5, num_processes=2, echo=False)
+    cpu_launch(rankfns.spam, 5, num_processes=2, echo=False)
     out, _ = capfd.readouterr()
     assert "spam" not in out
     logs = stnb.last_launch().logs
@@ -176,7 +196,8 @@ def _refused(call):
 
 
 def test_check_fork_safe_refuses_when_cuda_initialised(monkeypatch):
-    stnb_launch.check_fork_safe()  # fine here: no CUDA in this process
+    if not torch.cuda.is_initialized():
+        stnb_launch.check_fork_safe()  # fine: no CUDA in this process
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(ConfigError) as ei:
         stnb_launch.check_fork_safe()
@@ -184,19 +205,30 @@ def test_check_fork_safe_refuses_when_cuda_initialised(monkeypatch):
     assert "CUDA is already initialised" in msg and "forked" in msg
     assert "restart the kernel" in msg and "inside the launched function" in msg
     # and launch refuses before starting anything
-    msg = _refused(lambda: stnb.launch(rankfns.info, num_processes=2, echo=False))
+    msg = _refused(lambda: cpu_launch(rankfns.info, num_processes=2, echo=False))
     assert "CUDA is already initialised" in msg
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to initialise CUDA for real")
+def test_real_cuda_initialisation_is_refused(tmp_path):
+    # in a fresh interpreter (this one must stay fork-safe): a tensor on the GPU, then a launch
+    code = ("import sys, torch, stnb; sys.path.insert(0, %r); import rankfns\n"
+            "torch.zeros(1, device='cuda')\n"
+            "try:\n    stnb.launch(rankfns.info, num_processes=1)\n"
+            "except stnb.ConfigError as e:\n    print('REFUSED', e)\n" % os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "REFUSED CUDA is already initialised" in out.stdout, out.stdout + out.stderr
 
 
 def test_more_processes_than_cores_refused():
     n = cpu_cores() + 1  # 3 on the 2-core CI machine
-    msg = _refused(lambda: stnb.launch(rankfns.info, num_processes=n, echo=False, device="cpu"))
+    msg = _refused(lambda: cpu_launch(rankfns.info, num_processes=n, echo=False, device="cpu"))
     assert f"num_processes={n}" in msg and "CPU core" in msg and f"num_processes <= {cpu_cores()}" in msg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
 def test_cuda_device_without_gpu_refused():
-    msg = _refused(lambda: stnb.launch(rankfns.info, num_processes=2, echo=False, device="cuda"))
+    msg = _refused(lambda: cpu_launch(rankfns.info, num_processes=2, echo=False, device="cuda"))
     assert "no CUDA GPU" in msg and "device='cpu'" in msg
 
 
@@ -216,12 +248,12 @@ def test_cuda_device_without_gpu_refused():
     (dict(node_rank=1), ["node_rank", "num_nodes=1"]),
 ], ids=lambda v: repr(v) if isinstance(v, dict) else None)
 def test_bad_arguments_refused(kwargs, words):
-    msg = _refused(lambda: stnb.launch(rankfns.info, **{"num_processes": 2, "echo": False, **kwargs}))
+    msg = _refused(lambda: cpu_launch(rankfns.info, **{"num_processes": 2, "echo": False, **kwargs}))
     for w in words:
         assert w in msg, (w, msg)
 
 
 @pytest.mark.parametrize("fn", ["rankfns.info", None, 42])
 def test_non_callable_refused(fn):
-    msg = _refused(lambda: stnb.launch(fn, num_processes=2, echo=False))
+    msg = _refused(lambda: cpu_launch(fn, num_processes=2, echo=False))
     assert "needs a callable" in msg and type(fn).__name__ in msg
