@@ -362,8 +362,8 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
 
     peak = torch.cuda.max_memory_allocated() if use_cuda else (ctx.peak_rss_growth() if ctx else 0)
     verification = state["verification"] or {}
-    ws_per_device = cfg["per_device_batch_size"] * cfg["gradient_accumulation_steps"]
-    gbs = ws_per_device * (world if distributed else max(1, n_gpu if cfg["strategy"] == "dp" else 1))
+    per_device_step = cfg["per_device_batch_size"] * cfg["gradient_accumulation_steps"]
+    gbs = per_device_step * (world if distributed else max(1, n_gpu if cfg["strategy"] == "dp" else 1))
     return {
         "rank": rank,
         "device": device.split(":")[0],
@@ -406,8 +406,7 @@ def _full_model_on_rank0(cfg, model, model_path, device, rank):
     if rank != 0:
         return None
     plain = load_model(model_path, device=device, max_seq_length=cfg["max_seq_length"])
-    missing, unexpected = plain.load_state_dict(full, strict=True), None
-    del missing, unexpected
+    plain.load_state_dict(full, strict=True)  # raises if any key is missing or unexpected
     return plain
 
 
