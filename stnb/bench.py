@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._files import write_atomic
 from .errors import ConfigError, ResultsFileError, StrategyUnavailable
 
 __all__ = ["BenchOptions", "BenchReport", "bench", "plan", "summarize", "check_preset", "add_cli", "TARGETS"]
@@ -1096,9 +1097,7 @@ def write_report(path, summary: dict, frame, opts: BenchOptions) -> Path:
     page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>stnb bench</title></head><body>"
             + "\n".join(parts) + "</body></html>")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(page)
-    os.replace(tmp, path)
+    write_atomic(path, page, 0o644)
     return path
 
 

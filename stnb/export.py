@@ -25,10 +25,10 @@ from __future__ import annotations
 import os
 import pprint
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 
 from .config import TrainConfig
+from ._files import write_atomic
 from .errors import ConfigError
 
 __all__ = ["export_script", "ExportedScript", "render_script", "add_cli"]
@@ -218,23 +218,12 @@ def export_script(config: TrainConfig | dict, path, *, results_file=None, nproc_
     text, one, multi, nproc = render_script(config, script_name=path, results_file=results_file,
                                      nproc_per_node=nproc_per_node, num_nodes=num_nodes,
                                      master_addr=master_addr, master_port=master_port)
-    parent = os.path.dirname(target)
     try:
-        os.makedirs(parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".stnb-export-", suffix=".py", dir=parent)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot write {path!r}: {e}; choose a writable folder") from e
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(target, text, 0o755, on_open_error=lambda e: ConfigError(
+        f"cannot write {path!r}: {e}; choose a writable folder"))
     out = ExportedScript(path=path, nproc_per_node=nproc, num_nodes=num_nodes, master_addr=master_addr,
                          master_port=int(master_port), commands=one, multi_node=multi)
     if echo:

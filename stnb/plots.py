@@ -122,28 +122,23 @@ def throughput(df, reference: bool = False):
 
 def speedup(df, reference: bool = False):
     """Throughput divided by the 'single' run of the same model and device; ideal = number of devices."""
-    import plotly.graph_objects as go
-
-    data = _prepare(df, reference)
-    fig = go.Figure()
-    for t in _ratio_traces(data, "speedup"):
-        fig.add_trace(t)
-    fig.update_layout(title="Speedup over one process (ideal = number of devices)", barmode="overlay",
-                      bargap=0.3, yaxis_title="speedup (x)")
-    return _finish(fig, "speedup", data)
+    return _ratio_figure(df, reference, "speedup", "Speedup over one process (ideal = number of devices)",
+                         "speedup (x)")
 
 
 def efficiency(df, reference: bool = False):
     """Scaling efficiency: speedup / devices (1.0 = perfect linear scaling)."""
+    return _ratio_figure(df, reference, "efficiency", "Scaling efficiency: speedup / devices (ideal 1.0)",
+                         "efficiency")
+
+
+def _ratio_figure(df, reference: bool, metric: str, title: str, yaxis_title: str):
     import plotly.graph_objects as go
 
     data = _prepare(df, reference)
-    fig = go.Figure()
-    for t in _ratio_traces(data, "efficiency"):
-        fig.add_trace(t)
-    fig.update_layout(title="Scaling efficiency: speedup / devices (ideal 1.0)", barmode="overlay", bargap=0.3,
-                      yaxis_title="efficiency")
-    return _finish(fig, "efficiency", data)
+    fig = go.Figure(list(_ratio_traces(data, metric)))
+    fig.update_layout(title=title, barmode="overlay", bargap=0.3, yaxis_title=yaxis_title)
+    return _finish(fig, metric, data)
 
 
 def memory(df):

@@ -6,11 +6,11 @@ import contextlib
 import json
 import os
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ._files import write_atomic
 from .errors import ResultsFileError
 
 
@@ -120,25 +120,10 @@ def append_result(path, result) -> None:
             _parse(path, old)  # raises ResultsFileError naming the bad line; the file stays as it is
             if old and not old.endswith("\n"):
                 old += "\n"
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        except OSError as e:
-            raise ResultsFileError(f"cannot write results file {path}: {e}; choose a writable path") from e
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(old)
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
-            # mkstemp makes the file 0600; keep the old file's mode (or the usual 0666 & ~umask)
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o666 & ~_umask())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # mkstemp makes the file 0600; keep the old file's mode (or the usual 0666 & ~umask)
+        mode = stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o666 & ~_umask()
+        write_atomic(path, old + line, mode, on_open_error=lambda e: ResultsFileError(
+            f"cannot write results file {path}: {e}; choose a writable path"))
 
 
 @contextlib.contextmanager

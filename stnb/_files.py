@@ -1,0 +1,34 @@
+"""Writing a file so that readers see the old content or the new, never half of it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def write_atomic(target, text: str, mode: int, on_open_error=None) -> None:
+    """Write ``text`` to a temporary file beside ``target``, fsync it, give it ``mode`` and
+    rename it over ``target``. On any failure the temporary file is removed and ``target`` is
+    untouched. ``on_open_error(OSError) -> Exception`` turns a failure to create the temporary
+    file (a read-only or missing folder) into the caller's own error type."""
+    target = os.fspath(target)
+    name = os.path.basename(target)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=os.path.dirname(target) or ".")
+    except OSError as e:
+        if on_open_error is None:
+            raise
+        raise on_open_error(e) from e
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
