@@ -32,6 +32,17 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--stall-timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="print the RunResult as one JSON object on the last line")
+    g = p.add_argument_group("DDP knobs (TrainConfig fields of the same names)")
+    g.add_argument("--accumulate", type=int, default=1, dest="gradient_accumulation_steps",
+                   help="micro-batches per optimizer step; one all-reduce per step (no_sync)")
+    g.add_argument("--comm-hook", default="none", help="none, fp16, bf16 (NCCL) or embedding_rows (exact)")
+    g.add_argument("--bucket-cap-mb", type=float, default=None)
+    g.add_argument("--gradient-as-bucket-view", action="store_true")
+    g.add_argument("--static-graph", action="store_true")
+    g.add_argument("--no-broadcast-buffers", dest="broadcast_buffers", action="store_false",
+                   help="skip DDP's buffer broadcast at every forward (safe when buffers never change)")
+    g.add_argument("--no-reuse-freed-memory", dest="reuse_freed_memory", action="store_false",
+                   help="CPU: keep glibc's default allocator in the training processes")
 
 
 def config_from_args(a):
@@ -42,7 +53,11 @@ def config_from_args(a):
                        per_device_batch_size=a.batch_size, learning_rate=a.lr, max_seq_length=a.max_seq_length,
                        seed=a.seed, train_size=a.train_size, dev_size=a.dev_size, device=a.device, threads_per_rank=a.threads_per_rank,
                        mixed_precision=a.mixed_precision, evaluate=not a.no_eval, save_to=a.save_to,
-                       timeout=a.timeout, stall_timeout=a.stall_timeout)
+                       timeout=a.timeout, stall_timeout=a.stall_timeout,
+                       gradient_accumulation_steps=a.gradient_accumulation_steps, comm_hook=a.comm_hook,
+                       bucket_cap_mb=a.bucket_cap_mb, gradient_as_bucket_view=a.gradient_as_bucket_view,
+                       static_graph=a.static_graph, broadcast_buffers=a.broadcast_buffers,
+                       reuse_freed_memory=a.reuse_freed_memory)
 
 
 def cmd_run(a) -> int:

@@ -160,6 +160,7 @@ class BenchOptions:
     device: str = "auto"
     sections: tuple = SECTIONS
     knobs: tuple | None = None           # knob variant names; None: all for this device
+    accumulate: int | None = None        # micro-batches of the 'accumulate A' knob variants (None: 4, quick 2)
     results: str | None = None
     report: str | None = None
     run_timeout: float = 900.0
@@ -229,31 +230,37 @@ def _rotate(seq, k):
     return seq[k:] + seq[:k]
 
 
-def _knob_variants(device: str, threads: int, quick: bool) -> list:
+def _knob_variants(device: str, threads: int, quick: bool, accumulate: int | None = None) -> list:
     """(name, TrainConfig overrides, accumulation of the matching baseline). Knobs are TrainConfig
-    fields; ``extra={'broadcast_buffers': False}`` is passed to DDP by strategies.ddp_kwargs."""
-    a = 2 if quick else 4
-    nobb = {"extra": {"broadcast_buffers": False}}
+    fields."""
+    a = accumulate or (2 if quick else 4)
+    nobb = {"broadcast_buffers": False}
     tuned = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
     # static_graph breaks under no_sync (pytorch/pytorch#143580); TrainConfig refuses the combination
     tuned_acc = {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
     v = [
         ("defaults", {}, 1),
+        ("system allocator (page faults)", {"reuse_freed_memory": False}, 1),
         ("no buffer broadcast", nobb, 1),
         ("bucket 100 MB (one bucket)", {"bucket_cap_mb": 100}, 1),
         ("static_graph + bucket view", {"static_graph": True, "gradient_as_bucket_view": True}, 1),
         ("fp16 hook", {"comm_hook": "fp16"}, 1),
         ("bf16 hook", {"comm_hook": "bf16"}, 1),
         ("tuned: static + view + 100 MB + no broadcast", tuned, 1),
+        ("embedding rows hook", {"comm_hook": "embedding_rows"}, 1),
         (f"accumulate {a} (no_sync)", {"gradient_accumulation_steps": a}, a),
+        (f"accumulate {a} + embedding rows hook", {"gradient_accumulation_steps": a, "comm_hook": "embedding_rows"}, a),
+        (f"accumulate {a} + no broadcast", {"gradient_accumulation_steps": a, **nobb}, a),
+        (f"accumulate {a} + embedding rows hook + no broadcast",
+         {"gradient_accumulation_steps": a, "comm_hook": "embedding_rows", **nobb}, a),
         (f"accumulate {a} + fp16 hook", {"gradient_accumulation_steps": a, "comm_hook": "fp16"}, a),
         (f"accumulate {a} + view + 100 MB + no broadcast", {"gradient_accumulation_steps": a, **tuned_acc}, a),
     ]
     if device == "cpu":
         v.append((f"{threads * 2} threads/rank (oversubscribed)", {"threads_per_rank": threads * 2}, 1))
     if quick:
-        keep = {"defaults", "fp16 hook", "tuned: static + view + 100 MB + no broadcast",
-                f"accumulate {a} + view + 100 MB + no broadcast"}
+        keep = {"defaults", "embedding rows hook", "tuned: static + view + 100 MB + no broadcast",
+                f"accumulate {a} + embedding rows hook"}
         v = [x for x in v if x[0] in keep]
     return v
 
@@ -324,7 +331,7 @@ def plan(opts: BenchOptions) -> list:
     # -- knobs
     if "knobs" in opts.sections:
         quick = opts.preset == "quick"
-        knobs = _knob_variants(device, threads or 1, quick)
+        knobs = _knob_variants(device, threads or 1, quick, opts.accumulate)
         if opts.knobs:
             wanted = set(opts.knobs)
             unknown = wanted - {k for k, _, _ in knobs}
@@ -332,12 +339,18 @@ def plan(opts: BenchOptions) -> list:
                 raise ConfigError(f"unknown knob variant(s) {sorted(unknown)}; choose from "
                                   f"{', '.join(k for k, _, _ in knobs)}")
             knobs = [k for k in knobs if k[0] in wanted or k[0] == "defaults"]
+        # every DDP variant is compared with a single device that accumulates and allocates the same way
+        def baseline(a, reuse):
+            return (dev1 + (f", accumulate {a}" if a > 1 else "") + ("" if reuse else ", system allocator"),
+                    _accumulating(one, a).replace(reuse_freed_memory=reuse))
+
         variants = []
-        for a in sorted({a for _, _, a in knobs}):
-            bname = dev1 if a == 1 else f"{dev1}, accumulate {a}"
-            variants.append((bname, "stnb", _accumulating(one, a), None))
+        for a, reuse in sorted({(a, over.get("reuse_freed_memory", True)) for _, over, a in knobs},
+                               key=lambda x: (x[0], not x[1])):
+            bname, bcfg = baseline(a, reuse)
+            variants.append((bname, "stnb", bcfg, None))
         for name, over, a in knobs:
-            bname = dev1 if a == 1 else f"{dev1}, accumulate {a}"
+            bname = baseline(a, over.get("reuse_freed_memory", True))[0]
             over = {k: v for k, v in over.items() if k != "gradient_accumulation_steps"}
             variants.append((f"ddp {name}", "stnb", _accumulating(ddp.replace(**over), a), bname))
         if device == "cpu":
@@ -788,6 +801,22 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
                        skipped=len(items) - len(todo), failed=failed, table=table)
 
 
+def knobs_frame(report) -> "object":
+    """The DDP-knob comparison of a BenchReport (or its summary) as a DataFrame, one row per variant:
+    samples/s (median of repeats), scaling efficiency against N x the matching single-device run,
+    ratio to DDP defaults, the baseline used, and whether every run verified."""
+    import pandas as pd
+
+    summary = report.summary if hasattr(report, "summary") else report
+    section = summary.get("sections", {}).get("knobs")
+    if not section:
+        raise ConfigError("this bench ran no DDP-knob comparison; run it with sections=('knobs',) "
+                          "(CLI: --ddp-knobs)")
+    cols = ["variant", "samples_per_second", "efficiency", "vs_defaults", "baseline", "verified", "ok", "runs",
+            "status", "reason"]
+    return pd.DataFrame([{c: r.get(c) for c in cols} for r in section["variants"]], columns=cols)
+
+
 def _describe(res) -> str:
     if res.status != "ok":
         return f"{res.status}: {res.reason.splitlines()[0][:120] if res.reason else ''}"
@@ -1078,13 +1107,9 @@ def write_report(path, summary: dict, frame, opts: BenchOptions) -> Path:
         figs.append(fig)
     kn = summary["sections"].get("knobs")
     if kn and any(r["efficiency"] is not None for r in kn["variants"]):
-        rows = [r for r in kn["variants"] if r["efficiency"] is not None]
-        fig = go.Figure(go.Bar(x=[r["variant"] for r in rows], y=[r["efficiency"] for r in rows]))
-        fig.add_hline(y=TARGETS["efficiency_best"][2], line_dash="dash", annotation_text="target")
-        fig.add_hline(y=1.0, line_dash="dot", annotation_text="N x 1 device")
-        fig.update_layout(title="DDP knobs: scaling efficiency (samples/s over N x the matching 1-device run)",
-                          yaxis_title="efficiency", template="plotly_white")
-        figs.append(fig)
+        from .plots import knobs
+
+        figs.append(knobs(summary, TARGETS["efficiency_best"][2]))
     parts = [f"<h1>stnb bench: preset {_html.escape(opts.preset)}</h1>",
              f"<p>model {_html.escape(opts.model)}, max_seq_length {opts.max_seq_length}, {opts.steps} steps "
              f"({opts.warmup} warm-up steps excluded from samples/s), {opts.repeats} interleaved repeat(s). "
@@ -1151,6 +1176,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--launchers", action="store_true", help="run the launcher comparison section")
     p.add_argument("--ddp-knobs", action="store_true", help="run the DDP knobs section")
     p.add_argument("--knobs", type=_csv(str), default=None, help="only these knob variants (comma-separated)")
+    p.add_argument("--accumulate", type=int, default=None, metavar="A",
+                   help="micro-batches per optimizer step in the 'accumulate A ...' knob variants (default 4)")
     p.add_argument("--model", default=None, help="minilm, tiny, a hub id or a local path")
     p.add_argument("--max-seq-length", type=int, default=None)
     p.add_argument("--data", default=None)
@@ -1186,12 +1213,14 @@ def options_from_args(a) -> BenchOptions:
         v = getattr(a, name)
         if v is not None and v < (0 if name == "warmup" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {v}")
+    if a.accumulate is not None and a.accumulate < 2:
+        raise ConfigError(f"--accumulate must be >= 2 (1 is the 'defaults' variant), got {a.accumulate}")
     over = dict(model=a.model, max_seq_length=a.max_seq_length, data=a.data, strategies=a.strategies,
                 batch_sizes=a.batch_sizes, nprocs=a.nprocs, batch_size=a.batch_size,
                 comparison_nproc=a.comparison_nproc, steps=a.steps, warmup=a.warmup, repeats=a.repeats,
                 sweep_repeats=a.sweep_repeats, train_size=a.train_size, device=a.device, results=a.results,
-                report=a.report, run_timeout=a.run_timeout, knobs=a.knobs, sections=sections or None,
-                quiet_wait=a.quiet_wait)
+                report=a.report, run_timeout=a.run_timeout, knobs=a.knobs, accumulate=a.accumulate,
+                sections=sections or None, quiet_wait=a.quiet_wait)
     opts = BenchOptions.from_preset(preset, **over)
     if opts.steps <= opts.warmup:
         raise ConfigError(f"--steps {opts.steps} leaves no measured step after --warmup {opts.warmup}; "

@@ -10,7 +10,7 @@ from .hardware import STRATEGIES
 
 LOSSES = ("cosine", "mnrl")
 PRECISIONS = ("no", "fp16", "bf16")
-COMM_HOOKS = ("none", "fp16", "bf16")
+COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -24,6 +24,14 @@ class TrainConfig:
     model: 'minilm' (bundled all-MiniLM-L6-v2), 'tiny' (random BERT for tests), a hub id or a local path.
     data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl path, or a hub dataset name.
     per_device_batch_size: samples per device per step; global = per_device * processes * accumulation.
+    threads_per_rank: torch threads in each process (CPU default: cores / processes).
+    reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
+        fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory.
+    DDP knobs: bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (False: no buffer
+        broadcast, a sync point, at every forward; safe when buffers never change, as in BERT-style models),
+        gradient_accumulation_steps (all-reduce
+        once per optimizer step, under no_sync) and comm_hook: 'none', 'fp16', 'bf16' (NCCL only) or
+        'embedding_rows' (stnb.rowsync: all-reduce only the embedding rows some rank used; exact).
     """
 
     strategy: str = "ddp"
@@ -45,9 +53,11 @@ class TrainConfig:
     device: str = "auto"
     mixed_precision: str = "no"
     threads_per_rank: int | None = None
+    reuse_freed_memory: bool = True  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
     # DDP knobs
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
     static_graph: bool = False
     comm_hook: str = "none"
     gradient_accumulation_steps: int = 1
@@ -151,8 +161,10 @@ class TrainConfig:
         if self.strategy == "fsdp" and self.num_processes == 1:
             raise ConfigError("fsdp with num_processes=1 shards nothing; use num_processes >= 2 or strategy='single'")
         if self.strategy not in ("ddp", "fsdp") and (self.comm_hook != "none" or self.static_graph
-                                                      or self.gradient_as_bucket_view or self.bucket_cap_mb):
-            raise ConfigError("comm_hook, static_graph, gradient_as_bucket_view and bucket_cap_mb are DDP options; "
+                                                      or self.gradient_as_bucket_view or self.bucket_cap_mb
+                                                      or not self.broadcast_buffers):
+            raise ConfigError("comm_hook, static_graph, gradient_as_bucket_view, bucket_cap_mb and broadcast_buffers "
+                              "are DDP options; "
                               "use strategy='ddp' or leave them at their defaults")
         if self.strategy == "fsdp" and (self.comm_hook != "none" or self.static_graph or self.gradient_as_bucket_view):
             raise ConfigError("comm_hook/static_graph/gradient_as_bucket_view apply to DDP, not FSDP; "
@@ -164,6 +176,10 @@ class TrainConfig:
         if self.loss == "cosine" and self.gather_across_devices:
             raise ConfigError("gather_across_devices only applies to loss='mnrl' (in-batch negatives); "
                               "set loss='mnrl' or gather_across_devices=False")
+        if self.gather_across_devices and self.strategy in ("single", "dp"):
+            raise ConfigError(f"gather_across_devices gathers in-batch negatives from the other DDP/FSDP ranks; "
+                              f"strategy {self.strategy!r} runs one process, so there is nothing to gather. "
+                              "Use strategy='ddp' or set gather_across_devices=False")
         if self.loss == "mnrl" and self.per_device_batch_size < 2 and self.world_size() < 2:
             raise ConfigError("loss='mnrl' needs at least 2 samples per batch for in-batch negatives; "
                               "use per_device_batch_size >= 2")

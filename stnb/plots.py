@@ -12,6 +12,7 @@ text gives the reason.
     memory(df)          peak memory per rank, and params / grads / optimizer state per rank
     loss_curves(df)     training loss per step, one line per run
     dashboard(df)       the four above in one figure
+    knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnb.bench`` summary
 
 ``reference_frame()`` holds the numbers published in the sentence-transformers documentation
 (4x V100, microsoft/mpnet-base). ``throughput(df, reference=True)``, ``speedup(..., reference=True)``
@@ -195,6 +196,33 @@ def dashboard(df, reference: bool = False):
     fig.update_xaxes(title_text="step", tickformat="d", row=2, col=2)
     fig.update_layout(title="stnb runs", barmode="overlay", bargap=0.3, height=750)
     return _finish(fig, "dashboard", data)
+
+
+def knobs(summary, target: float | None = 0.95):
+    """DDP knob comparison from a bench summary (``stnb.bench.bench(...).summary``): scaling efficiency
+    of every variant (samples/s over N x the matching single-device run), with the target and the ideal.
+    Hover shows samples/s, the baseline it is compared with and how many repeats it is the median of."""
+    import plotly.graph_objects as go
+
+    section = summary.get("sections", {}).get("knobs") if isinstance(summary, dict) else None
+    if not section:
+        raise ValueError("this bench summary has no 'knobs' section; run stnb.bench with sections=('knobs',)")
+    rows = [r for r in section["variants"] if r.get("efficiency") is not None]
+    hover = [f"samples/s: {r['samples_per_second']:,.1f} (median of {r['ok']} run(s))<br>"
+             f"compared with: {_esc(r['baseline'])}<br>vs DDP defaults: "
+             + (f"{r['vs_defaults']:.3f}" if r.get("vs_defaults") is not None else "-") for r in rows]
+    colors = [STRATEGY_COLORS["ddp"] if r["variant"].startswith("ddp") else STRATEGY_COLORS["single"] for r in rows]
+    fig = go.Figure(go.Bar(x=[r["variant"] for r in rows], y=[r["efficiency"] for r in rows], marker_color=colors,
+                           hovertext=hover, texttemplate="%{y:.3f}", textposition="outside", name="efficiency",
+                           hovertemplate="<b>%{x}</b><br>efficiency: %{y:.3f}<br>%{hovertext}<extra></extra>"))
+    if target is not None:
+        fig.add_hline(y=target, line_dash="dash", annotation_text=f"target {target:g}")
+    fig.add_hline(y=1.0, line_dash="dot", annotation_text="N x 1 device (ideal)")
+    top = max([1.0] + [r["efficiency"] for r in rows])
+    fig.update_layout(title="DDP knobs: scaling efficiency (samples/s over N x the matching 1-device run)",
+                      yaxis_title="efficiency", yaxis_range=[0, top * 1.15], template="plotly_white",
+                      meta={"stnb_kind": "knobs", "stnb_rows": rows}, hoverlabel=dict(align="left"))
+    return fig
 
 
 # ---- trace builders ---------------------------------------------------------------------------

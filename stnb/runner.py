@@ -116,9 +116,11 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
     n_steps = min(len(r["step_times"]) for r in rank_results)
     step_times = [max(r["step_times"][i] for r in rank_results) for i in range(n_steps)]
     warm = min(config.warmup_steps_excluded, max(0, n_steps - 1))
-    steady = step_times[warm:]
     gbs = r0["global_batch_size"]
-    sps = gbs * len(steady) / sum(steady) if steady and sum(steady) > 0 else None
+    # the slowest rank's own time for the measured steps (the sum of per-step maxima would also add
+    # the ranks' timing jitter, which is not time the job spent)
+    span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
+    sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
     verification = {
         "ranks": [r["verification"] for r in rank_results],
         "world_size_seen": sorted({r["verification"]["world_size_seen"] for r in rank_results}),
@@ -176,8 +178,12 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
 
         def on_step_begin(self, args, st, control, **kw):
             if state["t_first_begin"] is None:
-                state["t_first_begin"] = time.perf_counter()
                 tr = trainer_ref["trainer"]
+                if cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp" and state["world_size"] > 1:
+                    from . import rowsync  # before the first backward, as DDP requires
+
+                    state["rowsync"] = rowsync.register(tr.model_wrapped)
+                state["t_first_begin"] = time.perf_counter()
                 state["verification"] = strategies.verify(
                     cfg["strategy"], tr.model_wrapped, tr.model, state["world_size"], state["n_gpu"])
                 state["verification"].update(state.get("prepare_info", {}))
@@ -280,8 +286,14 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         from accelerate import PartialState
 
         PartialState(cpu=cfg["device"] == "cpu")
-    if cfg.get("threads_per_rank") and not (torch.cuda.is_available() and cfg["device"] != "cpu"):
+    on_cpu = not (torch.cuda.is_available() and cfg["device"] != "cpu")
+    if cfg.get("threads_per_rank") and on_cpu:
         torch.set_num_threads(cfg["threads_per_rank"])
+    allocator = {"applied": False, "reason": "off (reuse_freed_memory=False)" if on_cpu else "GPU run"}
+    if on_cpu and cfg.get("reuse_freed_memory", True):
+        from .cpualloc import reuse_freed_memory
+
+        allocator = reuse_freed_memory()  # this process only: a rank, never the notebook kernel
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
@@ -345,6 +357,9 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     trainer.train()
     if state["verification"] is not None:
         state["verification"]["frozen_unused"] = frozen
+        state["verification"]["reuse_freed_memory"] = allocator
+        if state.get("rowsync") is not None:
+            state["verification"]["embedding_rows"] = state["rowsync"].stats()
 
     losses = state["losses"]
     checksum = strategies.weights_checksum(trainer.model)

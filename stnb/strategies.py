@@ -170,14 +170,16 @@ def ddp_kwargs(cfg) -> dict:
     extra = cfg.get("extra") or {}
     kw = {
         "find_unused_parameters": bool(extra.get("find_unused_parameters", False)),
-        # extra={"broadcast_buffers": False}: skip DDP's broadcast of module buffers from rank 0 at
-        # every forward (a collective, and a sync point, per micro-batch). BERT's buffers
-        # (position_ids, token_type_ids) never change, so skipping it changes nothing else.
-        "broadcast_buffers": bool(extra.get("broadcast_buffers", True)),
+        # broadcast_buffers=False skips DDP's broadcast of module buffers from rank 0 at every
+        # forward (a collective, and a point where the ranks wait for each other, per micro-batch).
+        # BERT's buffers (position_ids, token_type_ids) never change, so skipping it changes nothing else.
+        "broadcast_buffers": bool(cfg.get("broadcast_buffers", True)),
         "gradient_as_bucket_view": bool(cfg.get("gradient_as_bucket_view")),
         "static_graph": bool(cfg.get("static_graph")),
+        # 'embedding_rows' is stnb's own hook (stnb.rowsync), registered on the prepared model by the runner
         "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,
-                      "bf16": DDPCommunicationHookType.BF16}[cfg.get("comm_hook", "none")],
+                      "bf16": DDPCommunicationHookType.BF16,
+                      "embedding_rows": DDPCommunicationHookType.NO}[cfg.get("comm_hook", "none")],
     }
     if cfg.get("bucket_cap_mb"):
         kw["bucket_cap_mb"] = int(cfg["bucket_cap_mb"]) if float(cfg["bucket_cap_mb"]).is_integer() \

@@ -271,3 +271,57 @@ def torch_work(n: int = 20) -> float:
     for _ in range(n):
         s += float(torch.nn.functional.layer_norm(x, (4096,)).sum())
     return s
+
+
+def rowsync_exactness(bucket_cap_mb: float = 25.0, view: bool = False, accumulate: int = 1) -> dict:
+    """DDP on a toy model with a big embedding, once with DDP's default all-reduce and once with
+    stnb.rowsync's hook, from the same weights and the same per-rank token ids. The ranks touch
+    overlapping and disjoint rows. Returns both final parameter sets (as lists) and the hook's stats."""
+    import torch
+    import torch.distributed as dist
+
+    from stnb import rowsync
+
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.words = torch.nn.Embedding(5000, 32, padding_idx=0)
+            self.pos = torch.nn.Embedding(16, 32)
+            self.mix = torch.nn.Linear(32, 32)
+            self.out = torch.nn.Linear(32, 1)
+
+        def forward(self, ids):
+            h = self.words(ids) + self.pos(torch.arange(ids.shape[1]))
+            return self.out(torch.tanh(self.mix(h))).mean()
+
+    start = Toy().state_dict()
+    finals, stats = {}, None
+    for mode in ("default", "rows"):
+        model = Toy()
+        model.load_state_dict(start)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                                        gradient_as_bucket_view=view)
+        state = rowsync.register(ddp) if mode == "rows" else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(100 + rank)
+        for step in range(3):
+            for micro in range(accumulate):
+                # rank 0 uses ids < 3000, rank 1 ids >= 2000: shared and private rows; 0 is padding
+                lo = 0 if rank == 0 else 2000
+                ids = torch.randint(lo, lo + 3000, (4, 16), generator=g)
+                ids[:, -2:] = 0
+                last = micro == accumulate - 1
+                if last:
+                    ddp(ids).backward()
+                else:
+                    with ddp.no_sync():
+                        ddp(ids).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=not view)
+        finals[mode] = {k: v.detach().clone().tolist() for k, v in model.state_dict().items()}
+        if state is not None:
+            stats = state.stats()
+    return {"default": finals["default"], "rows": finals["rows"], "stats": stats}

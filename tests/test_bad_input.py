@@ -70,6 +70,8 @@ CASES = [
      ["fsdp", "num_processes=1", "num_processes >= 2", "strategy='single'"]),
     ("single-two-processes", dict(strategy="single", num_processes=2), ConfigError,
      ["runs in one process", "strategy='ddp' or 'fsdp'", "drop num_processes"]),
+    ("gather-on-single", dict(strategy="single", loss="mnrl", gather_across_devices=True), ConfigError,
+     ["nothing to gather", "strategy='ddp' or set gather_across_devices=False"]),
     ("cosine-with-gather", dict(loss="cosine", gather_across_devices=True), ConfigError,
      ["gather_across_devices only applies to loss='mnrl'", "set loss='mnrl' or gather_across_devices=False"]),
     ("mnrl-batch-1-single", dict(strategy="single", loss="mnrl", per_device_batch_size=1), ConfigError,

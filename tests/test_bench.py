@@ -67,7 +67,7 @@ def test_sweep_one_line_per_run_resume_and_report(tmp_path, capsys):
 def test_launchers_and_knobs_sections(tmp_path, capsys):
     """The same train_rank under stnb.launch, raw notebook_launcher and torchrun, and a DDP knob."""
     results = tmp_path / "cmp.jsonl"
-    args = ["bench", "--launchers", "--ddp-knobs", "--knobs", "fp16 hook", "--repeats", "1", *TINY,
+    args = ["bench", "--launchers", "--ddp-knobs", "--knobs", "embedding rows hook", "--repeats", "1", *TINY,
             "--results", str(results), "--report", str(tmp_path / "cmp.html")]
     assert cli(args) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
@@ -82,7 +82,9 @@ def test_launchers_and_knobs_sections(tmp_path, capsys):
         assert r["time_to_first_step_s"] > 0 and r["samples_per_second"] > 0
     assert launchers["single 1 device (1 thread)"]["config"]["threads_per_rank"] == 1
     knobs = {_tag(r)["name"]: r for r in rows if _tag(r)["section"] == "knobs"}
-    assert knobs["ddp fp16 hook"]["status"] == "ok" and knobs["ddp fp16 hook"]["config"]["comm_hook"] == "fp16"
+    rows_hook = knobs["ddp embedding rows hook"]
+    assert rows_hook["status"] == "ok" and rows_hook["config"]["comm_hook"] == "embedding_rows"
+    assert rows_hook["verification"]["weights_checksums"] == knobs["ddp defaults"]["verification"]["weights_checksums"]
     conc = knobs["2 x single at once (no communication)"]
     assert conc["status"] == "ok" and len(conc["verification"]["independent_runs"]) == 2
     # the summary names every ratio and gives a verdict for every target, whatever the numbers
@@ -157,3 +159,20 @@ def test_ddp_knob_combinations_refused_before_any_process_starts():
         with pytest.raises(stnb.ConfigError, match="comm_hook='bf16' needs CUDA"):
             stnb.TrainConfig(strategy="ddp", num_processes=2, model="tiny", device="cpu",
                              comm_hook="bf16").validate()
+
+
+def test_accumulate_option_names_and_baselines_the_variants(capsys):
+    opts = bench.BenchOptions.from_preset("default", sections=("knobs",), repeats=1, accumulate=8,
+                                          knobs=("accumulate 8 + embedding rows hook + no broadcast",
+                                                 "system allocator (page faults)"))
+    items = {it.name: it for it in bench.plan(opts)}
+    best = items["ddp accumulate 8 + embedding rows hook + no broadcast"]
+    assert best.config.gradient_accumulation_steps == 8 and best.config.comm_hook == "embedding_rows"
+    assert best.config.broadcast_buffers is False
+    assert best.baseline == "single 1 device (1 thread), accumulate 8"
+    assert items[best.baseline].config.gradient_accumulation_steps == 8
+    alloc = items["ddp system allocator (page faults)"]
+    assert alloc.baseline == "single 1 device (1 thread), system allocator"
+    assert items[alloc.baseline].config.reuse_freed_memory is False
+    assert cli(["bench", "--ddp-knobs", "--accumulate", "1"]) == 2
+    assert "--accumulate must be >= 2" in capsys.readouterr().err

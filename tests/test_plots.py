@@ -202,3 +202,25 @@ def test_empty_and_unrunnable_only_tables_still_plot():
     fig = plots.throughput(only_dp)
     assert [t.name for t in fig.data] == ["not runnable here / no result"]
     assert len(plots.throughput(empty, reference=True).data) == 1  # theirs alone
+
+
+def test_knobs_figure_from_a_bench_summary():
+    variants = [
+        {"variant": "single 1 device (1 thread)", "efficiency": None, "samples_per_second": 30.0},
+        {"variant": "ddp defaults", "efficiency": 0.8, "samples_per_second": 48.0, "ok": 3,
+         "baseline": "single 1 device (1 thread)", "vs_defaults": 1.0},
+        {"variant": "ddp embedding rows hook", "efficiency": 0.9, "samples_per_second": 54.0, "ok": 3,
+         "baseline": "single 1 device (1 thread)", "vs_defaults": 1.125},
+        {"variant": "2 x single at once (no communication)", "efficiency": 0.99, "samples_per_second": 59.4,
+         "ok": 3, "baseline": "single 1 device (1 thread)", "vs_defaults": None},
+    ]
+    fig = stnb.plots.knobs({"sections": {"knobs": {"variants": variants}}})
+    bar = fig.data[0]
+    assert list(bar.x) == [v["variant"] for v in variants[1:]]  # variants without an efficiency are left out
+    assert list(bar.y) == [0.8, 0.9, 0.99]
+    assert "samples/s: 54.0 (median of 3 run(s))" in bar.hovertext[1] and "vs DDP defaults: 1.125" in bar.hovertext[1]
+    assert "vs DDP defaults: -" in bar.hovertext[2]
+    lines = sorted(s.y0 for s in fig.layout.shapes)
+    assert lines == [0.95, 1.0]
+    with pytest.raises(ValueError, match="no 'knobs' section"):
+        stnb.plots.knobs({"sections": {}})

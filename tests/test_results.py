@@ -282,3 +282,24 @@ def test_results_path_under_a_regular_file(tmp_path):
     with pytest.raises(ResultsFileError, match="writable path"):
         stnb.append_result(target, _result(0))
     assert blocker.read_text() == "x"
+
+
+def _rank_result(step_times, rank):
+    return {"rank": rank, "device": "cpu", "global_batch_size": 8, "step_times": step_times, "losses": [0.5] * 5,
+            "verification": {"ok": True, "world_size_seen": 2, "local_param_count": 10, "total_param_count": 10},
+            "memory_breakdown": {}, "peak_memory_bytes": 1, "weights_checksum": 1.0, "time_to_first_step_s": 1.0}
+
+
+def test_merge_times_the_slowest_rank_not_the_sum_of_per_step_maxima():
+    """Ranks finish a step at slightly different moments; the job's time is the slowest rank's own
+    time, not the sum over steps of whichever rank was slower at each step (that adds their jitter)."""
+    from stnb.runner import merge
+
+    cfg = stnb.TrainConfig(strategy="ddp", num_processes=2, steps=5, warmup_steps_excluded=1)
+    r0 = _rank_result([9.0, 1.0, 2.0, 1.0, 2.0], 0)   # 6 s measured
+    r1 = _rank_result([9.0, 2.0, 1.0, 2.0, 1.0], 1)   # 6 s measured; per-step maxima would sum to 8 s
+    res = merge(cfg, [r0, r1], device="cpu")
+    assert res.samples_per_second == pytest.approx(8 * 4 / 6.0)
+    assert res.step_times == [9.0, 2.0, 2.0, 2.0, 2.0]  # per-step view kept for plots
+    slow = merge(cfg, [r0, _rank_result([9.0, 2.0, 2.0, 2.0, 2.0], 1)], device="cpu")
+    assert slow.samples_per_second == pytest.approx(8 * 4 / 8.0)
