@@ -152,15 +152,23 @@ def chatty(lines: int = 200) -> dict:
 
 # ---- faults -------------------------------------------------------------------------------
 
-def raise_on(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 120.0) -> int:
-    """``bad_rank`` raises after a short delay; the others would run for minutes."""
+def _strike(bad_rank: int, mark: str | None, fault, announce: str | None = None) -> int:
+    """The start every fault function shares: note this rank's pid, and in ``bad_rank`` wait a moment,
+    say ``announce``, mark the time and call ``fault(rank)``. Returns this rank (for the others)."""
     r = _rank()
     _pid(mark)
     if r == bad_rank:
         time.sleep(0.5)
-        print(f"rank {r} about to fail", flush=True)
+        if announce:
+            print(f"rank {r} {announce}", flush=True)
         _mark(mark)
-        _fail_here(r)
+        fault(r)
+    return r
+
+
+def raise_on(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 120.0) -> int:
+    """``bad_rank`` raises after a short delay; the others would run for minutes."""
+    r = _strike(bad_rank, mark, _fail_here, "about to fail")
     _idle(others_sleep)
     return r
 
@@ -169,26 +177,23 @@ def _fail_here(r: int):
     raise ValueError(f"deliberate failure in rank {r}")
 
 
+def _sigkill_self(r: int):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_silently(r: int):
+    os._exit(0)
+
+
 def sigkill_on(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 120.0) -> int:
-    r = _rank()
-    _pid(mark)
-    if r == bad_rank:
-        time.sleep(0.5)
-        print(f"rank {r} about to be SIGKILLed", flush=True)
-        _mark(mark)
-        os.kill(os.getpid(), signal.SIGKILL)
+    r = _strike(bad_rank, mark, _sigkill_self, "about to be SIGKILLed")
     _idle(others_sleep)
     return r
 
 
 def exit_without_return(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 0.0) -> int:
     """``bad_rank`` leaves with os._exit(0): a clean exit code but no result."""
-    r = _rank()
-    _pid(mark)
-    if r == bad_rank:
-        time.sleep(0.5)
-        _mark(mark)
-        os._exit(0)
+    r = _strike(bad_rank, mark, _exit_silently)
     _idle(others_sleep)
     return r
 
@@ -197,12 +202,7 @@ def exit_then_collective(bad_rank: int = 1, mark: str | None = None) -> int:
     """``bad_rank`` leaves with os._exit(0) while the others wait for it in a collective."""
     import torch.distributed as dist
 
-    r = _rank()
-    _pid(mark)
-    if r == bad_rank:
-        time.sleep(0.5)
-        _mark(mark)
-        os._exit(0)
+    r = _strike(bad_rank, mark, _exit_silently)
     dist.barrier()
     return r
 
@@ -237,13 +237,7 @@ def unpicklable():
 
 def sys_exit_on(bad_rank: int = 1, code=0, mark: str | None = None) -> int:
     """``bad_rank`` calls sys.exit(code) (SystemExit, a BaseException) instead of returning."""
-    r = _rank()
-    _pid(mark)
-    if r == bad_rank:
-        time.sleep(0.5)
-        _mark(mark)
-        sys.exit(code)
-    return r
+    return _strike(bad_rank, mark, lambda r: sys.exit(code))
 
 
 def sigkill_in_collective(bad_rank: int = 1, mark: str | None = None) -> int:
@@ -251,12 +245,7 @@ def sigkill_in_collective(bad_rank: int = 1, mark: str | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    r = _rank()
-    _pid(mark)
-    if r == bad_rank:
-        time.sleep(0.5)
-        _mark(mark)
-        os.kill(os.getpid(), signal.SIGKILL)
+    r = _strike(bad_rank, mark, _sigkill_self)
     t = torch.ones(2)
     dist.all_reduce(t)
     return r
