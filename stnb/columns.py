@@ -145,7 +145,7 @@ def plan_columns(found, loss=None, columns=None, where: str = "data") -> ColumnP
     shown = f"{found}" + (f" (after columns={mapping!r}: {kept})" if mapping else "")
     head = f"data {where} has columns {shown}; {expects}"
 
-    labels = [n for n in kept if n in LABEL_COLUMNS]
+    labels = [n for n in LABEL_COLUMNS if n in kept]  # in the trainer's order of preference
     if len(labels) > 1:
         raise ConfigError(f"{head}. It has {len(labels)} label columns {labels}, and the trainer would use only "
                           f"{labels[0]!r}; keep one, e.g. drop the others with "
