@@ -22,7 +22,10 @@ class TrainConfig:
         'ddp' (DistributedDataParallel, one process per device) or 'fsdp' (FSDP2 fully_shard).
     num_processes: ranks for ddp/fsdp (default 2 on CPU, all GPUs on CUDA); always 1 for single/dp.
     model: 'minilm' (bundled all-MiniLM-L6-v2), 'tiny' (random BERT for tests), a hub id or a local path.
-    data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl path, or a hub dataset name.
+    data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl/.json/.parquet path, or a hub dataset name.
+    columns: renames the data's columns to the inputs the loss reads, e.g. {'question': 'anchor',
+        'answer': 'positive', 'hard': 'negative'}; {'id': None} drops a column explicitly. Every other
+        column must be one the loss reads (stnb.columns), else the run is refused before it starts.
     per_device_batch_size: samples per device per step; global = per_device * processes * accumulation.
     threads_per_rank: torch threads in each process (CPU default: cores / processes).
     reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
@@ -38,6 +41,7 @@ class TrainConfig:
     num_processes: int | None = None
     model: str = "minilm"
     data: str = "synthetic"
+    columns: dict | None = None
     loss: str = "cosine"
     gather_across_devices: bool = False
     per_device_batch_size: int = 16
@@ -150,6 +154,9 @@ class TrainConfig:
             raise ConfigError(f"model must be 'minilm', 'tiny', a hub id or a local path; got {self.model!r}")
         if not isinstance(self.data, str) or not self.data.strip():
             raise ConfigError(f"data must be 'synthetic', a .csv/.jsonl path or a hub dataset; got {self.data!r}")
+        from .columns import check_mapping
+
+        check_mapping(self.columns)
         if self.steps <= self.warmup_steps_excluded:
             raise ConfigError(
                 f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "
@@ -191,7 +198,7 @@ class TrainConfig:
             from .data import check_data
 
             resolve_model(self.model)
-            check_data(self.data)
+            check_data(self.data, self.loss, self.columns)
         return self
 
     def _check_hardware(self) -> None:

@@ -1,11 +1,12 @@
-"""Sentence-pair data: built-in synthetic pairs, local .csv/.jsonl/.json files, or hub datasets.
+"""Training data: built-in synthetic pairs, local .csv/.jsonl/.json/.parquet files, or hub datasets.
 
-Every loader returns ``datasets.Dataset`` objects with the columns ``sentence1``, ``sentence2``
-and, when the source has similarity scores, ``score`` (a float in [0, 1]).
+Every loader returns ``datasets.Dataset`` objects holding exactly the columns the loss reads, in the
+order it reads them (see ``stnb.columns``): text columns, then ``score`` when the loss takes one.
 
-Accepted column names in files / hub datasets (extra columns are dropped):
-    sentence1, sentence2 [, score]      (STS style; score optional)
-    anchor, positive [, score]          (pair style, e.g. for MultipleNegativesRankingLoss)
+Column names in files / hub datasets (other names are mapped with ``columns={'question': 'anchor'}``
+or dropped explicitly with ``{'id': None}``; anything else is refused, never dropped silently):
+    sentence1, sentence2 [, score]                  (STS style; loss='cosine' needs the score)
+    anchor, positive [, negative | negative_1..n]   (loss='mnrl'; negatives are hard negatives)
 Scores on the STS 0-5 scale (any score > 1, none < 0 or > 5) are divided by 5 into [0, 1].
 """
 
@@ -18,15 +19,14 @@ import os
 import random
 import warnings
 
+from .columns import ColumnPlan, check_mapping, loss_inputs, plan_columns
 from .errors import ConfigError
 
 SYNTHETIC = "synthetic"
-FILE_SUFFIXES = (".csv", ".jsonl", ".json")
-# (text column 1, text column 2) pairs accepted in files/hub data, in order of preference.
-TEXT_COLUMNS = (("sentence1", "sentence2"), ("anchor", "positive"))
+FILE_SUFFIXES = (".csv", ".jsonl", ".json", ".parquet")
 SCORE_COLUMN = "score"
-_FIX_DATA = ("use data='synthetic', or a .csv/.jsonl file with columns sentence1,sentence2[,score] "
-             "or anchor,positive")
+_FIX_DATA = ("use data='synthetic', or a .csv/.jsonl/.parquet file with columns sentence1,sentence2[,score] "
+             "or anchor,positive[,negative]")
 
 
 # ---- synthetic data ----------------------------------------------------------------------------
@@ -148,13 +148,44 @@ def _other(rng: random.Random, n: int, avoid: int) -> int:
     return c + 1 if c >= avoid else c
 
 
+def synthetic_positives(n: int, seed: int = 0):
+    """SYNTHETIC (anchor, positive) paraphrase pairs, the training rows for in-batch-negative losses.
+
+    Both sentences of a row describe the same four concepts (subject, verb, object, place) with
+    independently drawn synonyms and word order, e.g. "A man is eating an apple in the park." and
+    "In a public garden, a guy is consuming a piece of fruit."; the other rows of a batch are the
+    negatives. ``synthetic_pairs`` rows cannot serve here: most of them are not paraphrases (their
+    score says so), and MultipleNegativesRankingLoss would train every row as a positive pair.
+
+    Deterministic per ``(n, seed)``, prefix-stable, independent of ``synthetic_pairs``' stream.
+    Returns a ``datasets.Dataset`` with columns anchor (str), positive (str).
+    """
+    import datasets
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"synthetic_positives needs a number of pairs n >= 0, got {n!r}")
+    rng = random.Random(f"positives:{seed}")
+    anchors, positives = [], []
+    for _ in range(n):
+        concepts = tuple(rng.randrange(len(slot)) for slot in _SLOTS)
+        a = _sentence(rng, concepts)
+        b = _sentence(rng, concepts)
+        for _ in range(8):  # reword: a copy teaches nothing
+            if b != a:
+                break
+            b = _sentence(rng, concepts)
+        anchors.append(a)
+        positives.append(b)
+    return datasets.Dataset.from_dict({"anchor": anchors, "positive": positives})
+
+
 # ---- loading -----------------------------------------------------------------------------------
 
 def _is_file_spec(spec: str) -> bool:
     return spec.lower().endswith(FILE_SUFFIXES)
 
 
-_OTHER_FILE_SUFFIXES = (".tsv", ".txt", ".parquet", ".arrow", ".xlsx", ".xls", ".gz", ".zip")
+_OTHER_FILE_SUFFIXES = (".tsv", ".txt", ".arrow", ".xlsx", ".xls", ".gz", ".zip")
 
 
 def _looks_local(spec: str) -> bool:
@@ -162,38 +193,55 @@ def _looks_local(spec: str) -> bool:
             or os.path.exists(os.path.expanduser(spec)))
 
 
-def load_pairs(spec: str, train_size: int, dev_size: int, seed: int):
-    """Load (train, dev) pair datasets.
+def load_pairs(spec: str, train_size: int, dev_size: int, seed: int, loss: str | None = None,
+               columns: dict | None = None):
+    """Load (train, dev) datasets holding the columns ``loss`` reads (see ``stnb.columns``).
 
     spec:
         'synthetic': ``synthetic_pairs(train_size + dev_size, seed)``; the first train_size rows
-            are train, the rest dev.
-        a path ending in .csv, .jsonl or .json: loaded with ``datasets.load_dataset('csv'|'json')``;
-            the first train_size rows are train and the next dev_size rows dev. If the file has
-            fewer rows, dev keeps min(dev_size, 10% of the rows, at least 1) and train the rest,
-            with a warning.
+            are train, the rest dev. With loss='mnrl' train is ``synthetic_positives(train_size,
+            seed)`` instead (every row a paraphrase pair); dev stays the scored pairs.
+        a path ending in .csv, .jsonl, .json or .parquet: the first train_size rows are train and
+            the next dev_size rows dev. If the file has fewer rows, dev keeps min(dev_size, 10% of
+            the rows, at least 1) and train the rest, with a warning.
         anything else: a Hugging Face hub dataset, ``'name'`` or ``'name:config'`` (e.g.
-            ``'sentence-transformers/stsb'``); needs network access. Train comes from the 'train'
-            split (else the first split), dev from a 'validation'/'dev' split when there is one,
-            otherwise from the rows after train.
-    Columns are normalised to sentence1, sentence2 (+ score when present, scaled into [0, 1]);
-    see the module docstring. ``seed`` only affects synthetic data (files keep their order).
+            ``'sentence-transformers/stsb'``). Train comes from the 'train' split (else the first
+            split), dev from a 'validation'/'dev' split when there is one, otherwise from the rows
+            after train.
+    loss: 'cosine' / 'mnrl' (the columns must be exactly what it reads), or None (names only).
+    columns: renames the source's columns, {'question': 'anchor', 'id': None (drop)}; files and hub.
+    Scores are scaled into [0, 1]. ``seed`` only affects synthetic data (files keep their order).
     """
     if spec == SYNTHETIC:
+        _no_mapping_for_synthetic(columns)
         ds = synthetic_pairs(train_size + dev_size, seed)
-        return ds.select(range(train_size)), ds.select(range(train_size, train_size + dev_size))
+        dev = ds.select(range(train_size, train_size + dev_size))
+        if loss == "mnrl":
+            return synthetic_positives(train_size, seed), dev
+        return ds.select(range(train_size)), dev
     if _is_file_spec(spec) or _looks_local(spec):
-        check_data(spec)
+        check_data(spec, loss, columns)
         path = os.path.abspath(os.path.expanduser(spec))
-        ds = _normalise([_load_file(path)], path)[0]
+        ds = _normalise([_load_file(path)], path, loss, columns)[0]
         return _split_rows(ds, train_size, dev_size, path)
-    return _load_hub(spec, train_size, dev_size)
+    return _load_hub(spec, train_size, dev_size, loss, columns)
+
+
+def _no_mapping_for_synthetic(columns) -> None:
+    if check_mapping(columns):
+        raise ConfigError(f"columns={columns!r} renames columns of a file or hub dataset, but data='synthetic' "
+                          "has fixed columns (sentence1, sentence2, score); drop columns, or point data at your file")
+
+
+def _builder(path: str) -> str:
+    low = path.lower()
+    return "csv" if low.endswith(".csv") else "parquet" if low.endswith(".parquet") else "json"
 
 
 def _load_file(path: str):
     import datasets
 
-    builder = "csv" if path.lower().endswith(".csv") else "json"
+    builder = _builder(path)
     try:
         return datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as e:  # datasets raises many different types for malformed files
@@ -217,16 +265,26 @@ def _split_rows(ds, train_size: int, dev_size: int, where: str):
     return ds.select(range(train_size)), ds.select(range(train_size, train_size + dev_size))
 
 
-def _load_hub(spec: str, train_size: int, dev_size: int):
+def _hub_error(spec: str, why: str) -> ConfigError:
+    return ConfigError(f"cannot load hub dataset {spec!r}: {why}. Without the hub, use data='synthetic' (built in) "
+                       "or a local .csv/.jsonl/.parquet file")
+
+
+def _hub_name(spec: str) -> tuple[str, str | None]:
+    name, _, config = spec.partition(":")
+    return name, config or None
+
+
+def _load_hub(spec: str, train_size: int, dev_size: int, loss=None, columns=None):
     import datasets
 
-    name, _, config = spec.partition(":")
+    from .models import hub_failure
+
+    name, config = _hub_name(spec)
     try:
-        dd = datasets.load_dataset(name, config or None)
+        dd = datasets.load_dataset(name, config)
     except Exception as e:
-        raise ConfigError(
-            f"could not load hub dataset {spec!r} (the Hugging Face hub is unreachable or offline, or there is "
-            f"no such dataset: {type(e).__name__}: {e}); use data='synthetic' or a local .csv/.jsonl file") from e
+        raise _hub_error(spec, hub_failure(e)) from e
     if isinstance(dd, datasets.Dataset):
         dd = datasets.DatasetDict({"train": dd})
     splits = list(dd.keys())
@@ -235,91 +293,99 @@ def _load_hub(spec: str, train_size: int, dev_size: int):
     train_split = "train" if "train" in dd else splits[0]
     dev_split = next((s for s in ("validation", "dev") if s in dd), None)
     if dev_split is None:
-        (ds,) = _normalise([dd[train_split]], spec)
+        (ds,) = _normalise([dd[train_split]], spec, loss, columns)
         return _split_rows(ds, train_size, dev_size, spec)
-    train, dev = _normalise([dd[train_split], dd[dev_split]], spec)
+    train, dev = _normalise([dd[train_split], dd[dev_split]], spec, loss, columns)
     if len(train) == 0:
         raise ConfigError(f"hub dataset {spec!r} split {train_split!r} has no rows; {_FIX_DATA}")
     return train.select(range(min(train_size, len(train)))), dev.select(range(min(dev_size, len(dev))))
 
 
-def _text_columns(columns) -> tuple[str, str] | None:
-    for pair in TEXT_COLUMNS:
-        if all(c in columns for c in pair):
-            return pair
-    return None
+def prepare(dataset, loss=None, columns=None, where: str = "data"):
+    """One dataset -> exactly the columns ``loss`` reads, in its order (see ``stnb.columns``).
 
-
-def _columns_error(where: str, columns) -> ConfigError:
-    return ConfigError(
-        f"data {where} has columns {list(columns)}, but needs two text columns named sentence1,sentence2 "
-        f"(plus an optional score) or anchor,positive; rename the columns in the file or use data='synthetic'")
-
-
-def _normalise(parts: list, where: str) -> list:
-    """Rename to sentence1/sentence2[/score], drop other columns, scale 0-5 scores into [0, 1].
-
-    All parts (e.g. train and validation splits) share one score scale.
+    Applies the mapping ``columns``, checks every column is used (ConfigError naming the columns,
+    what the loss expects and the fix otherwise), checks texts are strings and scales scores.
     """
-    cols = _text_columns(parts[0].column_names)
-    if cols is None:
-        raise _columns_error(where, parts[0].column_names)
-    with_score = all(SCORE_COLUMN in p.column_names for p in parts)
-    keep = list(cols) + ([SCORE_COLUMN] if with_score else [])
+    return _normalise([dataset], where, loss, columns)[0]
+
+
+def _normalise(parts: list, where: str, loss=None, columns=None) -> list:
+    """Map, check and order the columns the loss reads; scale 0-5 scores into [0, 1].
+
+    All parts (e.g. train and validation splits) share one column plan and one score scale.
+    """
+    plan = plan_columns(parts[0].column_names, loss, columns, where)
+    li = loss_inputs(loss) if loss is not None else None
+    as_score = plan.label is not None and (li is None or li.label == "score")  # class labels stay as they are
     out = []
     for p in parts:
-        if _text_columns(p.column_names) != cols:
-            raise _columns_error(where, p.column_names)
-        p = p.select_columns(keep)
-        if cols != ("sentence1", "sentence2"):
-            p = p.rename_columns({cols[0]: "sentence1", cols[1]: "sentence2"})
-        for c in ("sentence1", "sentence2"):
+        other = plan_columns(p.column_names, loss, columns, where)
+        if other != plan:
+            raise ConfigError(f"data {where}: its splits have different columns ({parts[0].column_names} and "
+                              f"{p.column_names}); give every split the same columns")
+        p = _apply(p, plan, as_score)
+        for c in plan.texts:
             bad = sum(1 for v in p[c] if not isinstance(v, str))
             if bad:
-                raise ConfigError(f"data {where}: column {c!r} (from {cols[0 if c == 'sentence1' else 1]!r}) has "
-                                  f"{bad} empty or non-text value(s); fill or drop those rows")
+                raise ConfigError(f"data {where}: column {c!r} has {bad} empty or non-text value(s); fill or drop "
+                                  "those rows")
         out.append(p)
-    if with_score:
-        values = [v for p in out for v in p[SCORE_COLUMN]]
-        bad = [v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v)]
-        if bad:
-            raise ConfigError(f"data {where}: column 'score' has {len(bad)} missing or non-numeric value(s) "
-                              f"(e.g. {bad[0]!r}); scores must be numbers in [0, 1] or on the 0-5 STS scale")
-        lo, hi = (min(values), max(values)) if values else (0.0, 0.0)
-        if lo < 0 or hi > 5:
-            raise ConfigError(f"data {where}: scores range from {lo} to {hi}; they must be in [0, 1] "
-                              "or on the 0-5 STS scale (which is divided by 5); rescale the score column")
-        scale = 5.0 if hi > 1 else 1.0
-        out = [p.remove_columns(SCORE_COLUMN).add_column(SCORE_COLUMN, [float(v) / scale for v in p[SCORE_COLUMN]])
-               for p in out]
-    return out
+    if not as_score:
+        return out
+    values = [v for p in out for v in p[SCORE_COLUMN]]
+    bad = [v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v)]
+    if bad:
+        raise ConfigError(f"data {where}: column 'score' has {len(bad)} missing or non-numeric value(s) "
+                          f"(e.g. {bad[0]!r}); scores must be numbers in [0, 1] or on the 0-5 STS scale")
+    lo, hi = (min(values), max(values)) if values else (0.0, 0.0)
+    if lo < 0 or hi > 5:
+        raise ConfigError(f"data {where}: scores range from {lo} to {hi}; they must be in [0, 1] "
+                          "or on the 0-5 STS scale (which is divided by 5); rescale the score column")
+    scale = 5.0 if hi > 1 else 1.0
+    return [p.remove_columns(SCORE_COLUMN).add_column(SCORE_COLUMN, [float(v) / scale for v in p[SCORE_COLUMN]])
+            for p in out]
+
+
+def _apply(ds, plan: ColumnPlan, as_score: bool):
+    """Rename, keep the planned columns in the loss's order, and call a similarity label 'score'."""
+    if plan.dropped:
+        ds = ds.remove_columns(list(plan.dropped))
+    if plan.rename:
+        ds = ds.rename_columns(plan.rename)
+    ds = ds.select_columns(plan.keep)
+    if as_score and plan.label != SCORE_COLUMN:
+        ds = ds.rename_column(plan.label, SCORE_COLUMN)
+    return ds
 
 
 # ---- checks ------------------------------------------------------------------------------------
 
-def check_data(spec: str) -> None:
-    """Fast check of a data spec, raising ConfigError that names the file, the problem and the fix.
+def check_data(spec: str, loss: str | None = None, columns: dict | None = None) -> None:
+    """Check a data spec before any process starts; ConfigError names the problem and the fix.
 
-    'synthetic' is always fine. A local file (.csv/.jsonl/.json, or anything path-like) must exist,
-    be readable and non-empty, and its first row must have the required columns. Hub dataset names
-    are not checked (that would need the network).
+    'synthetic' is always fine (without a mapping). A local file (.csv/.jsonl/.json/.parquet, or
+    anything path-like) must exist, be readable and non-empty, and its columns (after ``columns``)
+    must be exactly what ``loss`` reads (``stnb.columns.plan_columns``). A hub dataset must be
+    reachable (or cached); its columns are checked when the hub describes them.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"data must be a non-empty string, got {spec!r}; {_FIX_DATA}")
     if spec == SYNTHETIC:
+        _no_mapping_for_synthetic(columns)
         return
     if not (_is_file_spec(spec) or _looks_local(spec)):
-        return  # hub dataset name: cannot check offline
+        return check_hub_data(spec, loss, columns)
     path = os.path.abspath(os.path.expanduser(spec))
     if os.path.isdir(path):
-        raise ConfigError(f"data path {path} is a folder, not a file; point data at a .csv/.jsonl file")
+        raise ConfigError(f"data path {path} is a folder, not a file; point data at a .csv/.jsonl/.parquet file")
     if not _is_file_spec(path):
-        raise ConfigError(f"data file {path} has an unsupported type; use a .csv, .jsonl or .json file "
+        raise ConfigError(f"data file {path} has an unsupported type; use a .csv, .jsonl, .json or .parquet file "
                           "(or data='synthetic')")
     if not os.path.exists(path):
         raise ConfigError(f"data file {path} does not exist; check the path, or {_FIX_DATA}")
     if not os.path.isfile(path):
-        raise ConfigError(f"data path {path} is not a regular file; point data at a .csv/.jsonl file")
+        raise ConfigError(f"data path {path} is not a regular file; point data at a .csv/.jsonl/.parquet file")
     try:
         with open(path, "rb") as f:
             f.read(1)
@@ -327,12 +393,47 @@ def check_data(spec: str) -> None:
         raise ConfigError(f"data file {path} is not readable ({e}); fix its permissions or {_FIX_DATA}") from e
     if os.path.getsize(path) == 0:
         raise ConfigError(f"data file {path} is empty (0 bytes) and has no rows; {_FIX_DATA}")
-    columns = _first_row_columns(path)
-    if columns is None:
+    found = _parquet_columns(path) if _builder(path) == "parquet" else _first_row_columns(path)
+    if found is None:
         raise ConfigError(f"data file {path} has no rows (only a header or blank lines); add rows or use "
                           "data='synthetic'")
-    if _text_columns(columns) is None:
-        raise _columns_error(f"file {path}", columns)
+    plan_columns(found, loss, columns, f"file {path}")
+
+
+def check_hub_data(spec: str, loss=None, columns=None, timeout: float | None = None) -> None:
+    """A hub dataset: refuse fast when the hub is offline/unreachable and the dataset is not cached,
+    then check its columns from the hub's description (when it has one)."""
+    import datasets
+
+    from .models import HUB_TIMEOUT_S, hub_failure, hub_offline, probe_hub
+
+    name, config = _hub_name(spec)
+    if not hub_offline():
+        # one bounded request: datasets' own loader retries a refused connection for ~25 s
+        why = probe_hub(name, "dataset", HUB_TIMEOUT_S if timeout is None else timeout)
+        if why:
+            raise _hub_error(spec, why + " (a copy downloaded before is used with HF_HUB_OFFLINE=1)")
+    try:
+        builder = datasets.load_dataset_builder(name, config)
+    except Exception as e:
+        raise _hub_error(spec, hub_failure(e)) from e
+    features = builder.info.features
+    if features is not None:
+        plan_columns(list(features), loss, columns, f"hub dataset {spec!r}")
+
+
+def _parquet_columns(path: str) -> list[str] | None:
+    """Column names of a Parquet file, or None when it holds no row."""
+    try:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError...
+        raise ConfigError(f"data file {path} is not valid Parquet ({type(e).__name__}: {e}); fix the file or "
+                          f"{_FIX_DATA}") from e
+    if meta.num_rows == 0:
+        return None
+    return list(meta.schema.to_arrow_schema().names)
 
 
 def _first_row_columns(path: str) -> list[str] | None:

@@ -8,8 +8,11 @@ Presets:
         single-process and distributed runs can be compared exactly; the weights are seeded, so
         every build is byte-identical.
 
-Anything else is a local folder (must exist and hold a model) or a Hugging Face hub id, which
-is returned unchanged and only contacted when the model is actually loaded.
+Anything else is a local folder (must exist and hold a model) or a Hugging Face hub id. A hub id
+is checked before any process starts: it must be in the local Hugging Face cache or the hub must
+answer (one request, bounded by ``HUB_TIMEOUT_S``); otherwise the error says why and names the
+bundled alternatives. No environment variable is needed to use the hub; HF_HUB_OFFLINE=1 keeps
+everything local. The presets never touch the network.
 """
 
 from __future__ import annotations
@@ -168,13 +171,78 @@ def _looks_local(name: str) -> bool:
     return any(s in name for s in seps) and not _HUB_ID.match(name)
 
 
+HUB_TIMEOUT_S = 10.0  # one request to the hub; its loaders' own retries take ~25 s on a refused connection
+_FIX_HUB_MODEL = "without the hub, use model='minilm' (bundled, pretrained), 'tiny' (random, for tests) or a local folder"
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face libraries are in offline mode (HF_HUB_OFFLINE, read as they do)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(constants.HF_HUB_OFFLINE) or env
+
+
+def hub_failure(e: BaseException) -> str:
+    """Why a hub request failed, in words: offline mode, unreachable, not found / no access."""
+    from huggingface_hub import errors
+
+    chain = [e]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        nxt = chain[-1].__cause__ or chain[-1].__context__
+        if nxt in chain:
+            break
+        chain.append(nxt)
+    detail = f"{type(e).__name__}: {e}"
+    if any(isinstance(x, errors.OfflineModeIsEnabled) for x in chain) or hub_offline():
+        return f"HF_HUB_OFFLINE=1 is set (offline mode) and it is not in the local cache ({detail})"
+    if any(isinstance(x, (errors.RepositoryNotFoundError, errors.GatedRepoError)) for x in chain):
+        return f"the hub has no such repository, or it is private/gated (log in with `hf auth login`) ({detail})"
+    http = next((x for x in chain if isinstance(x, errors.HfHubHTTPError)), None)
+    status = getattr(getattr(http, "response", None), "status_code", None)
+    if status is not None and status < 500:
+        return f"the hub refused the request (HTTP {status}) ({detail})"
+    from huggingface_hub import constants
+
+    return f"the Hugging Face hub ({constants.ENDPOINT}) is unreachable ({detail})"
+
+
+def probe_hub(repo_id: str, kind: str = "model", timeout: float = HUB_TIMEOUT_S) -> str:
+    """One request asking the hub about ``repo_id`` ('model' or 'dataset'); '' when it answered, else why not."""
+    import huggingface_hub
+
+    api = huggingface_hub.HfApi()
+    info = api.model_info if kind == "model" else api.dataset_info
+    try:
+        info(repo_id, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - network errors come in many types (httpx, OSError, HTTP status)
+        return hub_failure(e)
+    return ""
+
+
+def check_hub_model(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
+    """Raise ConfigError unless hub model ``name`` can load: cached locally, or the hub has it."""
+    import huggingface_hub
+
+    for f in ("modules.json", "config.json"):
+        if isinstance(huggingface_hub.try_to_load_from_cache(name, f), str):
+            return  # loads from the cache, with or without the network
+    if hub_offline():
+        why = "HF_HUB_OFFLINE=1 is set (offline mode) and it is not in the local Hugging Face cache"
+    else:
+        why = probe_hub(name, "model", timeout)
+    if why:
+        raise ConfigError(f"cannot load model {name!r} from the Hugging Face hub: {why}. {_FIX_HUB_MODEL[0].upper()}"
+                          f"{_FIX_HUB_MODEL[1:]}")
+
+
 def resolve_model(name: str) -> str:
     """'minilm' / 'tiny' / local folder / hub id -> what SentenceTransformer() should load.
 
     A local path (starts with '/', '.', '~', has more than one path separator, or exists) must be a
     folder holding a model (config.json or modules.json); it is returned absolute. Anything else,
-    e.g. 'sentence-transformers/all-mpnet-base-v2', is a hub id and returned unchanged; the hub is
-    not contacted here.
+    e.g. 'sentence-transformers/all-mpnet-base-v2', is a hub id, returned unchanged after
+    ``check_hub_model`` (cached, or the hub answers one bounded request).
     """
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"model must be a non-empty string; got {name!r}; {_FIX_MODEL}")
@@ -193,6 +261,7 @@ def resolve_model(name: str) -> str:
             raise ConfigError(f"model folder {path!r} holds no model (no config.json or modules.json); "
                               f"{_FIX_MODEL}")
         return path
+    check_hub_model(name)
     return name
 
 
@@ -204,12 +273,11 @@ def load_model(name: str, device: str = "cpu", max_seq_length: int | None = None
     is_hub = path == name.strip() and not os.path.isdir(path)
     try:
         model = SentenceTransformer(path, device=device)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - the hub client raises httpx, OSError and HTTP errors
         if not is_hub:
             raise
-        raise ConfigError(
-            f"could not load model {name!r} from the Hugging Face hub (hub unreachable, offline, or no such "
-            f"model: {type(e).__name__}: {e}); use 'minilm', 'tiny' or a local model folder") from e
+        raise ConfigError(f"cannot load model {name!r} from the Hugging Face hub: {hub_failure(e)}. "
+                          f"{_FIX_HUB_MODEL[0].upper()}{_FIX_HUB_MODEL[1:]}") from e
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length
     return model

@@ -51,12 +51,12 @@ def current_profile() -> Profile:
 
 
 def setup(seed: int = 0, show: bool = True) -> Profile:
-    """Seeds, offline hub settings, the plotly renderer, and a hardware summary. Returns the profile."""
+    """Seeds, the plotly renderer, and a hardware summary. Returns the profile.
+
+    The Hugging Face hub is left as the environment has it: hub ids work when the network is there,
+    and the bundled models and synthetic data never contact it (HF_HUB_OFFLINE=1 keeps it all local).
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if os.environ.get("STNB_ONLINE") != "1":
-        # the bundled models and synthetic data need no hub; set STNB_ONLINE=1 to use hub ids
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     random.seed(seed)
     try:
         import numpy as np

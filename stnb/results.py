@@ -35,6 +35,9 @@ class RunResult:
     memory_breakdown: list = field(default_factory=list)   # per rank {params, grads, optimizer_state}
     spearman_before: float | None = None
     spearman_after: float | None = None
+    dev_metric: str | None = None      # the dev evaluator's primary metric, e.g. 'dev_spearman_cosine'
+    dev_metric_before: float | None = None
+    dev_metric_after: float | None = None
     time_to_first_step_s: float | None = None
     wall_time_s: float | None = None
     launcher: str = "stnb"

@@ -132,9 +132,21 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         verification["weights_identical_across_ranks"] = same
         verification["weights_checksums"] = sums
         ok = ok and same
+    # the data reached the loss whole: every text column as an input, the score as the label
+    from .columns import LABEL_COLUMNS
+
+    cols = r0.get("data_columns") or []
+    expected = {"texts": len([c for c in cols if c not in LABEL_COLUMNS]),
+                "label": any(c in LABEL_COLUMNS for c in cols)}
+    seen = [r.get("loss_inputs") for r in rank_results]
+    verification["data_columns"] = cols
+    verification["loss_inputs"] = seen
+    verification["loss_received_all_columns"] = all(x == expected for x in seen)
+    ok = ok and verification["loss_received_all_columns"]
     if r0.get("saved_to"):
         verification["saved_model_reloads"] = r0.get("saved_model_reloads")
         ok = ok and bool(r0.get("saved_model_reloads"))
+    spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
     return RunResult(
         strategy=config.strategy,
         world_size=len(rank_results) if config.strategy in ("ddp", "fsdp") else 1,
@@ -153,8 +165,11 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         device=r0["device"],
         versions=versions(),
         memory_breakdown=[r["memory_breakdown"] for r in rank_results],
-        spearman_before=r0.get("spearman_before"),
-        spearman_after=r0.get("spearman_after"),
+        spearman_before=r0.get("dev_metric_before") if spearman else None,
+        spearman_after=r0.get("dev_metric_after") if spearman else None,
+        dev_metric=r0.get("dev_metric"),
+        dev_metric_before=r0.get("dev_metric_before"),
+        dev_metric_after=r0.get("dev_metric_after"),
         time_to_first_step_s=max(r["time_to_first_step_s"] for r in rank_results),
         wall_time_s=wall_time_s,
         launcher=launcher,
@@ -246,21 +261,49 @@ def _make_trainer_class(cfg: dict):
 
 
 def _evaluator(dev, name="dev"):
+    """The dev evaluator that fits the dev rows: scored pairs -> Spearman (EmbeddingSimilarityEvaluator),
+    (anchor, positive, negative...) -> TripletEvaluator accuracy (one triplet per negative),
+    unscored pairs -> InformationRetrievalEvaluator NDCG@10 (each anchor's own positive among all)."""
+    from .columns import text_columns
     from .data import has_scores
 
-    if dev is None or len(dev) == 0 or not has_scores(dev):
+    if dev is None or len(dev) == 0:
         return None
-    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+    from sentence_transformers.sentence_transformer import evaluation
 
-    return EmbeddingSimilarityEvaluator(dev["sentence1"], dev["sentence2"], dev["score"], name=name,
-                                        show_progress_bar=False)
+    texts = text_columns(dev)
+    col = {c: list(dev[c]) for c in dev.column_names}
+    if has_scores(dev):
+        return evaluation.EmbeddingSimilarityEvaluator(col[texts[0]], col[texts[1]], col["score"], name=name,
+                                                       show_progress_bar=False)
+    if len(texts) > 2:
+        anchors, positives = col[texts[0]], col[texts[1]]
+        negatives = [col[c] for c in texts[2:]]
+        return evaluation.TripletEvaluator(anchors * len(negatives), positives * len(negatives),
+                                           [n for col in negatives for n in col], name=name,
+                                           show_progress_bar=False, write_csv=False)
+    queries = {f"q{i}": q for i, q in enumerate(col[texts[0]])}
+    corpus = {f"d{i}": d for i, d in enumerate(col[texts[1]])}
+    return evaluation.InformationRetrievalEvaluator(queries, corpus, {f"q{i}": {f"d{i}"} for i in range(len(dev))},
+                                                    name=name, show_progress_bar=False, write_csv=False)
 
 
-def _spearman(evaluator, model) -> float | None:
+def _dev_metric(evaluator, model) -> float | None:
     if evaluator is None:
         return None
     scores = evaluator(model)
     return float(scores[evaluator.primary_metric])
+
+
+def _record_loss_inputs(loss, state: dict) -> None:
+    """Note what the loss really receives at its first call: how many text inputs, and a label or not."""
+    def hook(module, args):
+        if state.get("loss_inputs") is None and args:
+            features = list(args[0])
+            labels = args[1] if len(args) > 1 else None
+            state["loss_inputs"] = {"texts": len(features), "label": labels is not None}
+
+    loss.register_forward_pre_hook(hook)
 
 
 def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> dict:
@@ -306,21 +349,21 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
 
     torch.manual_seed(cfg["seed"])
     model = load_model(model_path, device=device, max_seq_length=cfg["max_seq_length"])
-    train, dev = load_pairs(cfg["data"], cfg["train_size"], cfg["dev_size"], cfg["seed"])
+    train, dev = load_pairs(cfg["data"], cfg["train_size"], cfg["dev_size"], cfg["seed"], cfg["loss"],
+                            cfg.get("columns"))
     evaluator = _evaluator(dev) if cfg["evaluate"] else None
 
     state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
              "memory_breakdown": None, "world_size": world, "n_gpu": n_gpu, "first_step_wall": None}
-    spearman_before = None
+    dev_before = None
     if evaluator is not None and rank == 0:
-        spearman_before = _spearman(evaluator, model)
+        dev_before = _dev_metric(evaluator, model)
     if distributed:
         dist.barrier()
 
     frozen = strategies.freeze_unused_pooler(model)
-    loss = _make_loss(cfg, model)
-    if cfg["loss"] == "mnrl" and "score" in train.column_names:
-        train = train.remove_columns("score")
+    loss = _make_loss(cfg, model)  # train holds exactly the columns this loss reads (data.load_pairs)
+    _record_loss_inputs(loss, state)
     if cfg["strategy"] == "fsdp":
         state["prepare_info"] = strategies.shard_fsdp(
             model, "cuda" if use_cuda else "cpu", world, cfg.get("fsdp_layer_cls"),
@@ -364,11 +407,11 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     losses = state["losses"]
     checksum = strategies.weights_checksum(trainer.model)
     saved_to = reloads = None
-    spearman_after = None
+    dev_after = None
     final_model = _full_model_on_rank0(cfg, trainer.model, model_path, device, rank)
     if rank == 0:
         if evaluator is not None:
-            spearman_after = _spearman(evaluator, final_model)
+            dev_after = _dev_metric(evaluator, final_model)
         if cfg.get("save_to"):
             saved_to, reloads = _save_atomically(final_model, cfg["save_to"], device)
     if distributed:
@@ -389,8 +432,11 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         "memory_breakdown": state["memory_breakdown"] or {},
         "peak_memory_bytes": int(peak),
         "weights_checksum": checksum,
-        "spearman_before": spearman_before,
-        "spearman_after": spearman_after,
+        "dev_metric": evaluator.primary_metric if evaluator is not None else None,
+        "dev_metric_before": dev_before,
+        "dev_metric_after": dev_after,
+        "data_columns": train.column_names,
+        "loss_inputs": state.get("loss_inputs"),
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
         "saved_to": saved_to,
         "saved_model_reloads": reloads,

@@ -28,6 +28,10 @@ def _files(tmp):
     (tmp / "header_only.csv").write_text("sentence1,sentence2,score\n")
     (tmp / "wrong_columns.csv").write_text("question,answer\nwhat,that\n")
     (tmp / "pairs.txt").write_text("a\tb\n")
+    (tmp / "triplets.jsonl").write_text('{"anchor": "q", "positive": "p", "negative": "n"}\n')
+    (tmp / "scored.csv").write_text("sentence1,sentence2,score\na,b,0.5\n")
+    (tmp / "unscored.csv").write_text("sentence1,sentence2\na,b\n")
+    (tmp / "extra.csv").write_text("anchor,positive,source\nq,p,web\n")
     (tmp / "a_folder").mkdir()
     saved = tmp / "saved_model"
     saved.mkdir()
@@ -96,9 +100,30 @@ CASES = [
     ("header-only-csv", dict(data="{tmp}/header_only.csv"), ConfigError, ["has no rows", "add rows"]),
     ("missing-data-file", dict(data="{tmp}/nope.csv"), ConfigError, ["nope.csv", "does not exist"]),
     ("wrong-columns", dict(data="{tmp}/wrong_columns.csv"), ConfigError,
-     ["['question', 'answer']", "sentence1,sentence2", "rename the columns"]),
-    ("data-is-a-folder", dict(data="{tmp}/a_folder"), ConfigError, ["is a folder", ".csv/.jsonl"]),
-    ("data-unsupported-type", dict(data="{tmp}/pairs.txt"), ConfigError, ["unsupported type", ".csv, .jsonl"]),
+     ["['question', 'answer']", "(sentence1, sentence2, score)", "columns={'question': 'sentence1'}"]),
+    # data columns vs the loss: every column is used, or the run is refused
+    ("triplets-with-cosine", dict(data="{tmp}/triplets.jsonl", loss="cosine"), ConfigError,
+     ["['anchor', 'positive', 'negative']", "['negative'] would not be used", "loss='mnrl'",
+      "columns={'negative': None}"]),
+    ("mnrl-with-scores", dict(data="{tmp}/scored.csv", loss="mnrl"), ConfigError,
+     ["takes no label", "'score' column would be ignored", "loss='cosine'", "columns={'score': None}"]),
+    ("cosine-without-scores", dict(data="{tmp}/unscored.csv", loss="cosine"), ConfigError,
+     ["no label column", "columns={'similarity': 'score'}", "loss='mnrl'"]),
+    ("extra-column", dict(data="{tmp}/extra.csv", loss="mnrl"), ConfigError,
+     ["['source'] are not inputs", "columns={'source': 'anchor'}", "columns={'source': None}"]),
+    ("mapping-a-missing-column", dict(data="{tmp}/scored.csv", columns={"question": "sentence1"}), ConfigError,
+     ["maps ['question']", "which the data does not have", "['sentence1', 'sentence2', 'score']"]),
+    ("mapping-on-synthetic", dict(columns={"sentence1": "anchor"}), ConfigError,
+     ["data='synthetic' has fixed columns"]),
+    ("columns-not-a-dict", dict(columns=["anchor", "positive"]), ConfigError,
+     ["columns must be a dict", "columns={'question': 'anchor'"]),
+    # the hub, offline here: refused with the bundled alternatives
+    ("hub-model-offline", dict(model="sentence-transformers/all-mpnet-base-v2"), ConfigError,
+     ["'sentence-transformers/all-mpnet-base-v2'", "HF_HUB_OFFLINE=1", "model='minilm'", "'tiny'"]),
+    ("hub-data-offline", dict(data="sentence-transformers/stsb"), ConfigError,
+     ["'sentence-transformers/stsb'", "HF_HUB_OFFLINE=1", "data='synthetic'"]),
+    ("data-is-a-folder", dict(data="{tmp}/a_folder"), ConfigError, ["is a folder", ".csv/.jsonl/.parquet"]),
+    ("data-unsupported-type", dict(data="{tmp}/pairs.txt"), ConfigError, ["unsupported type", ".json or .parquet"]),
     ("save-to-non-empty-dir", dict(save_to="{tmp}/saved_model"), ConfigError,
      ["saved_model", "already exists and is not empty", "new folder"]),
 ]
@@ -125,7 +150,7 @@ def test_rejected_before_any_process(name, overrides, exc, words, bad_files):
     assert isinstance(ei.value, StnbError)
     msg = str(ei.value)
     for w in words:
-        assert w.format(tmp=bad_files) in msg, f"{name}: {w!r} not in message:\n{msg}"
+        assert w.replace("{tmp}", str(bad_files)) in msg, f"{name}: {w!r} not in message:\n{msg}"
     assert not sampler.seen, f"{name}: a process was started before the refusal"
     assert fc.new_descendants(before) == []
 

@@ -179,9 +179,12 @@ def test_resolve_model_paths_and_hub_ids(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     assert models.resolve_model(str(tmp_path)) == str(tmp_path)
-    # hub ids are returned unchanged, without contacting the hub
-    assert models.resolve_model("sentence-transformers/all-mpnet-base-v2") == "sentence-transformers/all-mpnet-base-v2"
-    assert models.resolve_model("bert-base-uncased") == "bert-base-uncased"
+    # hub ids are checked (offline here, and not cached): refused with the bundled alternatives
+    for hub_id in ("sentence-transformers/all-mpnet-base-v2", "bert-base-uncased"):
+        with pytest.raises(ConfigError) as e:
+            models.resolve_model(hub_id)
+        msg = str(e.value)
+        assert repr(hub_id) in msg and "HF_HUB_OFFLINE=1" in msg and "'minilm'" in msg and "'tiny'" in msg
     with pytest.raises(ConfigError):
         models.resolve_model("")
 
@@ -265,12 +268,14 @@ def _write_csv(path, header, rows):
 
 
 def test_csv_sts_scale_scores(tmp_path):
-    rows = [(f"first sentence {i}, with a comma", f"second sentence {i}", i % 6) for i in range(12)]
+    rows = [(f"first sentence {i}, with a comma", f"second sentence {i}", i % 6, "news") for i in range(12)]
     path = _write_csv(tmp_path / "sts.csv", ["sentence1", "sentence2", "score", "genre"], rows)
-    data.check_data(path)
-    train, dev = data.load_pairs(path, train_size=8, dev_size=3, seed=0)
+    with pytest.raises(ConfigError, match="'genre'"):  # a column no loss reads is never dropped silently
+        data.check_data(path, "cosine")
+    data.check_data(path, "cosine", {"genre": None})
+    train, dev = data.load_pairs(path, train_size=8, dev_size=3, seed=0, loss="cosine", columns={"genre": None})
     assert (len(train), len(dev)) == (8, 3)
-    assert train.column_names == ["sentence1", "sentence2", "score"]  # 'genre' dropped
+    assert train.column_names == ["sentence1", "sentence2", "score"]  # 'genre' dropped, as asked
     assert data.has_scores(train) and data.has_scores(dev)
     assert train[0]["sentence1"] == "first sentence 0, with a comma"
     assert train["score"] == pytest.approx([(i % 6) / 5 for i in range(8)])  # 0-5 scale -> [0, 1]
@@ -281,13 +286,13 @@ def test_jsonl_anchor_positive(tmp_path):
     path = tmp_path / "pairs.jsonl"
     with open(path, "w", encoding="utf-8") as f:
         for i in range(6):
-            f.write(json.dumps({"anchor": f"question {i}", "positive": f"answer {i}", "id": i}) + "\n")
-    data.check_data(str(path))
-    train, dev = data.load_pairs(str(path), train_size=4, dev_size=2, seed=0)
-    assert train.column_names == ["sentence1", "sentence2"]
+            f.write(json.dumps({"positive": f"answer {i}", "anchor": f"question {i}"}) + "\n")
+    data.check_data(str(path), "mnrl")
+    train, dev = data.load_pairs(str(path), train_size=4, dev_size=2, seed=0, loss="mnrl")
+    assert train.column_names == ["anchor", "positive"]  # the order MNRL reads them, whatever the file's
     assert not data.has_scores(train)
-    assert train["sentence1"] == [f"question {i}" for i in range(4)]
-    assert dev["sentence2"] == ["answer 4", "answer 5"]
+    assert train["anchor"] == [f"question {i}" for i in range(4)]
+    assert dev["positive"] == ["answer 4", "answer 5"]
 
 
 def test_json_list_with_unit_scores(tmp_path):
@@ -311,7 +316,7 @@ def test_missing_column(tmp_path):
     with pytest.raises(ConfigError) as e:
         data.check_data(path)
     msg = str(e.value)
-    assert path in msg and "sentence1" in msg and "anchor" in msg and "text" in msg
+    assert path in msg and "sentence1" in msg and "anchor" in msg and "'text'" in msg and "columns={" in msg
     with pytest.raises(ConfigError, match="sentence1"):
         data.load_pairs(path, 2, 1, 0)
 
@@ -350,6 +355,10 @@ def test_missing_and_bad_files(tmp_path):
     tsv.write_text("sentence1\tsentence2\na\tb\n")
     with pytest.raises(ConfigError, match="unsupported"):
         data.check_data(str(tsv))
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("sentence1,sentence2\na,b\n")
+    with pytest.raises(ConfigError, match="not valid Parquet"):
+        data.check_data(str(fake))
 
     out_of_range = _write_csv(tmp_path / "range.csv", ["sentence1", "sentence2", "score"], [("a", "b", 7)])
     with pytest.raises(ConfigError, match="0-5"):
@@ -357,8 +366,10 @@ def test_missing_and_bad_files(tmp_path):
 
 
 def test_hub_names(tmp_path):
-    assert data.check_data("sentence-transformers/stsb") is None  # not checked offline
-    with pytest.raises(ConfigError) as e:
-        data.load_pairs("sentence-transformers/stsb", 10, 2, 0)
-    msg = str(e.value)
-    assert "hub" in msg and "synthetic" in msg
+    for call in (lambda: data.check_data("sentence-transformers/stsb"),  # refused before any process
+                 lambda: data.load_pairs("sentence-transformers/stsb", 10, 2, 0)):
+        with pytest.raises(ConfigError) as e:
+            call()
+        msg = str(e.value)
+        assert "'sentence-transformers/stsb'" in msg and "HF_HUB_OFFLINE=1" in msg
+        assert "data='synthetic'" in msg and ".parquet" in msg

@@ -1,0 +1,197 @@
+"""Data keeps what the loss reads: real CSV / JSONL / Parquet files written here, column mappings,
+refusals that name the columns and the fix, and a real 2-rank DDP run where the hard negative
+demonstrably reaches MultipleNegativesRankingLoss.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+import stnb
+from stnb import columns, data
+from stnb.errors import ConfigError
+
+N = 12
+
+
+def _rows(kind: str, n: int = N) -> list[dict]:
+    if kind == "triplets":
+        return [{"anchor": f"question {i}", "positive": f"answer {i}", "negative": f"wrong answer {i}"}
+                for i in range(n)]
+    if kind == "pairs":
+        return [{"anchor": f"question {i}", "positive": f"answer {i}"} for i in range(n)]
+    if kind == "scored":
+        return [{"sentence1": f"first {i}", "sentence2": f"second {i}", "score": i % 6} for i in range(n)]
+    raise ValueError(kind)
+
+
+def _write(path, rows: list[dict]) -> str:
+    """Write rows as CSV, JSONL or Parquet, by the file's suffix."""
+    path = str(path)
+    if path.endswith(".csv"):
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    elif path.endswith(".jsonl"):
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    else:
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_triplets_keep_the_negative(tmp_path, suffix):
+    path = _write(tmp_path / f"triplets{suffix}", _rows("triplets"))
+    data.check_data(path, "mnrl")
+    train, dev = data.load_pairs(path, train_size=8, dev_size=4, seed=0, loss="mnrl")
+    assert train.column_names == ["anchor", "positive", "negative"]
+    assert train["negative"] == [f"wrong answer {i}" for i in range(8)]
+    assert dev["negative"] == [f"wrong answer {i}" for i in range(8, 12)]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_pairs_and_scored_pairs(tmp_path, suffix):
+    pairs = _write(tmp_path / f"pairs{suffix}", _rows("pairs"))
+    train, _ = data.load_pairs(pairs, 8, 4, 0, loss="mnrl")
+    assert train.column_names == ["anchor", "positive"]
+    scored = _write(tmp_path / f"scored{suffix}", _rows("scored"))
+    train, dev = data.load_pairs(scored, 8, 4, 0, loss="cosine")
+    assert train.column_names == ["sentence1", "sentence2", "score"]
+    assert train["score"] == pytest.approx([(i % 6) / 5 for i in range(8)])  # 0-5 scale -> [0, 1]
+    # the loss decides what fits: each mismatch is refused, naming the other loss
+    with pytest.raises(ConfigError, match="loss='cosine'"):
+        data.load_pairs(scored, 8, 4, 0, loss="mnrl")
+    with pytest.raises(ConfigError, match="loss='mnrl'"):
+        data.load_pairs(pairs, 8, 4, 0, loss="cosine")
+
+
+def test_column_order_follows_the_loss_not_the_file(tmp_path):
+    rows = [{"negative_2": f"n2 {i}", "positive": f"p {i}", "negative_1": f"n1 {i}", "anchor": f"a {i}"}
+            for i in range(N)]
+    path = _write(tmp_path / "multi.jsonl", rows)
+    train, _ = data.load_pairs(path, 8, 4, 0, loss="mnrl")
+    assert train.column_names == ["anchor", "positive", "negative_1", "negative_2"]
+    assert train[0] == {"anchor": "a 0", "positive": "p 0", "negative_1": "n1 0", "negative_2": "n2 0"}
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_mapping_renames_and_drops_explicitly(tmp_path, suffix):
+    rows = [{"id": i, "question": f"q {i}", "answer": f"a {i}", "hard": f"h {i}", "similarity": i / N}
+            for i in range(N)]
+    path = _write(tmp_path / f"qa{suffix}", rows)
+    mapping = {"id": None, "question": "anchor", "answer": "positive", "hard": "negative", "similarity": None}
+    data.check_data(path, "mnrl", mapping)
+    train, _ = data.load_pairs(path, 8, 4, 0, loss="mnrl", columns=mapping)
+    assert train.column_names == ["anchor", "positive", "negative"]
+    assert train[3] == {"anchor": "q 3", "positive": "a 3", "negative": "h 3"}
+    # the same file as scored pairs for the cosine loss
+    as_pairs = {"id": None, "question": "sentence1", "answer": "sentence2", "hard": None, "similarity": "score"}
+    train, _ = data.load_pairs(path, 8, 4, 0, loss="cosine", columns=as_pairs)
+    assert train.column_names == ["sentence1", "sentence2", "score"]
+    assert train["score"] == pytest.approx([i / N for i in range(8)])
+    # leaving one column out of the mapping is refused, naming it
+    partial = {k: v for k, v in mapping.items() if k != "id"}
+    with pytest.raises(ConfigError) as e:
+        data.check_data(path, "mnrl", partial)
+    msg = str(e.value)
+    assert "['id'] are not inputs" in msg and "columns={'id': None}" in msg and "'question'" in msg
+
+
+def test_extra_columns_are_refused_not_dropped(tmp_path):
+    rows = [dict(r, source="web") for r in _rows("triplets")]
+    path = _write(tmp_path / "extra.csv", rows)
+    with pytest.raises(ConfigError) as e:
+        data.load_pairs(path, 8, 4, 0, loss="mnrl")
+    msg = str(e.value)
+    assert path in msg and "['anchor', 'positive', 'negative', 'source']" in msg
+    assert "(anchor, positive[, negative_1, ..., negative_n])" in msg and "columns={'source': None}" in msg
+
+
+def test_missing_positive_is_refused(tmp_path):
+    path = _write(tmp_path / "no_positive.jsonl", [{"anchor": "a", "negative": "n"}] * 4)
+    with pytest.raises(ConfigError, match=r"\['positive'\] are missing"):
+        data.check_data(path, "mnrl")
+
+
+def test_synthetic_train_rows_fit_the_loss():
+    train, dev = data.load_pairs("synthetic", 40, 10, 3, loss="mnrl")
+    assert train.column_names == ["anchor", "positive"]  # paraphrases: every row a true positive pair
+    assert all(a != p for a, p in zip(train["anchor"], train["positive"]))
+    assert train[:] == data.synthetic_positives(40, seed=3)[:]
+    cos_train, cos_dev = data.load_pairs("synthetic", 40, 10, 3, loss="cosine")
+    assert cos_train.column_names == ["sentence1", "sentence2", "score"]
+    assert dev[:] == cos_dev[:]  # the same scored dev pairs, whatever the loss: comparable Spearman
+
+
+def test_label_names_match_the_trainer():
+    from sentence_transformers.base.data_collator import DEFAULT_LABEL_COLUMNS
+
+    assert columns.LABEL_COLUMNS == DEFAULT_LABEL_COLUMNS
+
+
+def test_loss_objects_are_looked_up_through_wrappers():
+    from sentence_transformers.sentence_transformer import losses
+
+    from stnb.models import load_model
+
+    model = load_model("tiny")
+    mnrl = losses.MultipleNegativesRankingLoss(model)
+    assert columns.loss_inputs(losses.MatryoshkaLoss(model, mnrl, [32, 16])).loss == "MultipleNegativesRankingLoss"
+    assert columns.loss_inputs(losses.TripletLoss(model)).max_texts == 3
+    plan = columns.plan_columns(["anchor", "positive", "negative"], losses.TripletLoss(model))
+    assert plan.texts == ("anchor", "positive", "negative") and plan.label is None
+    with pytest.raises(ConfigError, match="TripletLoss"):
+        columns.plan_columns(["anchor", "positive"], losses.TripletLoss(model))
+    with pytest.raises(ConfigError, match="CoSENTLoss takes|no label column"):
+        columns.plan_columns(["sentence1", "sentence2"], losses.CoSENTLoss(model))
+
+
+# ---- a real run: the hard negative reaches the loss ---------------------------------------------
+
+RUN = dict(model="tiny", strategy="ddp", num_processes=2, device="cpu", per_device_batch_size=4, steps=3,
+           warmup_steps_excluded=1, loss="mnrl", seed=7)
+
+
+@pytest.fixture(scope="module")
+def triplet_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("triplet_run")
+    path = _write(folder / "triplets.jsonl", _rows("triplets", 40))
+    cfg = stnb.TrainConfig(data=path, train_size=32, dev_size=8, **RUN)
+    with_negatives = stnb.run(cfg, echo=False)
+    without = stnb.run(cfg.replace(columns={"negative": None}), echo=False)
+    return with_negatives, without
+
+
+def test_ddp_triplets_feed_the_negative_to_the_loss(triplet_runs):
+    r, _ = triplet_runs
+    assert r.verified and r.world_size == 2
+    v = r.verification
+    assert v["data_columns"] == ["anchor", "positive", "negative"]
+    # what MultipleNegativesRankingLoss received at its first call, in each rank: 3 texts, no label
+    assert v["loss_inputs"] == [{"texts": 3, "label": False}] * 2
+    assert v["loss_received_all_columns"] is True
+    assert r.dev_metric == "dev_cosine_accuracy"  # TripletEvaluator on the dev triplets
+    assert 0.0 <= r.dev_metric_before <= 1.0 and 0.0 <= r.dev_metric_after <= 1.0
+    assert r.spearman_before is None and r.config["columns"] is None
+
+
+def test_dropping_the_negative_changes_the_training(triplet_runs):
+    with_negatives, without = triplet_runs
+    assert without.verification["data_columns"] == ["anchor", "positive"]
+    assert without.verification["loss_inputs"] == [{"texts": 2, "label": False}] * 2
+    assert without.config["columns"] == {"negative": None}  # the drop was asked for, and recorded
+    assert without.dev_metric == "dev_cosine_ndcg@10"  # unscored pairs: retrieval among the dev positives
+    # same seed, same rows, same order: only the negatives differ, and the loss sees it from step 1
+    assert with_negatives.losses[0] != pytest.approx(without.losses[0], rel=1e-4)
