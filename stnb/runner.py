@@ -209,7 +209,7 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
         def on_step_begin(self, args, st, control, **kw):
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
-                if cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp" and state["world_size"] > 1:
+                if cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp" and state["process_group_size"] > 1:
                     from . import rowsync  # before the first backward, as DDP requires
 
                     state["rowsync"] = rowsync.register(tr.model_wrapped)
@@ -326,7 +326,8 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
     evaluator = _evaluator(dev) if cfg["evaluate"] else None
 
     state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
-             "memory_breakdown": None, "world_size_requested": requested, "n_gpu": n_gpu, "first_step_wall": None}
+             "memory_breakdown": None, "world_size_requested": requested, "process_group_size": world,
+             "n_gpu": n_gpu, "first_step_wall": None}
     spearman_before = None
     if evaluator is not None and rank == 0:
         spearman_before = _spearman(evaluator, model)
