@@ -167,8 +167,8 @@ def _cross_rank_checks(config: TrainConfig, rank_results: list) -> tuple:
                     "world_size_seen": sorted({v.get("world_size_seen") for v in ranks}, key=str),
                     "model_shape": rank_results[0].get("model_shape"),
                     "peak_memory_method": rank_results[0].get("peak_memory_method")}
-    problems = [f"rank {i}: " + "; ".join(v.get("problems") or ["no training step began, so the prepared model was never verified"])
-                for i, v in enumerate(ranks) if not v.get("ok")]
+    never = "no training step began, so the prepared model was never verified"
+    problems = [f"rank {i}: " + "; ".join(v.get("problems") or [never]) for i, v in enumerate(ranks) if not v.get("ok")]
     if config.strategy in ("ddp", "fsdp") and len(rank_results) != requested:
         problems.append(f"{requested} ranks were requested, {len(rank_results)} returned a result")
     if config.strategy == "ddp" and len(rank_results) > 1:
@@ -209,7 +209,8 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
         def on_step_begin(self, args, st, control, **kw):
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
-                if cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp" and state["process_group_size"] > 1:
+                if (cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp"
+                        and state["process_group_size"] > 1):
                     from . import rowsync  # before the first backward, as DDP requires
 
                     state["rowsync"] = rowsync.register(tr.model_wrapped)
