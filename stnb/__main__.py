@@ -67,13 +67,17 @@ def cmd_run(a) -> int:
     result = run(cfg, results_file=a.results, echo=not a.json)
     from .scaleout import is_main_process
 
-    if not is_main_process():  # under torchrun / accelerate launch only rank 0 reports
-        return 0
+    status = 0 if result.verified else 1  # every rank exits the same way; only rank 0 reports
+    if not is_main_process():  # under torchrun / accelerate launch
+        return status
     if a.json:
         print(json.dumps(result.to_dict()))
     else:
         _print_summary(result)
-    return 0
+    if status:
+        print(f"error: the run finished, but {result.reason or 'it is not verified (no reason recorded)'}",
+              file=sys.stderr)
+    return status
 
 
 def _print_summary(result) -> None:

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._files import write_atomic
@@ -410,6 +410,9 @@ def _execute(item: Item, opts: BenchOptions):
         r.launcher = item.launcher
         return r
     res.config = cfg.to_dict()  # keep the bench tag (merge stores the config it was given)
+    if res.status == "ok" and not res.verified:  # its numbers are not a measurement of what was asked
+        res.status = "failed"
+        res.reason = res.reason or "not verified (no reason recorded)"
     return res
 
 
@@ -708,6 +711,7 @@ class BenchReport:
     skipped: int = 0
     failed: int = 0
     table: str = ""
+    failed_runs: list = field(default_factory=list)  # [(run label, reason)] of this invocation
 
     def __str__(self) -> str:
         return self.table
@@ -740,7 +744,7 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
     done = {}
     for row in existing:
         k = _row_key(row)
-        if k and row.get("status") in ("ok", "not runnable here"):
+        if k and (row.get("status") == "not runnable here" or (row.get("status") == "ok" and row.get("verified"))):
             done[k] = row
     echo = opts.echo
     todo = [it for it in items if it.key not in done]
@@ -752,6 +756,7 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
     if todo:
         _warm_parent()
     ran = failed = 0
+    failed_runs = []
     t_start = time.time()
     try:
         for i, it in enumerate(todo, 1):
@@ -766,6 +771,9 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
             append_result(path, res)
             ran += 1
             failed += res.status == "failed"
+            if res.status == "failed":
+                failed_runs.append((it.label(), (res.reason or "").strip().splitlines()[0][:300]
+                                    if res.reason else "no reason recorded"))
             if echo:
                 print(f"[{i}/{len(todo)}] {it.label():<62} {_describe(res)}  ({time.time() - t0:.1f} s)", flush=True)
     except KeyboardInterrupt:
@@ -798,7 +806,7 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
               f"\n{ran} run(s) now, {len(items) - len(todo)} resumed from the file, {failed} failed; "
               f"{time.time() - t_start:.0f} s", flush=True)
     return BenchReport(summary=summary, frame=frame, results_path=str(path), report_path=report, ran=ran,
-                       skipped=len(items) - len(todo), failed=failed, table=table)
+                       skipped=len(items) - len(todo), failed=failed, table=table, failed_runs=failed_runs)
 
 
 def knobs_frame(report) -> "object":
@@ -1234,7 +1242,12 @@ def cmd_bench(a) -> int:
     rep = bench(opts)
     if a.json:
         print(json.dumps({"summary": rep.summary, "results": rep.results_path, "report": rep.report_path,
-                          "ran": rep.ran, "skipped": rep.skipped, "failed": rep.failed}, default=str))
+                          "ran": rep.ran, "skipped": rep.skipped, "failed": rep.failed,
+                          "failed_runs": [{"run": n, "reason": r} for n, r in rep.failed_runs]}, default=str))
+    if rep.failed:
+        print(f"error: {rep.failed} run(s) failed:", file=sys.stderr)
+        for name, reason in rep.failed_runs:
+            print(f"  {name}: {reason}", file=sys.stderr)
     return 1 if rep.failed else 0
 
 

@@ -364,14 +364,18 @@ def _rank_main(ch: _Channel, opts: _Options) -> None:
     watcher.start()
     import torch.distributed as dist
 
+    from .checks import observe_world, world_problems
+
     try:
         if opts.init_distributed and not dist.is_initialized():
             if opts.device == "cuda":
                 torch.cuda.set_device(local_rank)
             dist.init_process_group(backend=opts.backend)
-            seen = dist.get_world_size()
-            if seen != opts.world_size:
-                raise LaunchError(f"rank {rank} sees world_size {seen}, expected {opts.world_size}")
+            # the world the caller asked for (opts, not the environment the group was built from)
+            # against the processes that answer in the group
+            problems = world_problems(opts.world_size, observe_world())
+            if problems:
+                raise LaunchError(f"rank {rank}: " + "; ".join(problems))
             if opts.backend == "gloo":
                 # gloo connects every pair inside init_process_group; a rank that finished a short
                 # function and destroyed its group while a slower peer was still connecting made

@@ -24,8 +24,9 @@ parameters on the other GPUs; the prediction is GPU 0's.
 
 Activations (which grow with batch size and sequence length), the CUDA context, allocator
 caches and, on CPU, the Python process itself come on top: a run's *peak* memory is always
-above the predicted model state. ``compare(result)`` puts the prediction next to what a run
-measured for every rank.
+above the predicted model state. ``measure(model, optimizer)`` counts what a rank holds from its
+tensors, ``PeakMemory`` reads its peak from the allocator or the kernel, and ``compare(result)``
+puts the prediction (from ``model_shape``) next to what a run measured for every rank.
 """
 
 from __future__ import annotations
@@ -105,20 +106,123 @@ def predict_table(param_count: int, world_size: int = 2, trainable_param_count: 
     return pd.DataFrame(rows)
 
 
-def compare(result, optimizer: str = "adamw"):
+def model_shape(model, optimizer: str = "adamw") -> dict:
+    """What a prediction needs, read from the model itself (before it is sharded or trained).
+
+    param_count: every parameter's numel; trainable_param_count: those with ``requires_grad``;
+    bytes_per_param: the element size most parameters have; optimizer: passed through.
+    """
+    from collections import Counter
+
+    total = trainable = 0
+    sizes = Counter()
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+        sizes[p.element_size()] += p.numel()
+    return {"param_count": total, "trainable_param_count": trainable,
+            "bytes_per_param": sizes.most_common(1)[0][0] if sizes else 4, "optimizer": optimizer_kind(optimizer)}
+
+
+def optimizer_kind(name) -> str:
+    """The OPTIMIZER_SLOTS key of an optimizer name ('adamw_torch_fused' -> 'adamw')."""
+    key = str(getattr(name, "value", name)).lower()
+    for kind in ("adafactor", "sgd_momentum", "adamw", "adam", "sgd"):
+        if key.startswith(kind):
+            return kind
+    raise ConfigError(f"no memory prediction for optimizer {name!r}; stnb knows {', '.join(OPTIMIZER_SLOTS)}")
+
+
+def measure(model, optimizer) -> dict:
+    """Bytes a rank holds, counted from the tensors themselves (a DTensor counts its local shard):
+    the parameters, their ``.grad`` tensors and every tensor in the optimizer's state."""
+    import torch
+
+    from .strategies import tensor_bytes
+
+    params = sum(tensor_bytes(p) for p in model.parameters())
+    grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    ostate = 0
+    if opt is not None:
+        for st in opt.state.values():
+            ostate += sum(tensor_bytes(v) for v in st.values() if torch.is_tensor(v))
+    return {"params": params, "grads": grads, "optimizer_state": ostate, "total": params + grads + ostate}
+
+
+class PeakMemory:
+    """A rank's peak memory from the allocator (CUDA: ``max_memory_allocated``) or from the kernel
+    (CPU: the process's resident high-water mark, VmHWM, reset when the measurement starts; its
+    growth over the resident size at that moment). Start it with ``PeakMemory(cuda)``, read ``peak()``."""
+
+    def __init__(self, cuda: bool):
+        import torch
+
+        self.cuda = cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.method = "cuda max_memory_allocated"
+            return
+        self.reset = _reset_high_water()
+        self.base = _rss()
+        self.method = ("resident high-water mark (VmHWM) growth" if self.reset
+                       else "resident high-water mark (ru_maxrss) growth, not reset: may include earlier peaks")
+
+    def peak(self) -> int:
+        import torch
+
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated())
+        return max(0, _high_water() - self.base)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _reset_high_water() -> bool:
+    try:  # Linux >= 4.0: "5" resets the peak resident set size of this process
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _high_water() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def compare(result, optimizer: str | None = None):
     """Predicted vs measured model-state memory of every rank of a run.
 
-    ``result`` is a RunResult (or its dict / a row of ``stnb.results_frame``). The measurement
-    is what each rank's training loop saw after its first optimizer step: the bytes of its
-    (local) parameters, of their ``.grad`` tensors and of the optimizer's state tensors. Frozen
-    parameters have neither gradients nor optimizer state, so the trainable count used for the
-    prediction is read from the measured gradients (summed over ranks for fsdp, whose ranks
-    each hold a shard). DDP's gradient buckets live inside its reducer and are not measured.
+    ``result`` is a RunResult (or its dict / a row of ``stnb.results_frame``). The two sides are
+    independent and meet only here:
+
+    - the prediction (``predict``) comes from the model's shape as the run recorded it before
+      training (``verification['model_shape']``: parameter count, trainable count from
+      ``requires_grad``, bytes per parameter, optimizer), the strategy and the *requested* world size;
+    - the measurement is what each rank counted from its own tensors after the first optimizer
+      step (``memory_breakdown``: parameters, ``.grad`` tensors, optimizer state tensors; DTensors
+      count their local shard). DDP's gradient buckets live inside its reducer and are not measured.
 
     Returns a DataFrame with columns rank, component, predicted_bytes, measured_bytes,
     measured_over_predicted, predicted_mib, measured_mib, note. The 'peak' row puts the run's
-    measured peak (CUDA: max_memory_allocated; CPU: growth of the rank's resident memory) next
-    to the predicted model state: the difference is activations and everything else.
+    measured peak (CUDA: max_memory_allocated; CPU: growth of the rank's resident high-water mark)
+    next to the predicted model state: the difference is activations and everything else.
     """
     import pandas as pd
 
@@ -128,20 +232,18 @@ def compare(result, optimizer: str = "adamw"):
     if status != "ok" or not breakdown or not any(breakdown):
         why = r.get("reason") or "the run recorded no memory breakdown"
         raise ConfigError(f"run {r.get('strategy')!r} (status {status!r}) has no memory measurement to compare: {why}")
+    verification = r.get("verification") or {}
+    shape = verification.get("model_shape")
+    if not shape:
+        raise ConfigError(f"run {r.get('strategy')!r} recorded no model shape (parameter and trainable counts), "
+                          "so there is nothing to predict from; it was recorded by an older stnb: run it again")
     strategy = r["strategy"]
-    world_size = int(r.get("world_size") or 1)
-    total_params = int(r.get("total_param_count") or 0)
-    local_counts = r.get("local_param_count") or []
+    world_size = int(verification.get("world_size_requested") or r.get("world_size") or 1)
+    total_params, trainable = int(shape["param_count"]), int(shape["trainable_param_count"])
+    optimizer = optimizer_kind(optimizer or shape.get("optimizer") or "adamw")
     cfg = r.get("config") or {}
-    first = next(b for b in breakdown if b)
-    bpp = 4
-    if local_counts and local_counts[0] and first.get("params"):
-        bpp = max(1, round(first["params"] / local_counts[0]))
-    grads_measured = [b.get("grads", 0) for b in breakdown if b]
-    grad_bytes = sum(grads_measured) if strategy == "fsdp" else max(grads_measured)
-    trainable = min(total_params, math.ceil(grad_bytes / bpp)) if grad_bytes else total_params
     pred = predict(strategy, total_params, world_size if strategy in ("ddp", "fsdp") else 1, trainable,
-                   bytes_per_param=bpp, optimizer=optimizer,
+                   bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer,
                    gradient_as_bucket_view=bool(_first(r.get("gradient_as_bucket_view"),
                                                        cfg.get("gradient_as_bucket_view"), False)))
     peaks = r.get("peak_memory_bytes") or []
@@ -158,9 +260,9 @@ def compare(result, optimizer: str = "adamw"):
                 note = ("not measured: the buckets live inside DDP's reducer"
                         if pred[comp] else "gradient_as_bucket_view=True: gradients are the buckets, no copy")
             elif comp == "optimizer_state":
-                note = f"{optimizer}: {OPTIMIZER_SLOTS[optimizer.lower()]} states per trainable parameter"
+                note = f"{optimizer}: {OPTIMIZER_SLOTS[optimizer]} states per trainable parameter"
             elif comp == "grads" and trainable < total_params:
-                note = f"{total_params - trainable} frozen parameters have no gradient"
+                note = f"{total_params - trainable} frozen parameters (requires_grad=False) have no gradient"
             rows.append(_row(rank, comp, pred[comp], m, note))
         measured_state = sum(meas.get(c, 0) for c in ("params", "grads", "optimizer_state"))
         predicted_state = pred["params"] + pred["grads"] + pred["optimizer_state"]

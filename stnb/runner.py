@@ -57,7 +57,8 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
         bars = StepBars(config.strategy)
         on_progress = bars.update
     try:
-        rank_results = launch(train_rank, config.to_dict(), model_path, t0, num_processes=ws,
+        # the requested world size travels as an argument, apart from the environment the launcher sets
+        rank_results = launch(train_rank, config.to_dict(), model_path, t0, ws, num_processes=ws,
                               timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                               threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
                               distributed=config.strategy in ("ddp", "fsdp"), env=env)
@@ -121,31 +122,8 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
     # the ranks' timing jitter, which is not time the job spent)
     span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
     sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
-    verification = {
-        "ranks": [r["verification"] for r in rank_results],
-        "world_size_seen": sorted({r["verification"]["world_size_seen"] for r in rank_results}),
-    }
-    ok = all(r["verification"].get("ok") for r in rank_results)
-    if config.strategy in ("ddp",) and len(rank_results) > 1:
-        sums = [r["weights_checksum"] for r in rank_results]
-        same = max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0]))
-        verification["weights_identical_across_ranks"] = same
-        verification["weights_checksums"] = sums
-        ok = ok and same
-    # the data reached the loss whole: every text column as an input, the score as the label
-    from .columns import LABEL_COLUMNS
-
-    cols = r0.get("data_columns") or []
-    expected = {"texts": len([c for c in cols if c not in LABEL_COLUMNS]),
-                "label": any(c in LABEL_COLUMNS for c in cols)}
-    seen = [r.get("loss_inputs") for r in rank_results]
-    verification["data_columns"] = cols
-    verification["loss_inputs"] = seen
-    verification["loss_received_all_columns"] = all(x == expected for x in seen)
-    ok = ok and verification["loss_received_all_columns"]
-    if r0.get("saved_to"):
-        verification["saved_model_reloads"] = r0.get("saved_model_reloads")
-        ok = ok and bool(r0.get("saved_model_reloads"))
+    verification, problems = _cross_rank_checks(config, rank_results)
+    ok = not problems
     spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
     return RunResult(
         strategy=config.strategy,
@@ -157,10 +135,11 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         step_times=step_times,
         losses=r0["losses"],
         peak_memory_bytes=[r["peak_memory_bytes"] for r in rank_results],
-        local_param_count=[r["verification"]["local_param_count"] for r in rank_results],
-        total_param_count=r0["verification"]["total_param_count"],
+        local_param_count=[r["verification"].get("local_param_count") for r in rank_results],
+        total_param_count=r0["verification"].get("total_param_count") or 0,
         verified=ok,
         verification=verification,
+        reason="" if ok else "not verified: " + "; ".join(problems),
         model=config.model,
         device=r0["device"],
         versions=versions(),
@@ -170,13 +149,66 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         dev_metric=r0.get("dev_metric"),
         dev_metric_before=r0.get("dev_metric_before"),
         dev_metric_after=r0.get("dev_metric_after"),
-        time_to_first_step_s=max(r["time_to_first_step_s"] for r in rank_results),
+        time_to_first_step_s=max((r["time_to_first_step_s"] for r in rank_results
+                                  if r["time_to_first_step_s"] is not None), default=None),
         wall_time_s=wall_time_s,
         launcher=launcher,
-        saved_to=r0.get("saved_to"),
+        saved_to=(r0.get("saved_model") or {}).get("saved_to"),
         config=config.to_dict(),
         run_id=uuid.uuid4().hex[:12],
     )
+
+
+def _cross_rank_checks(config: TrainConfig, rank_results: list) -> tuple:
+    """(verification dict, problems): every rank's own verification, plus what needs all ranks:
+    the number of ranks against the requested world size, per-tensor identical weights (ddp),
+    shards adding up to the model (fsdp), and the saved model's check (rank 0)."""
+    from .checks import compare_digests
+
+    requested = config.world_size()
+    ranks = [r["verification"] for r in rank_results]
+    verification = {"ranks": ranks, "world_size_requested": requested,
+                    "world_size_seen": sorted({v.get("world_size_seen") for v in ranks}, key=str),
+                    "model_shape": rank_results[0].get("model_shape"),
+                    "peak_memory_method": rank_results[0].get("peak_memory_method")}
+    never = "no training step began, so the prepared model was never verified"
+    problems = [f"rank {i}: " + "; ".join(v.get("problems") or [never]) for i, v in enumerate(ranks) if not v.get("ok")]
+    if config.strategy in ("ddp", "fsdp") and len(rank_results) != requested:
+        problems.append(f"{requested} ranks were requested, {len(rank_results)} returned a result")
+    if config.strategy == "ddp" and len(rank_results) > 1:
+        same = compare_digests([r["weight_digests"] for r in rank_results])
+        verification["weights_identical_across_ranks"] = same["identical"]
+        verification["weights_checksums"] = same["model_digests"]  # sha256 over every tensor, per rank
+        verification["weights_differing"] = same["differing"][:10]
+        verification["weights_tensors_compared"] = same["tensors"]
+        if not same["identical"]:
+            problems.append(f"weights differ across ranks in {len(same['differing'])} of {same['tensors']} "
+                            f"tensor(s), first {same['first_differing']!r} (ranks {same['differing'][0]['ranks']})")
+    if config.strategy == "fsdp":
+        held = sum(v.get("local_param_count") or 0 for v in ranks)
+        total = ranks[0].get("total_param_count")
+        verification["shards_add_up"] = held == total
+        if held != total:
+            problems.append(f"the ranks' local shards hold {held} parameter values, the model has {total}")
+    saved = rank_results[0].get("saved_model")
+    if saved is not None:
+        verification["saved_model"] = saved
+        problems += [f"save_to: {p}" for p in saved.get("problems") or []]
+    # the data reached the loss whole: every text column as an input, the score as the label
+    from .columns import LABEL_COLUMNS
+
+    cols = rank_results[0].get("data_columns")
+    if cols is not None:  # train_rank always reports them; hand-built results may not
+        expected = {"texts": len([c for c in cols if c not in LABEL_COLUMNS]),
+                    "label": any(c in LABEL_COLUMNS for c in cols)}
+        seen = [r.get("loss_inputs") for r in rank_results]
+        verification["data_columns"] = cols
+        verification["loss_inputs"] = seen
+        verification["loss_received_all_columns"] = all(x == expected for x in seen)
+        if not verification["loss_received_all_columns"]:
+            problems.append(f"the loss received {seen[0]} but the data has columns {cols} (expected {expected})")
+    verification["problems"] = problems
+    return verification, problems
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,7 +218,7 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
 def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
     from transformers import TrainerCallback
 
-    from . import strategies
+    from . import memory, strategies
 
     class StnbCallback(TrainerCallback):
         """Times every step, keeps losses, verifies the prepared model, measures memory."""
@@ -194,18 +226,19 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
         def on_step_begin(self, args, st, control, **kw):
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
-                if cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp" and state["world_size"] > 1:
+                if (cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp"
+                        and state["process_group_size"] > 1):
                     from . import rowsync  # before the first backward, as DDP requires
 
                     state["rowsync"] = rowsync.register(tr.model_wrapped)
                 state["t_first_begin"] = time.perf_counter()
                 state["verification"] = strategies.verify(
-                    cfg["strategy"], tr.model_wrapped, tr.model, state["world_size"], state["n_gpu"])
+                    cfg["strategy"], tr.model_wrapped, tr.model, state["world_size_requested"], state["n_gpu"])
                 state["verification"].update(state.get("prepare_info", {}))
 
         def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
             if state["memory_breakdown"] is None:
-                state["memory_breakdown"] = _memory_breakdown(trainer_ref["trainer"].model, optimizer)
+                state["memory_breakdown"] = memory.measure(trainer_ref["trainer"].model, optimizer)
 
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
@@ -222,24 +255,6 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
                 report_progress(st.global_step, st.max_steps, float(logs["loss"]))
 
     return StnbCallback()
-
-
-def _memory_breakdown(model, optimizer) -> dict:
-    import torch
-
-    from .strategies import tensor_bytes
-
-    params = sum(tensor_bytes(p) for p in model.parameters())
-    grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    opt = getattr(optimizer, "optimizer", optimizer)
-    ostate = 0
-    if opt is not None:
-        for st in opt.state.values():
-            for v in st.values():
-                if torch.is_tensor(v):
-                    ostate += tensor_bytes(v)
-    return {"params": params, "grads": grads, "optimizer_state": ostate,
-            "total": params + grads + ostate}
 
 
 def _make_trainer_class(cfg: dict):
@@ -306,13 +321,17 @@ def _record_loss_inputs(loss, state: dict) -> None:
     loss.register_forward_pre_hook(hook)
 
 
-def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> dict:
-    """Runs in every rank: build, prepare, verify, train, measure. Returns plain data."""
+def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
+               world_size: int | None = None) -> dict:
+    """Runs in every rank: build, prepare, verify, train, measure. Returns plain data.
+
+    world_size: the world size the caller requested (default: the config's); verification
+    compares it with the process group this rank is in."""
     import torch
     import torch.distributed as dist
     from transformers.trainer_callback import PrinterCallback
 
-    from . import strategies
+    from . import checks, memory, strategies
     from .data import load_pairs
     from .hardware import gpu_count
     from .models import load_model
@@ -344,8 +363,8 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     use_cuda = torch.cuda.is_available() and cfg["device"] != "cpu"
     device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
     n_gpu = torch.cuda.device_count() if use_cuda else 0
-    if use_cuda:
-        torch.cuda.reset_peak_memory_stats()
+    peak_memory = memory.PeakMemory(use_cuda)
+    requested = world_size if world_size is not None else TrainConfig.from_dict(cfg).world_size()
 
     torch.manual_seed(cfg["seed"])
     model = load_model(model_path, device=device, max_seq_length=cfg["max_seq_length"])
@@ -354,7 +373,8 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     evaluator = _evaluator(dev) if cfg["evaluate"] else None
 
     state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
-             "memory_breakdown": None, "world_size": world, "n_gpu": n_gpu, "first_step_wall": None}
+             "memory_breakdown": None, "world_size_requested": requested, "process_group_size": world,
+             "n_gpu": n_gpu, "first_step_wall": None}
     dev_before = None
     if evaluator is not None and rank == 0:
         dev_before = _dev_metric(evaluator, model)
@@ -362,6 +382,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         dist.barrier()
 
     frozen = strategies.freeze_unused_pooler(model)
+    model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
     loss = _make_loss(cfg, model)  # train holds exactly the columns this loss reads (data.load_pairs)
     _record_loss_inputs(loss, state)
     if cfg["strategy"] == "fsdp":
@@ -396,6 +417,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     trainer = _make_trainer_class(cfg)(model=model, args=args, train_dataset=train, loss=loss,
                                        callbacks=[_make_callback(trainer_ref, cfg, state)])
     trainer.remove_callback(PrinterCallback)
+    model_shape["optimizer"] = memory.optimizer_kind(args.optim)
     trainer_ref["trainer"] = trainer
     trainer.train()
     if state["verification"] is not None:
@@ -405,20 +427,24 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
             state["verification"]["embedding_rows"] = state["rowsync"].stats()
 
     losses = state["losses"]
-    checksum = strategies.weights_checksum(trainer.model)
-    saved_to = reloads = None
+    digests = checks.tensor_digests(trainer.model)
+    saved = None
     dev_after = None
     final_model = _full_model_on_rank0(cfg, trainer.model, model_path, device, rank)
     if rank == 0:
         if evaluator is not None:
             dev_after = _dev_metric(evaluator, final_model)
         if cfg.get("save_to"):
-            saved_to, reloads = _save_atomically(final_model, cfg["save_to"], device)
+            from .models import load_model
+            from .saving import save_checked
+
+            initial = checks.state_of(load_model(model_path, device="cpu", max_seq_length=cfg["max_seq_length"]))
+            saved = save_checked(final_model, cfg["save_to"], device, checks.state_of(final_model), initial)
     if distributed:
         dist.barrier()
     shutil.rmtree(out_dir, ignore_errors=True)
 
-    peak = torch.cuda.max_memory_allocated() if use_cuda else (ctx.peak_rss_growth() if ctx else 0)
+    peak = peak_memory.peak()
     verification = state["verification"] or {}
     per_device_step = cfg["per_device_batch_size"] * cfg["gradient_accumulation_steps"]
     gbs = per_device_step * (world if distributed else max(1, n_gpu if cfg["strategy"] == "dp" else 1))
@@ -430,16 +456,17 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         "losses": losses,
         "verification": verification,
         "memory_breakdown": state["memory_breakdown"] or {},
+        "model_shape": model_shape,
         "peak_memory_bytes": int(peak),
-        "weights_checksum": checksum,
+        "peak_memory_method": peak_memory.method,
+        "weight_digests": digests,
         "dev_metric": evaluator.primary_metric if evaluator is not None else None,
         "dev_metric_before": dev_before,
         "dev_metric_after": dev_after,
         "data_columns": train.column_names,
         "loss_inputs": state.get("loss_inputs"),
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
-        "saved_to": saved_to,
-        "saved_model_reloads": reloads,
+        "saved_model": saved,
     }
 
 
@@ -469,29 +496,3 @@ def _full_model_on_rank0(cfg, model, model_path, device, rank):
     plain = load_model(model_path, device=device, max_seq_length=cfg["max_seq_length"])
     plain.load_state_dict(full, strict=True)  # raises if any key is missing or unexpected
     return plain
-
-
-def _save_atomically(model, target: str, device: str):
-    """Save to a temporary sibling folder, check it reloads and encodes, then rename into place."""
-    import numpy as np
-
-    from .models import load_model
-
-    target = os.path.abspath(os.path.expanduser(target))
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".stnb-save-", dir=parent)
-    try:
-        model.save(tmp)
-        probe = ["a quick check that the saved model encodes"]
-        reloaded = load_model(tmp, device=device, max_seq_length=model.max_seq_length)
-        same = bool(np.allclose(model.encode(probe), reloaded.encode(probe), atol=1e-5))
-        if not same:
-            raise RuntimeError("the saved model does not reproduce the trained model's embeddings")
-        if os.path.isdir(target) and not os.listdir(target):
-            os.rmdir(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target, same

@@ -71,27 +71,36 @@ def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None
             "reshard_after_forward": reshard_after_forward}
 
 
-def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int = 0) -> dict:
-    """Check that the prepared model is what `strategy` promises. Raises VerificationError."""
+def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int = 0, world: dict | None = None) -> dict:
+    """Check that the prepared model is what `strategy` promises. Raises VerificationError.
+
+    world_size_expected: the world size the caller *requested* (num_processes x num_nodes, passed
+    in from the config, never read back from the launcher's environment). It is compared with
+    ``world``, this rank's process group as observed from inside (``checks.observe_world()``; a
+    collective, so every rank calls verify at the same point). FSDP fractions come from each
+    parameter's local shard (``DTensor.to_local()``).
+    """
     import torch
     import torch.distributed as dist
 
-    seen_ws = dist.get_world_size() if dist.is_initialized() else 1
+    from .checks import observe_world, world_problems
+
+    world = world if world is not None else observe_world()
     local, total = param_counts(model)
     info = {
         "wrapper": type(wrapped).__name__,
-        "world_size_seen": seen_ws,
+        "world_size_requested": world_size_expected,
+        "world_size_seen": world["process_group_size"],
+        "processes_seen": world["processes"],
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "local_param_count": local,
         "total_param_count": total,
         "local_param_fraction": local / total if total else None,
     }
-    problems = []
+    problems = world_problems(world_size_expected, world)
     if strategy == "single":
         if isinstance(wrapped, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
             problems.append(f"single run was wrapped in {type(wrapped).__name__}")
-        if seen_ws != 1:
-            problems.append(f"single run sees world_size {seen_ws}")
     elif strategy == "dp":
         if not isinstance(wrapped, torch.nn.DataParallel):
             problems.append(f"expected torch.nn.DataParallel, the trainer used {type(wrapped).__name__}")
@@ -102,8 +111,6 @@ def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int =
     elif strategy == "ddp":
         if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
             problems.append(f"expected DistributedDataParallel, the trainer used {type(wrapped).__name__}")
-        if seen_ws != world_size_expected:
-            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
     elif strategy == "fsdp":
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
@@ -120,26 +127,11 @@ def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int =
         if total and local / total > ideal + FSDP_SHARD_TOLERANCE:
             problems.append(f"rank holds {local / total:.3f} of the parameters; sharded over "
                             f"{world_size_expected} ranks it should hold about {ideal:.3f}")
-        if seen_ws != world_size_expected:
-            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
     info["problems"] = problems
     info["ok"] = not problems
     if problems:
         raise VerificationError(f"strategy {strategy!r} failed verification: " + "; ".join(problems))
     return info
-
-
-def weights_checksum(model) -> float:
-    """A cheap fingerprint of the (local) weights, to compare ranks after an all-reduce."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            t = p.to_local() if isinstance(p, DTensor) else p
-            total += (t.detach().double().cpu().sum() * (1.0 + (i % 7) * 1e-3))
-    return float(total)
 
 
 def freeze_unused_pooler(model) -> list:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import stnb
@@ -59,23 +61,106 @@ def test_predict_table_has_one_row_per_strategy():
     assert t.set_index("strategy").loc["fsdp", "total_mib"] == pytest.approx(8 * P / 2**20)
 
 
-def _fake_result(strategy, world_size, breakdown, total=1000, local=None, **kw):
+def _shape(total=1000, trainable=None):
+    return {"param_count": total, "trainable_param_count": total if trainable is None else trainable,
+            "bytes_per_param": 4, "optimizer": "adamw"}
+
+
+def _fake_result(strategy, world_size, breakdown, total=1000, local=None, trainable=None, **kw):
     return RunResult(strategy=strategy, world_size=world_size, per_device_batch_size=4,
                      global_batch_size=4 * world_size, steps=3, samples_per_second=10.0, step_times=[1.0] * 3,
                      losses=[1.0, 0.9, 0.8], peak_memory_bytes=[10**6] * world_size,
                      local_param_count=local or [total] * world_size, total_param_count=total, verified=True,
-                     verification={}, model="tiny", device="cpu", versions={}, memory_breakdown=breakdown, **kw)
+                     verification={"model_shape": _shape(total, trainable), "world_size_requested": world_size},
+                     model="tiny", device="cpu", versions={}, memory_breakdown=breakdown, **kw)
 
 
-def test_compare_fsdp_reads_the_trainable_count_from_sharded_grads():
+def test_compare_fsdp_predicts_from_the_recorded_shape_and_requested_world():
     # 1000 params, 10 frozen: each of 2 ranks holds 500 params, 495 grads, 990 Adam numbers
     shard = {"params": 2000, "grads": 1980, "optimizer_state": 3960, "total": 7940}
-    df = memory.compare(_fake_result("fsdp", 2, [shard, shard], local=[500, 500]))
+    df = memory.compare(_fake_result("fsdp", 2, [shard, shard], local=[500, 500], trainable=990))
     assert sorted(df["rank"].unique()) == [0, 1]
     row = df[(df["rank"] == 1) & (df["component"] == "grads")].iloc[0]
     assert row["predicted_bytes"] == 1980 and row["measured_bytes"] == 1980
     assert row["measured_over_predicted"] == pytest.approx(1.0)
     assert "ddp_buckets" not in set(df["component"])
+
+
+def test_compare_an_fsdp_row_whose_ranks_hold_unsharded_state_is_not_1():
+    """Ranks that report the full model under 'fsdp' measure twice the 2-rank prediction."""
+    full = {"params": 4000, "grads": 3960, "optimizer_state": 7920, "total": 15880}
+    df = memory.compare(_fake_result("fsdp", 2, [full, full], trainable=990)).set_index(["rank", "component"])
+    for rank in (0, 1):
+        for part in ("params", "grads", "optimizer_state", "total"):
+            assert df.loc[(rank, part), "measured_over_predicted"] == pytest.approx(2.0, rel=1e-3)
+
+
+def test_compare_needs_the_recorded_shape():
+    full = {"params": 4000, "grads": 4000, "optimizer_state": 8000, "total": 16000}
+    old = _fake_result("single", 1, [full])
+    old.verification = {}
+    with pytest.raises(ConfigError, match="recorded no model shape"):
+        memory.compare(old)
+
+
+def _frozen_tiny_after_one_adamw_step():
+    """The tiny BERT with everything but its last encoder layer frozen, after one real AdamW step."""
+    import torch
+
+    from stnb.models import load_model, tiny_path
+
+    model = load_model(tiny_path())
+    last = max(int(n.split("encoder.layer.")[1].split(".")[0]) for n, _ in model.named_parameters()
+               if "encoder.layer." in n)
+    for n, p in model.named_parameters():
+        p.requires_grad_(f"encoder.layer.{last}." in n)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    features = model.tokenize(["a frozen model still trains its last layer", "and only that layer"])
+    model(features)["sentence_embedding"].pow(2).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_frozen_model_prediction_and_measurement_are_independent():
+    """T << P: grads and Adam state follow requires_grad. A measurement that counted every parameter
+    as having a gradient, or a prediction that ignored requires_grad, no longer compares as 1.000."""
+    model, opt = _frozen_tiny_after_one_adamw_step()
+    shape = memory.model_shape(model)
+    measured = memory.measure(model, opt)
+    P, T = shape["param_count"], shape["trainable_param_count"]
+    assert T < P / 3, (T, P)
+    assert measured["params"] == 4 * P and measured["grads"] == 4 * T  # counted from the tensors
+    assert 8 * T <= measured["optimizer_state"] < 8 * T + 1024  # + one 'step' number per tensor
+
+    def ratios(breakdown, shape):
+        r = _fake_result("single", 1, [breakdown], total=P)
+        r.verification = {"model_shape": shape, "world_size_requested": 1}
+        return memory.compare(r).set_index("component")["measured_over_predicted"]
+
+    honest = ratios(measured, shape)
+    assert honest["params"] == 1.0 and honest["grads"] == 1.0
+    assert honest["optimizer_state"] == pytest.approx(1.0, abs=1e-3)
+    every_param_has_a_grad = ratios(dict(measured, grads=measured["params"]), shape)
+    assert every_param_has_a_grad["grads"] == pytest.approx(P / T) and P / T > 3
+    ignores_requires_grad = ratios(measured, dict(shape, trainable_param_count=P))
+    assert ignores_requires_grad["grads"] == pytest.approx(T / P)
+    assert ignores_requires_grad["optimizer_state"] == pytest.approx(T / P, rel=1e-3)
+
+
+def test_peak_memory_comes_from_the_process():
+    """CPU: the kernel's resident high-water mark, reset at the start: it forgets a 256 MiB spike from
+    before the start and sees one after it, though both are freed before the peak is read."""
+    import torch
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("the peak reset needs Linux (/proc/self/clear_refs)")
+    spike = torch.ones(64 * 2**20)  # 256 MiB, every page touched
+    del spike
+    pm = memory.PeakMemory(cuda=False)
+    assert pm.reset and pm.peak() < 128 * 2**20, "the earlier spike must not count"
+    spike = torch.ones(64 * 2**20)
+    del spike
+    assert pm.peak() >= 250 * 2**20
 
 
 def test_compare_ddp_marks_buckets_as_not_measured():
@@ -98,13 +183,20 @@ def test_compare_accepts_a_results_frame_row_and_refuses_unrunnable_rows():
 
 
 def test_prediction_matches_a_real_single_process_run():
+    from stnb.models import load_model, tiny_path
+    from stnb.strategies import freeze_unused_pooler
+
     result = stnb.run(TrainConfig(strategy="single", model="tiny", steps=3, per_device_batch_size=4,
                                   train_size=64, dev_size=16), echo=False)
+    model = load_model(tiny_path())
+    freeze_unused_pooler(model)  # what every stnb run does before training
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # counted here, not by stnb
+    assert trainable < result.total_param_count
+    assert result.verification["model_shape"]["trainable_param_count"] == trainable
     measured = result.memory_breakdown[0]
-    trainable = measured["grads"] // 4  # the unused pooler is frozen: no grad, no Adam state
-    pred = memory.predict("single", result.total_param_count, 1, trainable_param_count=trainable)
-    assert pred["params"] == pytest.approx(measured["params"], rel=0.01)
-    assert pred["optimizer_state"] == pytest.approx(measured["optimizer_state"], rel=0.01)
+    assert measured["params"] == 4 * result.total_param_count and measured["grads"] == 4 * trainable
     df = memory.compare(result)
     state = df[df["component"].isin(["params", "grads", "optimizer_state", "total"])]
     assert state["measured_over_predicted"].between(0.99, 1.01).all(), df
+    assert result.verification["peak_memory_method"].startswith("resident high-water mark")
+    assert result.peak_memory_bytes[0] > 0

@@ -27,7 +27,9 @@ def _run(strategy, world_size, sps, model="tiny", per_device=4, losses=(0.5, 0.4
         global_batch_size=per_device * devices, steps=len(losses), samples_per_second=sps,
         step_times=[0.1] * len(losses), losses=list(losses), peak_memory_bytes=[(100 + r) * 2**20 for r in range(world_size)],
         local_param_count=[1000 // (world_size if strategy == "fsdp" else 1)] * world_size, total_param_count=1000,
-        verified=True, verification={}, model=model, device="cpu", versions={},
+        verified=True, model=model, device="cpu", versions={},
+        verification={"model_shape": {"param_count": 1000, "trainable_param_count": 1000, "bytes_per_param": 4,
+                                      "optimizer": "adamw"}, "world_size_requested": world_size},
         memory_breakdown=[dict(state) for _ in range(world_size)], config=config, run_id=f"{strategy}{world_size}{model}")
 
 

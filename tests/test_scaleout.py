@@ -110,7 +110,7 @@ def two_node_rank(cfg: dict, model_path: str) -> dict:
     ctx = stnb.rank_context()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "allreduce": t.item(),
             "ctx_rank": ctx.rank, "ctx_world": ctx.world_size, "pid": os.getpid(),
-            "checksum": trained["weights_checksum"], "seen": trained["verification"]["world_size_seen"],
+            "digests": trained["weight_digests"], "seen": trained["verification"]["world_size_seen"],
             "steps": len(trained["step_times"]), "losses": trained["losses"]}
 
 
@@ -265,7 +265,7 @@ def test_launch_two_nodes_on_localhost_form_one_world_and_train(tmp_path):
     assert {r["world"] for r in results} == {2} and {r["ctx_world"] for r in results} == {2}
     assert {r["allreduce"] for r in results} == {3.0}
     assert all(r["steps"] == 3 and r["seen"] == 2 for r in results)
-    assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-9)  # DDP kept them equal
+    assert results[0]["digests"] == results[1]["digests"]  # DDP kept every tensor bit-identical
     assert len(results[0]["losses"]) == 3 and results[0]["losses"] == pytest.approx(results[1]["losses"])
     for r in results:  # no rank process outlives its node
         assert not psutil.pid_exists(r["pid"]) or psutil.Process(r["pid"]).status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,149 @@
+"""Exact checks: what was asked for against what was observed.
+
+world size   the world the caller requested against the process group each rank is in, and the
+             processes that actually answer a collective in it (counted by pid, not read back
+             from the launcher's environment);
+weights      per-tensor sha256 of every parameter's bytes, compared across ranks: one flipped
+             bit, one swapped row or one weight off by 3e-4 is a mismatch, named by tensor;
+saved model  the reloaded weights equal the trained ones bit for bit, and differ from the
+             initial (untrained) ones.
+
+Every function returns plain data (lists of problems, dicts of names); the callers decide what
+a problem means (strategies.verify raises, runner.merge marks the result unverified).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# ---- world size ---------------------------------------------------------------------------
+
+
+def observe_world(group=None) -> dict:
+    """What this rank's process group is, observed from inside it.
+
+    A collective when a process group exists (every rank of ``group`` must call it): each rank
+    contributes (host, pid, rank) to an all-gather, so ``processes`` counts the processes that
+    answered, independently of the WORLD_SIZE the launcher put in the environment.
+    """
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"process_group_size": 1, "processes": 1, "ranks": [0]}
+    size = dist.get_world_size(group)
+    me = (socket.gethostname(), os.getpid(), dist.get_rank(group))
+    everyone = [None] * size
+    dist.all_gather_object(everyone, me, group=group)
+    return {"process_group_size": size, "processes": len({(h, p) for h, p, _ in everyone}),
+            "ranks": sorted(r for _, _, r in everyone)}
+
+
+def world_problems(requested: int, observed: dict) -> list:
+    """Problems (empty: none) between the requested world size and ``observe_world()``'s."""
+    problems = []
+    size, procs = observed["process_group_size"], observed["processes"]
+    if size != requested:
+        problems.append(f"world size {requested} was requested, but the process group has {size} rank(s)")
+    if procs != requested:
+        problems.append(f"world size {requested} was requested, but {procs} process(es) answered in the group")
+    if observed["ranks"] != list(range(size)):
+        problems.append(f"the group's ranks are {observed['ranks']}, not 0..{size - 1}")
+    return problems
+
+
+# ---- weights identical across ranks ---------------------------------------------------------
+
+
+def tensor_digests(model) -> dict:
+    """{parameter name: sha256 of its bytes} (a DTensor contributes its local shard)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            t = t.detach().to("cpu").contiguous()
+            h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[name] = h.hexdigest()
+    return out
+
+
+def model_digest(digests: dict) -> str:
+    """One sha256 over a model's per-tensor digests (in name order): equal iff every tensor is."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(name.encode() + b"\0" + digests[name].encode() + b"\0")
+    return h.hexdigest()
+
+
+def gather_digests(model, group=None) -> list:
+    """Every rank's ``tensor_digests``, ordered by rank (a collective; one rank: a list of one)."""
+    import torch.distributed as dist
+
+    mine = tensor_digests(model)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [mine]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def compare_digests(per_rank: list) -> dict:
+    """Compare ranks' ``tensor_digests``: identical only if every tensor's bytes match rank 0's.
+
+    Returns {"identical", "tensors", "differing": [{"tensor", "ranks"}...] (rank 0 order),
+    "first_differing", "model_digests"} ("ranks": the ranks whose tensor differs from rank 0's;
+    a tensor missing on a rank differs).
+    """
+    ref = per_rank[0]
+    names = list(ref) + sorted({n for d in per_rank[1:] for n in d} - set(ref))
+    differing = []
+    for name in names:
+        ranks = [r for r, d in enumerate(per_rank) if r and d.get(name) != ref.get(name)]
+        if ranks:
+            differing.append({"tensor": name, "ranks": ranks})
+    return {"identical": not differing, "tensors": len(names), "differing": differing,
+            "first_differing": differing[0]["tensor"] if differing else None,
+            "model_digests": [model_digest(d) for d in per_rank]}
+
+
+# ---- saved model ---------------------------------------------------------------------------------
+
+
+def state_of(model) -> dict:
+    """A CPU copy of a model's state dict (the reference a saved model is checked against)."""
+    return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+
+
+def differing_tensors(a: dict, b: dict) -> list:
+    """Names of tensors of two state dicts that are not bit-identical (missing on one side included)."""
+    import torch
+
+    out = []
+    for name in list(a) + [n for n in b if n not in a]:
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            out.append(name)
+    return out
+
+
+def saved_model_problems(reloaded: dict, trained: dict, initial: dict) -> tuple:
+    """(problems, details) for a saved model: reloaded == trained exactly, and != initial."""
+    not_trained = differing_tensors(reloaded, trained)
+    changed = [n for n in differing_tensors(reloaded, initial) if n in initial]
+    details = {"tensors": len(trained), "differing_from_trained": not_trained[:10],
+               "equals_trained": not not_trained, "changed_from_initial": len(changed),
+               "differs_from_initial": bool(changed)}
+    problems = []
+    if not_trained:
+        problems.append(f"the saved model's weights are not the trained ones: {len(not_trained)} tensor(s) differ, "
+                        f"first {not_trained[0]!r}")
+    if not changed:
+        problems.append("the saved model's weights equal the initial (untrained) model's: nothing shows that "
+                        "training changed it (was the untrained model saved, or did training change no weight?)")
+    return problems, details

@@ -1,0 +1,50 @@
+"""Saving a trained model, checked: the folder at ``save_to`` holds the trained weights, or nothing.
+
+The model is written to a temporary sibling folder and reloaded from there. The reloaded weights
+must equal the trained ones bit for bit (``trained``: a state dict taken from the trained model)
+and differ from the initial ones (``initial``: the state dict of the model training started from),
+and the reloaded model must encode like the trained one. Only then is the folder renamed into
+place; otherwise it is removed and the problems are returned (the run is then not verified).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from .checks import saved_model_problems, state_of
+
+
+def save_checked(model, target: str, device: str, trained: dict, initial: dict) -> dict:
+    """Save ``model`` to ``target`` if it reloads as the trained model. Returns the check:
+
+    {"ok", "saved_to" (None unless ok), "problems", "equals_trained", "differs_from_initial",
+    "changed_from_initial", "differing_from_trained", "tensors", "encodes_the_same"}.
+    """
+    import numpy as np
+
+    from .models import load_model
+
+    target = os.path.abspath(os.path.expanduser(target))
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".stnb-save-", dir=parent)
+    try:
+        model.save(tmp)
+        reloaded = load_model(tmp, device=device, max_seq_length=model.max_seq_length)
+        problems, details = saved_model_problems(state_of(reloaded), trained, initial)
+        probe = ["a quick check that the saved model encodes"]
+        details["encodes_the_same"] = bool(np.allclose(model.encode(probe), reloaded.encode(probe), atol=1e-5))
+        if not details["encodes_the_same"]:
+            problems.append("the reloaded model does not reproduce the saved model's embeddings")
+        saved_to = None
+        if not problems:
+            if os.path.isdir(target) and not os.listdir(target):
+                os.rmdir(target)
+            os.replace(tmp, target)
+            saved_to = target
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"ok": not problems, "saved_to": saved_to, "problems": problems, **details}
