@@ -121,6 +121,10 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
     # the ranks' timing jitter, which is not time the job spent)
     span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
     sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
+    from .mfu import summarize as mfu_summary
+
+    mfu = mfu_summary(rank_results, warm, n_steps, span, gbs * (n_steps - warm),
+                      devices=max(1, n_gpu) if config.strategy == "dp" else 1)
     verification = {
         "ranks": [r["verification"] for r in rank_results],
         "world_size_seen": sorted({r["verification"]["world_size_seen"] for r in rank_results}),
@@ -158,6 +162,7 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         time_to_first_step_s=max(r["time_to_first_step_s"] for r in rank_results),
         wall_time_s=wall_time_s,
         launcher=launcher,
+        mfu=mfu,
         saved_to=r0.get("saved_to"),
         config=config.to_dict(),
         run_id=uuid.uuid4().hex[:12],
@@ -177,6 +182,7 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
         """Times every step, keeps losses, verifies the prepared model, measures memory."""
 
         def on_step_begin(self, args, st, control, **kw):
+            state["flops"].start_step()  # evaluation forwards before this step do not count
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
                 if cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp" and state["world_size"] > 1:
@@ -194,6 +200,7 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
 
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
+            state["flops"].end_step()
             prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
             state["step_times"].append(now - prev)
             if state["t_last_end"] is None:
@@ -318,6 +325,9 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         dist.barrier()
 
     frozen = strategies.freeze_unused_pooler(model)
+    from .mfu import FlopMeter, device_peak
+
+    state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
     loss = _make_loss(cfg, model)
     if cfg["loss"] == "mnrl" and "score" in train.column_names:
         train = train.remove_columns("score")
@@ -394,6 +404,10 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
         "saved_to": saved_to,
         "saved_model_reloads": reloads,
+        "train_flops": state["flops"].per_step,
+        "train_tokens": state["flops"].tokens,
+        "model_shape": state["flops"].shape,
+        "peak": device_peak(device, cfg.get("mixed_precision", "no")),
     }
 
 
