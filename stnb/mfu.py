@@ -59,9 +59,8 @@ PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 
 def known_gpu(name: str) -> str | None:
     """The PEAK_TFLOPS row for a device name ('NVIDIA H100 80GB HBM3' -> 'H100 SXM'), or None."""
-    upper = (name or "").upper()
     for pattern, row in _NAME_RULES:
-        if re.search(pattern.upper(), upper):
+        if re.search(pattern, name or "", re.IGNORECASE):
             return row
     return None
 
