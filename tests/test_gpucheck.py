@@ -191,3 +191,42 @@ def test_cli_with_gpus_hidden(tmp_path):
     out, rep = _cli(tmp_path, STNB_FORCE_CPU="1")
     assert out.returncode == 0 and "STNB_FORCE_CPU=1" in out.stdout
     assert rep["counts"]["passed"] == 0
+
+
+# ---- the RUN functions themselves, with gloo ranks on CPU (params['device'] = 'cpu') -------------
+
+@pytest.mark.parametrize("fault,kind", [("raise", "raised"), ("kill", "killed"), ("stall", "stalled")])
+def test_fault_checks_run_for_real_on_cpu(fault, kind):
+    check = gpucheck.Check(f"fault {fault}", "fault", {"fault": fault, "nproc": 2, "device": "cpu"}, gpus=2)
+    out = checks.RUNNERS["fault"](check, Machine())
+    assert out.status == "passed", out.error
+    assert out.metrics["processes_left"] == 0 and out.metrics["time_to_error_s"] < planning.FAULT_TO_ERROR_S
+
+
+def test_fault_check_fails_when_the_fault_goes_unnoticed(monkeypatch):
+    from stnb.gpucheck import ranks
+
+    monkeypatch.setitem(checks._FAULTS, "raise", (ranks.rank_pids, "raised"))  # a rank function that never faults
+    check = gpucheck.Check("fault raise", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"}, gpus=2)
+    out = checks.RUNNERS["fault"](check, Machine())
+    assert out.status == "failed" and "went unnoticed" in out.error
+
+
+def test_one_rank_fsdp_and_allreduce_checks_on_cpu():
+    p = dict(planning.TRAIN, model="tiny", steps=3, warmup_steps_excluded=1, per_device_batch_size=4,
+             max_seq_length=32, train_size=64, dev_size=16, device="cpu")
+    out = checks.RUNNERS["train_direct"](gpucheck.Check("fsdp x1", "train_direct",
+                                                        dict(p, strategy="fsdp", num_processes=1)), Machine())
+    assert out.status == "passed", out.error
+    assert "FSDP" in out.detail and "gloo" in out.detail and out.metrics["samples_per_second"] > 0
+    ar = checks.RUNNERS["allreduce"](gpucheck.Check("ar", "allreduce", {"nproc": 2, "device": "cpu"}), Machine())
+    assert ar.status == "passed" and "sum 3" in ar.detail
+
+
+def test_ratio_check_runs_the_plain_script_and_stnb_on_cpu():
+    p = dict(planning.RATIO, model="tiny", steps=6, warmup_steps_excluded=2, per_device_batch_size=4,
+             max_seq_length=32, train_size=64, device="cpu", mixed_precision="no", goal=0.0, repeats=1)
+    out = checks.RUNNERS["ratio"](gpucheck.Check("ratio", "ratio", dict(p, strategy="single")), Machine())
+    assert out.status == "passed", out.error
+    m = out.metrics
+    assert m["ratio"] == pytest.approx(m["stnb_runs"][0] / m["plain_runs"][0]) and m["plain_runs"][0] > 0

@@ -2,7 +2,8 @@
 
 This process is the parent of every rank (like a notebook kernel): it never touches CUDA itself.
 GPU work happens in stnb.launch / stnb.run children, in a plain script subprocess, or in the
-Jupyter kernel that runs notebook 00.
+Jupyter kernel that runs notebook 00. A check's ``params['device']`` (default 'cuda') lets the
+tests run the same functions with gloo ranks on CPU.
 """
 
 from __future__ import annotations
@@ -35,23 +36,29 @@ def _result_metrics(res, gpus: int) -> dict:
             "final_loss": res.losses[-1] if res.losses else None}
 
 
+def _dev(check) -> str:
+    return check.params.get("device", "cuda")
+
+
 def _judge_training(res, check) -> list:
     """Why a finished training run does not count as a pass on the GPU (empty: it passes)."""
     problems = []
+    device = _dev(check)
     if res.status != "ok":
         problems.append(f"status {res.status}: {res.reason}")
     if not res.verified:
         problems.append(f"not verified: {json.dumps(res.verification, default=str)[:300]}")
-    if res.device != "cuda":
-        problems.append(f"ran on {res.device}, not on the GPU")
+    if res.device != device:
+        problems.append(f"ran on {res.device}, not on {device}")
     if not res.samples_per_second:
         problems.append("no measured samples/s")
     if not res.losses or not all(math.isfinite(x) for x in res.losses):
         problems.append(f"losses not finite: {res.losses[-3:] if res.losses else res.losses}")
     if check.params.get("strategy") in ("ddp", "fsdp"):
         backends = {r.get("backend") for r in res.verification.get("ranks", [])}
-        if backends != {"nccl"}:
-            problems.append(f"process group backend {sorted(map(str, backends))}, expected nccl")
+        want = "nccl" if device == "cuda" else "gloo"
+        if backends != {want}:
+            problems.append(f"process group backend {sorted(map(str, backends))}, expected {want}")
     return problems
 
 
@@ -59,7 +66,8 @@ def _config(params: dict):
     from ..config import TrainConfig
 
     keep = {k: v for k, v in params.items() if k not in ("goal", "repeats")}
-    return TrainConfig(device="cuda", **keep)
+    keep.setdefault("device", "cuda")
+    return TrainConfig(**keep)
 
 
 def check_hardware(check, machine) -> Outcome:
@@ -89,10 +97,10 @@ def check_allreduce(check, machine) -> Outcome:
     from ..launch import last_launch, launch
 
     n = check.params["nproc"]
-    sums = launch(examples.allreduce_check, num_processes=n, device="cuda", timeout=120, echo=False)
+    sums = launch(examples.allreduce_check, num_processes=n, device=_dev(check), timeout=120, echo=False)
     bad = [s for s in sums if s["sum"] != s["expected"]]
     backend = last_launch().backend
-    ok = not bad and len(sums) == n and backend == "nccl"
+    ok = not bad and len(sums) == n and backend == ("nccl" if _dev(check) == "cuda" else "gloo")
     return Outcome(check.name, check.kind, "passed" if ok else "failed",
                    detail=f"{n} rank(s), backend {backend}, sum {sums[0]['sum']:g}",
                    error="" if ok else f"unexpected: {sums}, backend {backend}")
@@ -121,11 +129,11 @@ def check_train_direct(check, machine) -> Outcome:
 
     cfg = _config(check.params)
     t0 = time.time()
-    parts = launch(train_rank, cfg.to_dict(), resolve_model(cfg.model), t0, num_processes=1, device="cuda",
+    parts = launch(train_rank, cfg.to_dict(), resolve_model(cfg.model), t0, num_processes=1, device=cfg.device,
                    timeout=cfg.timeout, stall_timeout=cfg.stall_timeout, echo=False, distributed=True)
     from ..hardware import gpu_count
 
-    res = merge(cfg, parts, device="cuda", n_gpu=gpu_count(), wall_time_s=time.time() - t0)
+    res = merge(cfg, parts, device=cfg.device, n_gpu=gpu_count(), wall_time_s=time.time() - t0)
     problems = _judge_training(res, check)
     wrapper = res.verification["ranks"][0].get("wrapper")
     return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),
@@ -160,7 +168,7 @@ def check_fault(check, machine) -> Outcome:
         t_call = time.time()
         error = None
         try:
-            launch(fn, mark, num_processes=n, device="cuda", echo=False, timeout=120,
+            launch(fn, mark, num_processes=n, device=_dev(check), echo=False, timeout=120,
                    stall_timeout=planning.FAULT_STALL_S if kind == "stalled" else 60.0)
         except BaseException as e:  # noqa: BLE001 - the error is what is measured
             error = e
@@ -221,18 +229,20 @@ def check_notebook(check, machine) -> Outcome:
 
 
 def _plain_run(p: dict, model_path: str, gpu_index: int) -> float:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu_index), TOKENIZERS_PARALLELISM="false")
+    device = p.get("device", "cuda")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu_index) if device == "cuda" else "",
+               TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "stnb.gpucheck.plain", "--model", model_path, "--batch-size",
            str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
-           "--train-size", str(p["train_size"])]
+           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if out.returncode != 0:
         raise RuntimeError(f"the plain script exited {out.returncode}: {out.stderr[-1500:]}")
     data = json.loads(out.stdout.strip().splitlines()[-1])
-    if data["device"] != "cuda":
-        raise RuntimeError(f"the plain script ran on {data['device']}")
+    if data["device"] != device:
+        raise RuntimeError(f"the plain script ran on {data['device']}, not {device}")
     return data["samples_per_second"]
 
 
@@ -250,7 +260,7 @@ def check_ratio(check, machine) -> Outcome:
         order = ("plain", "stnb") if i % 2 == 0 else ("stnb", "plain")
         for who in order:
             if who == "plain":
-                plain.append(_plain_run(p, model_path, machine.gpus[0]["index"]))
+                plain.append(_plain_run(p, model_path, machine.gpus[0]["index"] if machine.gpus else 0))
             else:
                 last = run(cfg, echo=False)
                 problems = _judge_training(last, check)

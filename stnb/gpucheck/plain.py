@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-length", type=int, default=128)
     p.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     p.add_argument("--train-size", type=int, default=2000)
+    p.add_argument("--dev-size", type=int, default=64, help="as stnb.run's config: the same split of the same pairs")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=42)
     a = p.parse_args(argv)
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = SentenceTransformer(a.model, device=device)
     model.max_seq_length = a.max_seq_length
-    train, _ = load_pairs("synthetic", a.train_size, 0, a.seed)
+    train, _ = load_pairs("synthetic", a.train_size, max(1, a.dev_size), a.seed)  # stnb.run's train pairs
     args = SentenceTransformerTrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="stnb-plain-"), per_device_train_batch_size=a.batch_size,
         max_steps=a.steps, learning_rate=a.lr, seed=a.seed, report_to="none", save_strategy="no",

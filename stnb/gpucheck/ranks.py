@@ -97,8 +97,11 @@ def stall_in_collective(mark: str, bad_rank: int = 1) -> int:
     bad = min(bad_rank, world - 1)
     _mark(mark)
     if rank == bad:
-        torch.cuda._sleep(2 ** 62)  # a GPU spin loop far longer than any stall limit  # STALL-HERE
-        torch.cuda.synchronize()
+        if _device().type == "cuda":
+            torch.cuda._sleep(2 ** 62)  # a GPU spin loop far longer than any stall limit  # STALL-HERE
+            torch.cuda.synchronize()
+        else:  # gloo ranks (the CPU tests of this check): one blocking C call
+            time.sleep(3600)  # STALL-HERE
     else:
         _wait_in_collective()
     return rank
