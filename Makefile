@@ -39,7 +39,7 @@ TEST_ENV := STNB_PROFILE=ci \
 	TOKENIZERS_PARALLELISM=false \
 	PYTHONUNBUFFERED=1
 
-.PHONY: help venv install browser lab test bench hardware clean distclean FORCE
+.PHONY: help venv install browser lab test bench hardware gpu-check clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
@@ -49,6 +49,8 @@ help:
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
 	@echo "  make bench      python -m stnb bench --quick"
 	@echo "  make hardware   python -m stnb hardware"
+	@echo "  make gpu-check  run every GPU code path the visible GPUs allow (< 8 min on 1 GPU);"
+	@echo "                  table on stdout, JSON in artifacts/gpu-check/report.json; no GPU: says why, exit 0"
 	@echo "  make clean      remove caches and build outputs (distclean also removes $(VENV))"
 	@echo "Variables: VENV=$(VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
 
@@ -103,6 +105,10 @@ bench: install
 
 hardware: install
 	$(PY) -m stnb hardware
+
+# GPU machines: make gpu-check TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+gpu-check: install
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m stnb gpu-check
 
 clean:
 	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf

@@ -1,4 +1,4 @@
-"""Command line: python -m stnb {run,hardware,bench,export} ..."""
+"""Command line: python -m stnb {run,hardware,bench,export,gpu-check} ..."""
 
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ def main(argv=None) -> int:
 
 
 def _extra_commands():
-    """Sub-commands defined in other modules (bench, export) register themselves here."""
+    """Sub-commands defined in other modules (bench, export, gpucheck) register themselves here."""
     out = []
-    for modname in ("bench", "export"):
+    for modname in ("bench", "export", "gpucheck"):
         try:
             mod = __import__(f"stnb.{modname}", fromlist=["add_cli"])
         except ImportError:

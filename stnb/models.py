@@ -7,6 +7,14 @@ Presets:
         built once into ``$STNB_CACHE/tiny-bert-v1`` (default ``~/.cache/stnb``). Dropout is 0 so
         single-process and distributed runs can be compared exactly; the weights are seeded, so
         every build is byte-identical.
+    'mpnet-base-random': the microsoft/mpnet-base architecture (``stnb/configs/mpnet-base.json``:
+        12 layers, hidden 768, 12 heads, ~110M parameters) with random, seeded weights, mean pooling
+        (as ``SentenceTransformer("microsoft/mpnet-base")`` builds it) and MiniLM's bert-base-uncased
+        WordPiece tokenizer (30522 tokens <= MPNet's 30527 embedding rows), built offline into
+        ``$STNB_CACHE``. Throughput does not depend on the weights, so the sentence-transformers docs'
+        benchmark (``bench --preset st-docs``) runs without the hub. Not a trained model.
+    'mpnet-mini-random': the same build with 2 layers, hidden 64, 2 heads, intermediate 128: the
+        same code path at a size the CPU tests can train.
 
 Anything else is a local folder (must exist and hold a model) or a Hugging Face hub id. A hub id
 is checked before any process starts: it must be in the local Hugging Face cache or the hub must
@@ -27,7 +35,9 @@ from .errors import ConfigError
 
 MINILM = "minilm"
 TINY = "tiny"
-PRESETS = (MINILM, TINY)
+MPNET_BASE = "mpnet-base-random"
+MPNET_MINI = "mpnet-mini-random"
+PRESETS = (MINILM, TINY, MPNET_BASE, MPNET_MINI)
 
 TINY_DIRNAME = "tiny-bert-v1"
 TINY_MAX_SEQ_LENGTH = 256
@@ -44,11 +54,15 @@ TINY_CONFIG = dict(
     hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0,
 )
-# Files whose presence marks a finished tiny build (the folder is renamed into place atomically,
+MPNET_CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "mpnet-base.json")
+MPNET_MAX_SEQ_LENGTH = 384  # all-mpnet-base-v2's, and the docs benchmark's sequence length
+# the reduced size of the same architecture, for CPU tests
+MPNET_MINI_OVERRIDES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+# Files whose presence marks a finished build (the folder is renamed into place atomically,
 # so a folder that exists is complete; this guards against folders made by other means).
-_TINY_REQUIRED = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
+_BUILT_REQUIRED = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
 
-_FIX_MODEL = ("use 'minilm', 'tiny', an existing folder, or a hub id such as "
+_FIX_MODEL = ("use 'minilm', 'tiny', 'mpnet-base-random', an existing folder, or a hub id such as "
               "sentence-transformers/all-mpnet-base-v2")
 # Builds seed torch's global RNG, so builds within one process take turns (processes need no lock:
 # they have their own RNG, and the atomic rename settles who wins).
@@ -80,15 +94,42 @@ def cache_dir() -> str:
 
 
 def tiny_path() -> str:
-    """Folder of the 'tiny' model, building it on first use.
+    """Folder of the 'tiny' model, building it on first use (see built_path)."""
+    return built_path(TINY)
 
-    The build is deterministic (seeded, on CPU) and atomic: it is written into a temporary folder
-    next to the target and renamed into place, so processes building at the same time never see a
-    half-written model; the first rename wins and the others discard their copy.
+
+def mpnet_config(**overrides) -> dict:
+    """MPNetConfig keyword arguments: the shipped microsoft/mpnet-base values, then ``overrides``."""
+    import json
+
+    with open(MPNET_CONFIG_FILE) as f:
+        values = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    values.update(overrides)
+    return values
+
+
+def _builds() -> dict:
+    """preset -> (cache folder name, builder(target, scratch)). Bump the folder's version when a
+    builder changes what it writes."""
+    return {
+        TINY: (TINY_DIRNAME, _build_tiny),
+        MPNET_BASE: ("mpnet-base-random-v1", lambda target, scratch: _build_mpnet(target, scratch, {})),
+        MPNET_MINI: ("mpnet-mini-random-v1",
+                     lambda target, scratch: _build_mpnet(target, scratch, MPNET_MINI_OVERRIDES)),
+    }
+
+
+def built_path(preset: str) -> str:
+    """Folder of a randomly initialised preset ('tiny', 'mpnet-base-random', ...), building it on first use.
+
+    The build is deterministic (seeded, on CPU, no network) and atomic: it is written into a temporary
+    folder next to the target and renamed into place, so processes building at the same time never see
+    a half-written model; the first rename wins and the others discard their copy.
     """
+    dirname, builder = _builds()[preset]
     root = cache_dir()
-    final = os.path.join(root, TINY_DIRNAME)
-    if _tiny_complete(final):
+    final = os.path.join(root, dirname)
+    if _complete(final):
         return final
     try:
         os.makedirs(root, exist_ok=True)
@@ -96,32 +137,32 @@ def tiny_path() -> str:
         raise ConfigError(f"cannot create the stnb cache folder {root} ({e}); "
                           "set STNB_CACHE to a writable folder") from e
     with _BUILD_LOCK:
-        if _tiny_complete(final):  # another thread built it while we waited
+        if _complete(final):  # another thread built it while we waited
             return final
         if os.path.exists(final):  # incomplete folder not made by us: move it aside, then rebuild
-            _discard(final, root)
-        tmp = tempfile.mkdtemp(prefix=f".{TINY_DIRNAME}.tmp-", dir=root)
+            _discard(final, root, dirname)
+        tmp = tempfile.mkdtemp(prefix=f".{dirname}.tmp-", dir=root)
         try:
-            target = os.path.join(tmp, TINY_DIRNAME)
-            _build_tiny(target, os.path.join(tmp, "hf"))
+            target = os.path.join(tmp, dirname)
+            builder(target, os.path.join(tmp, "hf"))
             try:
                 os.rename(target, final)  # atomic; fails if another process got there first
             except OSError:
-                if not _tiny_complete(final):
+                if not _complete(final):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _tiny_complete(final):
-        raise ConfigError(f"building the tiny model into {final} failed; delete that folder and retry")
+    if not _complete(final):
+        raise ConfigError(f"building the {preset} model into {final} failed; delete that folder and retry")
     return final
 
 
-def _tiny_complete(path: str) -> bool:
-    return all(os.path.isfile(os.path.join(path, f)) for f in _TINY_REQUIRED)
+def _complete(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, f)) for f in _BUILT_REQUIRED)
 
 
-def _discard(path: str, root: str) -> None:
-    aside = tempfile.mkdtemp(prefix=f".{TINY_DIRNAME}.old-", dir=root)
+def _discard(path: str, root: str, dirname: str) -> None:
+    aside = tempfile.mkdtemp(prefix=f".{dirname}.old-", dir=root)
     try:
         os.rename(path, os.path.join(aside, "old"))
     except OSError:
@@ -130,8 +171,29 @@ def _discard(path: str, root: str) -> None:
 
 
 def _build_tiny(target: str, scratch: str) -> None:
+    from transformers import BertConfig, BertModel
+
+    # MiniLM is Transformer -> mean Pooling -> Normalize; mirror that (the pooler is kept, like
+    # MiniLM's checkpoint)
+    _build_random(target, scratch, lambda: BertModel(BertConfig(**TINY_CONFIG)), TINY_MAX_SEQ_LENGTH,
+                  normalize=True)
+
+
+def _build_mpnet(target: str, scratch: str, overrides: dict) -> None:
+    from transformers import MPNetConfig, MPNetModel
+
+    # SentenceTransformer("microsoft/mpnet-base") is Transformer -> mean Pooling (no Normalize).
+    # The tokenizer is MiniLM's bert-base-uncased WordPiece (30522 ids, all below MPNet's 30527 rows).
+    # MPNetEmbeddings hard-codes padding_idx=1 while this tokenizer pads with 0, so padded positions get
+    # position ids too; attention and mean pooling mask them, so real tokens and the cost are unchanged.
+    _build_random(target, scratch, lambda: MPNetModel(MPNetConfig(**mpnet_config(**overrides))),
+                  MPNET_MAX_SEQ_LENGTH, normalize=False)
+
+
+def _build_random(target: str, scratch: str, make_model, max_seq_length: int, normalize: bool) -> None:
+    """Seeded random weights from ``make_model()``, MiniLM's tokenizer, mean pooling; saved to target."""
     import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from sentence_transformers import SentenceTransformer
@@ -143,13 +205,13 @@ def _build_tiny(target: str, scratch: str) -> None:
         # fork_rng: seed for the init without disturbing the caller's random state.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            bert = BertModel(BertConfig(**TINY_CONFIG))  # keeps the pooler, like MiniLM's checkpoint
-        bert.save_pretrained(scratch)
+            hf_model = make_model()
+        hf_model.save_pretrained(scratch)
         AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(scratch)
-        # MiniLM is Transformer -> mean Pooling -> Normalize; mirror that.
-        transformer = Transformer(scratch, max_seq_length=TINY_MAX_SEQ_LENGTH)
+        transformer = Transformer(scratch, max_seq_length=max_seq_length)
         pooling = Pooling(transformer.get_embedding_dimension(), "mean")
-        st = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+        modules = [transformer, pooling] + ([Normalize()] if normalize else [])
+        st = SentenceTransformer(modules=modules, device="cpu")
         st.save(target, create_model_card=False)
         # transformers writes model.safetensors as 0600; make the cached model readable by all
         # (a cache may be shared, e.g. between users of a container image).
@@ -249,8 +311,8 @@ def resolve_model(name: str) -> str:
     name = name.strip()
     if name == MINILM:
         return minilm_path()
-    if name == TINY:
-        return tiny_path()
+    if name in _builds():
+        return built_path(name)
     if _looks_local(name):
         path = os.path.abspath(os.path.expanduser(name))
         if not os.path.exists(path):
@@ -292,11 +354,15 @@ def _class_names(model) -> dict[str, type]:
     return found
 
 
+# transformer blocks of model families whose transformers class declares no _no_split_modules
+_BLOCKS_WITHOUT_NO_SPLIT = {"mpnet": "MPNetLayer"}
+
+
 def layer_classes(model, name: str | None = None) -> list[type]:
     """Transformer block classes to wrap one by one with FSDP (e.g. [BertLayer]).
 
     Without ``name``, found from the inner Hugging Face model's ``_no_split_modules`` (embedding
-    classes excluded). With ``name`` (a class name, or several separated by commas), those classes
+    classes excluded), or for families that declare none (MPNet) from ``_BLOCKS_WITHOUT_NO_SPLIT``. With ``name`` (a class name, or several separated by commas), those classes
     are looked up among the model's submodules.
     """
     classes = _class_names(model)
@@ -313,6 +379,9 @@ def layer_classes(model, name: str | None = None) -> list[type]:
         for n in getattr(m, "_no_split_modules", None) or ():
             if n not in names and "embedding" not in n.lower():
                 names.append(n)
+        model_type = getattr(getattr(m, "config", None), "model_type", None)
+        if model_type in _BLOCKS_WITHOUT_NO_SPLIT and _BLOCKS_WITHOUT_NO_SPLIT[model_type] not in names:
+            names.append(_BLOCKS_WITHOUT_NO_SPLIT[model_type])
     found = [classes[n] for n in names if n in classes]
     if not found:
         raise ConfigError(

@@ -41,6 +41,7 @@ class RunResult:
     time_to_first_step_s: float | None = None
     wall_time_s: float | None = None
     launcher: str = "stnb"
+    mfu: dict | None = None            # model FLOPs utilisation and its inputs (stnb.mfu.summarize)
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
     saved_to: str | None = None

@@ -122,6 +122,10 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
     # the ranks' timing jitter, which is not time the job spent)
     span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
     sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
+    from .mfu import summarize as mfu_summary
+
+    mfu = mfu_summary(rank_results, warm, n_steps, span, gbs * (n_steps - warm),
+                      devices=max(1, n_gpu) if config.strategy == "dp" else 1)
     verification, problems = _cross_rank_checks(config, rank_results)
     ok = not problems
     spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
@@ -153,6 +157,7 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
                                   if r["time_to_first_step_s"] is not None), default=None),
         wall_time_s=wall_time_s,
         launcher=launcher,
+        mfu=mfu,
         saved_to=(r0.get("saved_model") or {}).get("saved_to"),
         config=config.to_dict(),
         run_id=uuid.uuid4().hex[:12],
@@ -224,6 +229,7 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
         """Times every step, keeps losses, verifies the prepared model, measures memory."""
 
         def on_step_begin(self, args, st, control, **kw):
+            state["flops"].start_step()  # evaluation forwards before this step do not count
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
                 if (cfg.get("comm_hook") == "embedding_rows" and cfg["strategy"] == "ddp"
@@ -242,6 +248,7 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
 
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
+            state["flops"].end_step()
             prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
             state["step_times"].append(now - prev)
             if state["t_last_end"] is None:
@@ -383,6 +390,9 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
 
     frozen = strategies.freeze_unused_pooler(model)
     model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
+    from .mfu import FlopMeter, device_peak
+
+    state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
     loss = _make_loss(cfg, model)  # train holds exactly the columns this loss reads (data.load_pairs)
     _record_loss_inputs(loss, state)
     if cfg["strategy"] == "fsdp":
@@ -467,6 +477,10 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
         "loss_inputs": state.get("loss_inputs"),
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
         "saved_model": saved,
+        "train_flops": state["flops"].per_step,
+        "train_tokens": state["flops"].tokens,
+        "flops_shape": state["flops"].shape,
+        "peak": device_peak(device, cfg.get("mixed_precision", "no")),
     }
 
 

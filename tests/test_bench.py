@@ -108,24 +108,57 @@ def test_corrupted_results_file_is_reported_not_overwritten(tmp_path, capsys):
     assert not (tmp_path / "runs.html").exists()
 
 
-def test_st_docs_refuses_here_with_a_clear_reason(tmp_path, monkeypatch, capsys):
+def test_st_docs_refuses_without_a_gpu_and_needs_no_hub(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("STNB_FORCE_CPU", "1")  # no GPU, whatever this machine has
     rc = cli(["bench", "--preset", "st-docs", "--results", str(tmp_path / "docs.jsonl")])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "preset 'st-docs' cannot run here" in err
-    assert "HF_HUB_OFFLINE=1" in err
-    if len(stnb.hardware().gpus) < 2:
-        assert "at least 2 CUDA GPUs" in err and "this machine has" in err
-    assert "does not substitute" in err
+    assert "preset 'st-docs' cannot run here" in err and "this machine has 0 CUDA GPUs" in err
+    assert "--device cpu" in err and "does not substitute" in err
+    assert "hub" not in err.lower(), "offline mode is no longer a reason: the preset needs no network"
     assert not any(tmp_path.iterdir()), "nothing may run (or be written) before the refusal"
 
 
 def test_st_docs_refuses_through_the_command_line():
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", STNB_FORCE_CPU="1")
     out = subprocess.run([sys.executable, "-m", "stnb", "bench", "--preset", "st-docs"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and "preset 'st-docs' cannot run here" in out.stderr
+
+
+def test_st_docs_preset_is_the_docs_setting_offline():
+    opts = bench.BenchOptions.from_preset("st-docs")
+    assert (opts.model, opts.max_seq_length, opts.batch_sizes, opts.data) == \
+        ("mpnet-base-random", 384, (32,), "synthetic")
+    from stnb.models import PRESETS
+    assert opts.model in PRESETS
+
+
+def test_st_docs_runs_offline_on_cpu_at_reduced_size(tmp_path, monkeypatch, capsys):
+    """The st-docs preset's own code path (the mpnet build, the sweep), at the reduced size, on CPU,
+    with the hub offline: a single and a 2-rank DDP row, MFU inputs measured."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    results = tmp_path / "docs.jsonl"
+    args = ["bench", "--preset", "st-docs", "--device", "cpu", "--model", "mpnet-mini-random",
+            "--max-seq-length", "32", "--batch-sizes", "4", "--strategies", "single,ddp", "--nprocs", "2",
+            "--steps", "3", "--warmup", "1", "--train-size", "64", "--results", str(results),
+            "--report", str(tmp_path / "docs.html")]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    rows = {_tag(r)["name"]: r for r in _lines(results)}
+    assert set(rows) == {"single b4", "ddp x2 b4"}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["verified"], r["reason"]
+        assert r["model"] == "mpnet-mini-random" and r["config"]["data"] == "synthetic"
+        assert r["config"]["max_seq_length"] == 32
+        m = r["mfu"]
+        # two texts per pair, each padded to its batch's longest (<= 32 tokens)
+        assert 2 <= m["tokens_per_sample"] <= 2 * 32 and m["flops_per_sample"] > 0
+        assert m["mfu"] is None and "CPU" in m["peak_source"]  # no peak on CPU: no MFU claimed
+    assert rows["ddp x2 b4"]["verification"]["ranks"][0]["wrapper"] == "DistributedDataParallel"
+    assert "MFU" in out and "tokens/sample" in out
+    assert "NOT STS-B" in (tmp_path / "docs.html").read_text()
 
 
 def test_plan_is_interleaved_and_keys_are_stable():

@@ -1,0 +1,192 @@
+"""PLAN: which GPU checks the visible hardware allows (a pure function of a ``Machine``).
+
+``detect()`` reads the machine without touching the CUDA driver (the gpu-check process is a
+parent of forked ranks, like a notebook kernel); ``plan(machine)`` turns it into ``Check``s.
+Tests call ``plan`` with simulated machines (0, 1, 2, 8 GPUs, a GPU without bf16, one the torch
+build has no kernels for).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+BF16_MIN_CC = (8, 0)   # Ampere: bf16 tensor cores; older GPUs emulate bf16 (slowly)
+
+# one training configuration for every check that trains: the bundled MiniLM, 32 per device
+TRAIN = dict(model="minilm", per_device_batch_size=32, max_seq_length=128, steps=30, warmup_steps_excluded=5,
+             train_size=2000, dev_size=64, timeout=180.0, stall_timeout=60.0)
+# plain sentence-transformers vs stnb: more steps, so per-step overheads show in the ratio
+RATIO = dict(TRAIN, steps=150, warmup_steps_excluded=10, evaluate=False)
+RATIO_GOAL = 0.98
+RATIO_REPEATS = 2
+FAULT_STALL_S = 5.0    # stall_timeout of the stall check
+FAULT_TO_ERROR_S = 10.0  # the project's limit: a clear error within 10 s of the fault (or of the limit)
+BUDGET_S = 450.0       # every check must have started within this; the whole run stays under 8 minutes
+
+
+@dataclass
+class Machine:
+    """What the checks may use. ``gpus``: [{index, name, memory_bytes, compute_capability: [major, minor]}]."""
+
+    gpus: list = field(default_factory=list)
+    torch_cuda: str | None = None          # torch.version.cuda (None: a CPU-only torch build)
+    arch_list: list = field(default_factory=list)   # torch.cuda.get_arch_list(): ['sm_75', ...]
+    notebook: str | None = None            # notebooks/00_setup_and_hardware.ipynb when present
+    no_gpu_reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Check:
+    name: str                 # unique row name, e.g. "single bf16"
+    kind: str                 # which RUN function runs it
+    params: dict = field(default_factory=dict)
+    gpus: int = 1             # GPUs it uses
+    skip: str | None = None   # planned but not applicable here: the reason (never counted as passed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cc(gpu) -> tuple:
+    cc = gpu.get("compute_capability")
+    if isinstance(cc, str):
+        cc = cc.split(".")
+    return tuple(int(x) for x in cc) if cc else (0, 0)
+
+
+def _min_arch(arch_list) -> tuple | None:
+    ccs = []
+    for a in arch_list or ():
+        m = re.fullmatch(r"sm_(\d+)(\d)[a-z]?", a)
+        if m:
+            ccs.append((int(m.group(1)), int(m.group(2))))
+    return min(ccs) if ccs else None
+
+
+def unsupported(machine: Machine) -> list:
+    """GPUs this torch build ships no kernels for (their compute capability is below every sm_XY)."""
+    low = _min_arch(machine.arch_list)
+    if low is None:
+        return []
+    return [g for g in machine.gpus if _cc(g) < low]
+
+
+def plan(machine: Machine) -> list:
+    """The checks, in the order they run. Empty without a GPU (the report says why)."""
+    n = len(machine.gpus)
+    if n == 0:
+        return []
+    checks = [Check("hardware", "hardware", gpus=n)]
+    bad = unsupported(machine)
+    if bad:  # nothing else can work; the hardware check fails with the reason
+        checks[0].params["unsupported"] = [f"{g['name']} (compute capability {'.'.join(map(str, _cc(g)))})"
+                                           for g in bad]
+        return checks
+    bf16 = all(_cc(g) >= BF16_MIN_CC for g in machine.gpus)
+    no_bf16 = None if bf16 else (
+        "bf16 needs compute capability >= 8.0 (Ampere); "
+        + ", ".join(f"{g['name']} has {'.'.join(map(str, _cc(g)))}" for g in machine.gpus if _cc(g) < BF16_MIN_CC)
+        + " (it would emulate bf16, slowly): use fp16")
+    dist_mp = "bf16" if bf16 else "no"   # precision of the ddp / fsdp / dp rows
+    one = dict(TRAIN)
+
+    checks.append(Check(f"nccl all_reduce x{n}", "allreduce", {"nproc": n}, gpus=n))
+    checks.append(Check("single bf16", "train", dict(one, strategy="single", mixed_precision="bf16"), skip=no_bf16))
+    checks.append(Check("single fp16", "train", dict(one, strategy="single", mixed_precision="fp16")))
+    if dist_mp != "bf16":
+        checks.append(Check(f"single {dist_mp}", "train", dict(one, strategy="single", mixed_precision=dist_mp)))
+    # one NCCL rank each: TrainConfig refuses these for users (nothing to shard / nothing to average),
+    # so they run through stnb.launch + runner.train_rank directly: the NCCL path itself
+    for strategy in ("ddp", "fsdp"):
+        checks.append(Check(f"{strategy} x1 nccl {dist_mp}", "train_direct",
+                            dict(one, strategy=strategy, num_processes=1, mixed_precision=dist_mp)))
+    ranks = min(n, 2)
+    for fault in ("raise", "kill", "stall"):
+        checks.append(Check(f"fault: a rank {'raises' if fault == 'raise' else 'is killed' if fault == 'kill' else 'stalls'}"
+                            f" (x{ranks} nccl)", "fault", {"fault": fault, "nproc": ranks}, gpus=ranks))
+    checks.append(Check("notebook 00", "notebook", {"path": machine.notebook},
+                        skip=None if machine.notebook else "notebooks/ not found: run from a source checkout"))
+    checks.append(Check("plain sentence-transformers vs stnb single", "ratio",
+                        dict(RATIO, strategy="single", mixed_precision="bf16" if bf16 else "fp16",
+                             goal=RATIO_GOAL, repeats=RATIO_REPEATS)))
+    checks.append(Check("bench st-docs single", "st_docs", {"steps": 30, "warmup": 5}))
+    if n >= 2:
+        multi = dict(one, mixed_precision=dist_mp)
+        checks.append(Check(f"dp x{n} {dist_mp}", "train", dict(multi, strategy="dp"), gpus=n))
+        for strategy in ("ddp", "fsdp"):
+            checks.append(Check(f"{strategy} x{n} {dist_mp}", "train",
+                                dict(multi, strategy=strategy, num_processes=n), gpus=n))
+        for hook in ("fp16", "bf16", "embedding_rows"):
+            checks.append(Check(f"ddp x{n} {dist_mp} hook {hook}", "train",
+                                dict(multi, strategy="ddp", num_processes=n, comm_hook=hook), gpus=n,
+                                skip=no_bf16 if hook == "bf16" else None))
+    return checks
+
+
+# ---- reading the machine ----------------------------------------------------------------------
+
+def visible_gpus() -> list:
+    """[{index, name, memory_bytes, compute_capability}] of the visible GPUs, without the CUDA driver.
+
+    Local fallback until stnb.hardware.gpus() exists: the count from hardware.gpu_count(), names,
+    memory and compute capability from nvidia-smi, filtered by CUDA_VISIBLE_DEVICES indices."""
+    import shutil
+    import subprocess
+
+    from ..hardware import gpu_count
+
+    n = gpu_count()
+    if n == 0:
+        return []
+    rows = []
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,compute_cap",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+            for line in out.stdout.splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) == 4 and parts[0].isdigit():
+                    rows.append({"index": int(parts[0]), "name": parts[1],
+                                 "memory_bytes": int(float(parts[2]) * 2 ** 20) if parts[2][:1].isdigit() else None,
+                                 "compute_capability": [int(x) for x in parts[3].split(".")]
+                                 if re.fullmatch(r"\d+\.\d+", parts[3]) else None})
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            rows = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible and all(v.strip().isdigit() for v in visible.split(",")):
+        order = [int(v) for v in visible.split(",")]
+        rows = [r for i in order for r in rows if r["index"] == i]
+    rows = rows[:n]
+    for i in range(len(rows), n):  # no nvidia-smi: still n GPUs, details unknown
+        rows.append({"index": i, "name": f"cuda:{i}", "memory_bytes": None, "compute_capability": None})
+    return rows
+
+
+def detect() -> Machine:
+    """This machine, read without initialising CUDA."""
+    import torch
+
+    from ..hardware import gpu_count
+
+    gpus = visible_gpus()  # the lead switches this line to stnb.hardware.gpus()
+    nb = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "notebooks", "00_setup_and_hardware.ipynb")
+    machine = Machine(gpus=gpus, torch_cuda=torch.version.cuda, notebook=nb if os.path.isfile(nb) else None)
+    if torch.version.cuda:
+        machine.arch_list = torch.cuda.get_arch_list()  # compile-time flags; no driver call
+    if not gpus:
+        if os.environ.get("STNB_FORCE_CPU") == "1":
+            machine.no_gpu_reason = "STNB_FORCE_CPU=1 hides the GPUs from stnb"
+        elif not torch.version.cuda:
+            machine.no_gpu_reason = (f"this torch build ({torch.__version__}) is CPU-only; on a GPU machine install "
+                                     "the CUDA build: make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128")
+        else:
+            machine.no_gpu_reason = (f"no CUDA device is visible (torch {torch.__version__}, CUDA {torch.version.cuda}; "
+                                     f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}; "
+                                     f"stnb.hardware.gpu_count() = {gpu_count()})")
+    return machine

@@ -1,0 +1,232 @@
+"""python -m stnb gpu-check: the plan for simulated hardware, the report from synthetic outcomes,
+the orchestration's skip / budget rules, reading nvidia-smi, and the real no-GPU run on this machine.
+
+The GPU checks themselves need a GPU (``make gpu-check`` on one); here everything around them runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from stnb import gpucheck
+from stnb.gpucheck import checks, planning, report as reporting
+from stnb.gpucheck.planning import Machine
+
+H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2 ** 30, "compute_capability": [9, 0]}
+T4 = {"index": 0, "name": "Tesla T4", "memory_bytes": 15 * 2 ** 30, "compute_capability": [7, 5]}
+P100 = {"index": 0, "name": "Tesla P100-PCIE-16GB", "memory_bytes": 16 * 2 ** 30, "compute_capability": [6, 0]}
+ARCH = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # a cu128 build's list
+
+
+def gpus(proto, n):
+    return [dict(proto, index=i) for i in range(n)]
+
+
+def names(machine):
+    return [c.name for c in gpucheck.plan(machine)]
+
+
+def test_plan_without_gpu_is_empty():
+    assert gpucheck.plan(Machine(gpus=[], no_gpu_reason="CPU-only torch build")) == []
+
+
+def test_plan_one_gpu():
+    ch = gpucheck.plan(Machine(gpus=gpus(H100, 1), torch_cuda="12.8", arch_list=ARCH, notebook="nb.ipynb"))
+    got = [c.name for c in ch]
+    assert got == ["hardware", "nccl all_reduce x1", "single bf16", "single fp16", "ddp x1 nccl bf16",
+                   "fsdp x1 nccl bf16", "fault: a rank raises (x1 nccl)", "fault: a rank is killed (x1 nccl)",
+                   "fault: a rank stalls (x1 nccl)", "notebook 00", "plain sentence-transformers vs stnb single",
+                   "bench st-docs single"]
+    assert not any(c.skip for c in ch), "an H100 can run every 1-GPU check"
+    by = {c.name: c for c in ch}
+    assert by["single fp16"].params["mixed_precision"] == "fp16" and by["single fp16"].params["strategy"] == "single"
+    # 1 rank of ddp / fsdp: through the direct path (TrainConfig refuses them for users)
+    assert by["fsdp x1 nccl bf16"].kind == "train_direct" and by["fsdp x1 nccl bf16"].params["num_processes"] == 1
+    assert by["plain sentence-transformers vs stnb single"].params["goal"] == 0.98
+    assert all(c.gpus == 1 for c in ch)
+
+
+def test_plan_two_and_eight_gpus_add_the_multi_gpu_paths():
+    two = names(Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    for n in ("dp x2 bf16", "ddp x2 bf16", "fsdp x2 bf16", "ddp x2 bf16 hook fp16", "ddp x2 bf16 hook bf16",
+              "ddp x2 bf16 hook embedding_rows", "fault: a rank raises (x2 nccl)", "nccl all_reduce x2"):
+        assert n in two, n
+    eight = gpucheck.plan(Machine(gpus=gpus(H100, 8), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    by = {c.name: c for c in eight}
+    assert by["ddp x8 bf16"].params["num_processes"] == 8 and by["ddp x8 bf16"].gpus == 8
+    assert by["dp x8 bf16"].params["strategy"] == "dp"
+    assert "fault: a rank is killed (x2 nccl)" in by  # two ranks are enough for the fault matrix
+    assert len(eight) == len(two)
+
+
+def test_plan_gpu_without_bf16():
+    ch = gpucheck.plan(Machine(gpus=gpus(T4, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    by = {c.name: c for c in ch}
+    assert "compute capability >= 8.0" in by["single bf16"].skip and "Tesla T4 has 7.5" in by["single bf16"].skip
+    assert by["ddp x2 no hook bf16"].skip and not by["ddp x2 no hook fp16"].skip
+    assert by["single no"].params["mixed_precision"] == "no"  # the speed-up base of the fp32 rows
+    assert by["plain sentence-transformers vs stnb single"].params["mixed_precision"] == "fp16"
+    assert not any(c.skip for c in ch if "bf16" not in c.name)
+
+
+def test_plan_gpu_the_torch_build_cannot_run():
+    ch = gpucheck.plan(Machine(gpus=gpus(P100, 1), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    assert [c.name for c in ch] == ["hardware"]
+    assert "Tesla P100-PCIE-16GB (compute capability 6.0)" in ch[0].params["unsupported"]
+
+
+def test_plan_without_notebooks_skips_with_reason():
+    ch = {c.name: c for c in gpucheck.plan(Machine(gpus=gpus(H100, 1), torch_cuda="12.8", arch_list=ARCH))}
+    assert "source checkout" in ch["notebook 00"].skip
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def _outcomes(fail=False):
+    O = reporting.Outcome
+    base = {"strategy": "single", "precision": "bf16", "gpus": 1}
+    return [O("hardware", "hardware", "passed", 0.1),
+            O("single bf16", "train", "passed", 20.0, dict(base, samples_per_second=1000.0, mfu=0.31,
+                                                             peak_memory_bytes=3 * 2 ** 30)),
+            O("single fp16", "train", "skipped", 0.0, detail="not here"),
+            O("ddp x2 bf16", "train", "failed" if fail else "passed", 25.0,
+              dict(base, strategy="ddp", gpus=2, samples_per_second=1900.0), error="boom" if fail else "")]
+
+
+def test_report_counts_speedups_and_exit_code(tmp_path):
+    m = Machine(gpus=gpus(H100, 2), torch_cuda="12.8")
+    plan = gpucheck.plan(Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    plan = [c for c in plan if c.name in {"hardware", "single bf16", "single fp16", "ddp x2 bf16"}]
+    ok = gpucheck.build(m, plan, _outcomes(), 100.0, 130.0)
+    assert ok["counts"] == {"passed": 3, "failed": 0, "skipped": 1} and gpucheck.exit_code(ok) == 0
+    assert ok["speedups"] == [{"name": "ddp x2 bf16", "strategy": "ddp", "gpus": 2, "samples_per_second": 1900.0,
+                               "speedup": 1.9, "efficiency": 0.95}]
+    text = gpucheck.table(ok)
+    assert "single bf16" in text and "PASSED" in text and "31.0%" in text and "3.00" in text and "1.90x" in text
+    bad = gpucheck.build(m, plan, _outcomes(fail=True), 100.0, 130.0)
+    assert gpucheck.exit_code(bad) == 1 and "FAILED" in bad["verdict"] and bad["speedups"] == []
+    # a planned check with no outcome is a failure too
+    missing = gpucheck.build(m, plan, _outcomes()[:2], 100.0, 130.0)
+    assert missing["not_run"] == ["ddp x2 bf16", "single fp16"] and gpucheck.exit_code(missing) == 1
+    path = gpucheck.write(ok, tmp_path / "sub" / "r.json")
+    assert json.loads(open(path).read())["counts"]["passed"] == 3
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+def test_report_without_gpu_claims_nothing():
+    rep = gpucheck.build(Machine(no_gpu_reason="CPU-only build"), [], [], 0.0, 1.0)
+    assert rep["counts"]["passed"] == 0 and gpucheck.exit_code(rep) == 0
+    assert rep["verdict"].startswith("no GPU: CPU-only build") and "no check passed" in rep["verdict"]
+    assert "PASSED" not in gpucheck.table(rep)
+
+
+def test_outcome_status_is_checked():
+    with pytest.raises(ValueError):
+        reporting.Outcome("x", "train", "ok")
+
+
+def test_run_all_skips_and_budget(monkeypatch):
+    ran = []
+    monkeypatch.setitem(checks.RUNNERS, "train", lambda c, m: ran.append(c.name) or
+                        reporting.Outcome(c.name, c.kind, "passed"))
+    monkeypatch.setitem(checks.RUNNERS, "fault", lambda c, m: 1 / 0)
+    plan = [gpucheck.Check("a", "train"), gpucheck.Check("b", "train", skip="no bf16 here"),
+            gpucheck.Check("c", "fault"), gpucheck.Check("d", "train")]
+    import time
+
+    outs = checks.run_all(plan, Machine(), deadline=time.time() + 60, echo=None)
+    assert [(o.name, o.status) for o in outs] == [("a", "passed"), ("b", "skipped"), ("c", "failed"), ("d", "passed")]
+    assert "ZeroDivisionError" in outs[2].error and ran == ["a", "d"]
+    late = checks.run_all(plan[:1], Machine(), deadline=time.time() - 1, echo=None)
+    assert late[0].status == "failed" and "budget" in late[0].error
+
+
+# ---- reading the machine without the CUDA driver ------------------------------------------------
+
+def test_visible_gpus_from_nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi (the tool cannot exist here) prints what the real one prints."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, NVIDIA H100 80GB HBM3, 81559, 9.0'\necho '1, Tesla T4, 15360, 7.5'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    import stnb.hardware
+
+    monkeypatch.setattr(stnb.hardware, "gpu_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    got = planning.visible_gpus()
+    assert got == [{"index": 1, "name": "Tesla T4", "memory_bytes": 15360 * 2 ** 20, "compute_capability": [7, 5]}]
+    assert "single bf16" in {c.name for c in gpucheck.plan(Machine(gpus=got, arch_list=ARCH)) if c.skip}
+
+
+# ---- the real command, on this machine ----------------------------------------------------------
+
+def _cli(tmp_path, **env):
+    report = tmp_path / "gpu-check.json"
+    out = subprocess.run([sys.executable, "-m", "stnb", "gpu-check", "--report", str(report)], capture_output=True,
+                         text=True, timeout=180, env=dict(os.environ, **env))
+    return out, json.loads(report.read_text()) if report.exists() else None
+
+
+def test_cli_without_gpu_says_why_and_passes_nothing(tmp_path):
+    import torch
+
+    if torch.version.cuda and gpucheck.detect().gpus:
+        pytest.skip("this machine has a GPU: run `make gpu-check`")
+    out, rep = _cli(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "no GPU" in out.stdout and "Nothing was run; no check passed" in out.stdout
+    if not torch.version.cuda:
+        assert "CPU-only" in out.stdout and "TORCH_INDEX_URL" in out.stdout
+    assert rep["counts"] == {"passed": 0, "failed": 0, "skipped": 0} and rep["outcomes"] == []
+    assert rep["machine"]["no_gpu_reason"] and "PASSED" not in out.stdout
+
+
+def test_cli_with_gpus_hidden(tmp_path):
+    out, rep = _cli(tmp_path, STNB_FORCE_CPU="1")
+    assert out.returncode == 0 and "STNB_FORCE_CPU=1" in out.stdout
+    assert rep["counts"]["passed"] == 0
+
+
+# ---- the RUN functions themselves, with gloo ranks on CPU (params['device'] = 'cpu') -------------
+
+@pytest.mark.parametrize("fault,kind", [("raise", "raised"), ("kill", "killed"), ("stall", "stalled")])
+def test_fault_checks_run_for_real_on_cpu(fault, kind):
+    check = gpucheck.Check(f"fault {fault}", "fault", {"fault": fault, "nproc": 2, "device": "cpu"}, gpus=2)
+    out = checks.RUNNERS["fault"](check, Machine())
+    assert out.status == "passed", out.error
+    assert out.metrics["processes_left"] == 0 and out.metrics["time_to_error_s"] < planning.FAULT_TO_ERROR_S
+
+
+def test_fault_check_fails_when_the_fault_goes_unnoticed(monkeypatch):
+    from stnb.gpucheck import ranks
+
+    monkeypatch.setitem(checks._FAULTS, "raise", (ranks.rank_pids, "raised"))  # a rank function that never faults
+    check = gpucheck.Check("fault raise", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"}, gpus=2)
+    out = checks.RUNNERS["fault"](check, Machine())
+    assert out.status == "failed" and "went unnoticed" in out.error
+
+
+def test_one_rank_fsdp_and_allreduce_checks_on_cpu():
+    p = dict(planning.TRAIN, model="tiny", steps=3, warmup_steps_excluded=1, per_device_batch_size=4,
+             max_seq_length=32, train_size=64, dev_size=16, device="cpu")
+    out = checks.RUNNERS["train_direct"](gpucheck.Check("fsdp x1", "train_direct",
+                                                        dict(p, strategy="fsdp", num_processes=1)), Machine())
+    assert out.status == "passed", out.error
+    assert "FSDP" in out.detail and "gloo" in out.detail and out.metrics["samples_per_second"] > 0
+    ar = checks.RUNNERS["allreduce"](gpucheck.Check("ar", "allreduce", {"nproc": 2, "device": "cpu"}), Machine())
+    assert ar.status == "passed" and "sum 3" in ar.detail
+
+
+def test_ratio_check_runs_the_plain_script_and_stnb_on_cpu():
+    p = dict(planning.RATIO, model="tiny", steps=6, warmup_steps_excluded=2, per_device_batch_size=4,
+             max_seq_length=32, train_size=64, device="cpu", mixed_precision="no", goal=0.0, repeats=1)
+    out = checks.RUNNERS["ratio"](gpucheck.Check("ratio", "ratio", dict(p, strategy="single")), Machine())
+    assert out.status == "passed", out.error
+    m = out.metrics
+    assert m["ratio"] == pytest.approx(m["stnb_runs"][0] / m["plain_runs"][0]) and m["plain_runs"][0] > 0
