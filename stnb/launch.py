@@ -16,7 +16,7 @@ launcher lacks:
   no heartbeat for ``stall_timeout`` seconds) that dumps every rank's stack and stops them;
 * cleanup: no process the launch started survives success, failure, timeout or KeyboardInterrupt,
   including what a rank started itself (its children are re-parented to the launching process
-  while the launch runs, see ``_child_subreaper``).
+  while the launch runs, see ``child_subreaper``).
 """
 
 from __future__ import annotations
@@ -692,7 +692,7 @@ def _children_now() -> set:
         return set()
 
 
-def _child_subreaper(on: bool) -> bool | None:
+def child_subreaper(on: bool) -> bool | None:
     """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) or stop being one.
 
     While a launch runs, a process its ranks started whose parent dies (a killed rank's child, a
@@ -716,7 +716,7 @@ def _child_subreaper(on: bool) -> bool | None:
 
 def _reap_new_children(before: set) -> None:
     """Kill any descendant of this process that appeared during the launch and is still alive
-    (with ``_child_subreaper`` set, that includes orphans the ranks left behind)."""
+    (with ``child_subreaper`` set, that includes orphans the ranks left behind)."""
     import psutil
 
     extra = [pid for pid in _children_now() - before]
@@ -871,7 +871,7 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
     gc.collect()
     gc.freeze()
     _release_openmp_threads()
-    was_subreaper = _child_subreaper(True)  # orphans of the ranks come back to this process
+    was_subreaper = child_subreaper(True)  # orphans of the ranks come back to this process
     watchdog.start()
     try:
         quiet.__enter__()
@@ -912,7 +912,7 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
         watchdog.kill_ranks()
         _reap_new_children(before)
         if was_subreaper is False:
-            _child_subreaper(False)
+            child_subreaper(False)
         watchdog.finish()
         info.logs = dict(watchdog.logs)
         info.wall_time_s = time.time() - t0

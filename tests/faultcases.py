@@ -273,6 +273,7 @@ def case_port_busy(tmp: str) -> Outcome:
     out = Outcome(case="5. port 29500 busy")
     before = descendants()
     with busy_port(29500) as bound:
+        out.extra["port_busy"] = port_busy(29500)  # ours or someone else's: a launch on 29500 would fail
         t = time.time()
         try:
             res = cpu_launch(rankfns.info, num_processes=2, echo=False)
@@ -387,6 +388,16 @@ def case_timeout(tmp: str) -> Outcome:
 CASES = [case_raise, case_sigkill, case_sigkill_in_collective, case_sigkill_with_children, case_stall, case_stall_single, case_keyboard_interrupt,
          case_port_busy, case_cuda_initialised, case_exit_without_return, case_exit_then_collective,
          case_sys_exit, case_missing_model, case_results_not_writable, case_two_launches, case_timeout]
+
+
+def port_busy(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 class busy_port:
