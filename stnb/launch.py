@@ -14,7 +14,9 @@ launcher lacks:
   rank's traceback, and the other ranks are stopped;
 * a watchdog: overall ``timeout`` and a stall detector (no rank's Python stack moved and
   no heartbeat for ``stall_timeout`` seconds) that dumps every rank's stack and stops them;
-* cleanup: no child process survives success, failure, timeout or KeyboardInterrupt.
+* cleanup: no process the launch started survives success, failure, timeout or KeyboardInterrupt,
+  including what a rank started itself (its children are re-parented to the launching process
+  while the launch runs, see ``child_subreaper``).
 """
 
 from __future__ import annotations
@@ -694,8 +696,31 @@ def _children_now() -> set:
         return set()
 
 
+def child_subreaper(on: bool) -> bool | None:
+    """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) or stop being one.
+
+    While a launch runs, a process its ranks started whose parent dies (a killed rank's child, a
+    daemon that double-forked and called setsid) is re-parented to this process instead of to init,
+    so it stays a descendant: the cleanup after the launch finds and stops every process the
+    launch started, not only those still hanging below a living rank. Returns the previous setting,
+    or None where the call is unavailable (not Linux), where only descendants are found."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prev = ctypes.c_int(0)
+        if libc.prctl(37, ctypes.byref(prev), 0, 0, 0) != 0:  # PR_GET_CHILD_SUBREAPER
+            return None
+        if libc.prctl(36, 1 if on else 0, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+            return None
+        return bool(prev.value)
+    except (OSError, AttributeError):
+        return None
+
+
 def _reap_new_children(before: set) -> None:
-    """Kill any descendant of this process that appeared during the launch and is still alive."""
+    """Kill any descendant of this process that appeared during the launch and is still alive
+    (with ``child_subreaper`` set, that includes orphans the ranks left behind)."""
     import psutil
 
     extra = [pid for pid in _children_now() - before]
@@ -850,6 +875,7 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
     gc.collect()
     gc.freeze()
     _release_openmp_threads()
+    was_subreaper = child_subreaper(True)  # orphans of the ranks come back to this process
     watchdog.start()
     try:
         quiet.__enter__()
@@ -889,6 +915,8 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
                 os.environ[k] = v
         watchdog.kill_ranks()
         _reap_new_children(before)
+        if was_subreaper is False:
+            child_subreaper(False)
         watchdog.finish()
         info.logs = dict(watchdog.logs)
         info.wall_time_s = time.time() - t0
@@ -1075,7 +1103,9 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
         # the rank that raised says its peer went away; the peer that left no trace is the cause
         silent = {r: codes.get(r) for r in range(nproc) if _silent(ch, r) and ch.get(r, _PID) > 0}
     if watchdog.reason == "exited" or silent:
-        r = min(silent or watchdog.stalled, key=lambda x: (silent.get(x) is None, x))
+        # the watchdog stopped the launch for the ranks it saw end silently; the others it killed itself
+        cause = watchdog.stalled if watchdog.reason == "exited" else (silent or watchdog.stalled)
+        r = min(cause, key=lambda x: (silent.get(x) is None, x))
         code = silent.get(r, codes.get(r))
         if code is None and r in silent:
             why = ("ended without returning a result or raising an exception (killed from outside, e.g. "

@@ -9,6 +9,9 @@ Every case returns an ``Outcome``:
   for the stall and timeout cases the limit itself is subtracted (``after_limit``);
 * ``orphans``: descendants of this process that appeared during the case and are still
   there afterwards (zombies included);
+* ``rank_pids`` / ``rank_pids_alive``: every process the ranks recorded while they ran (the ranks
+  themselves and any process a rank started), and those still alive after the error. This set is
+  written before anything is killed, so a process re-parented away from this one still counts;
 * ``children_seen``: whether any new child process existed at any point during the call
   (sampled every 20 ms) - refusals must start none;
 * ``next_ok``: a healthy 2-rank launch right afterwards, in the same process, works.
@@ -205,6 +208,15 @@ def case_sigkill_in_collective(tmp: str) -> Outcome:
                    mark=mark)
 
 
+def case_sigkill_with_children(tmp: str) -> Outcome:
+    """The killed rank had started a child and a double-forked daemon: both are re-parented when it
+    dies, away from this process's descendants; their pids were recorded before anything was killed."""
+    mark = _mark_path(tmp, "children")
+    return measure("2c. a rank that started a child and a daemon is SIGKILLed",
+                   lambda: cpu_launch(rankfns.children_then_sigkill, 1, mark, num_processes=2, echo=False),
+                   mark=mark)
+
+
 def case_stall(tmp: str) -> Outcome:
     mark = _mark_path(tmp, "stall")
     return measure(f"3. a rank hangs in a collective (stall_timeout={STALL_LIMIT:g})",
@@ -261,6 +273,7 @@ def case_port_busy(tmp: str) -> Outcome:
     out = Outcome(case="5. port 29500 busy")
     before = descendants()
     with busy_port(29500) as bound:
+        out.extra["port_busy"] = port_busy(29500)  # ours or someone else's: a launch on 29500 would fail
         t = time.time()
         try:
             res = cpu_launch(rankfns.info, num_processes=2, echo=False)
@@ -372,9 +385,19 @@ def case_timeout(tmp: str) -> Outcome:
                    after_limit=TIMEOUT_LIMIT, pid_mark=mark)
 
 
-CASES = [case_raise, case_sigkill, case_sigkill_in_collective, case_stall, case_stall_single, case_keyboard_interrupt,
+CASES = [case_raise, case_sigkill, case_sigkill_in_collective, case_sigkill_with_children, case_stall, case_stall_single, case_keyboard_interrupt,
          case_port_busy, case_cuda_initialised, case_exit_without_return, case_exit_then_collective,
          case_sys_exit, case_missing_model, case_results_not_writable, case_two_launches, case_timeout]
+
+
+def port_busy(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 class busy_port:

@@ -36,7 +36,8 @@ def _pid(mark: str | None) -> None:
 
 
 def rank_pids(mark: str) -> list:
-    """The pids the ranks of the last launch left next to ``mark``."""
+    """The pids the ranks of the last launch (and processes they started) left next to ``mark``,
+    written while they ran: the set a cleanup check compares with, collected before any kill."""
     import glob
 
     return [int(open(p).read()) for p in sorted(glob.glob(f"{glob.escape(mark)}.pid*"))]
@@ -238,6 +239,45 @@ def unpicklable():
 def sys_exit_on(bad_rank: int = 1, code=0, mark: str | None = None) -> int:
     """``bad_rank`` calls sys.exit(code) (SystemExit, a BaseException) instead of returning."""
     return _strike(bad_rank, mark, lambda r: sys.exit(code))
+
+
+def _sleeping_child(pid_file: str, daemon: bool) -> int:
+    """Fork a process that records its pid in ``pid_file`` and sleeps for an hour. ``daemon``: the
+    classic double fork (fork, setsid, fork, the middle process exits), so the sleeper is re-parented
+    at once and sits in a session of its own, out of the rank's process group."""
+    child = os.fork()
+    if child == 0:
+        try:
+            if daemon:
+                os.setsid()
+                if os.fork() != 0:
+                    os._exit(0)
+            with open(pid_file + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(pid_file + ".tmp", pid_file)
+            time.sleep(3600)
+        finally:
+            os._exit(0)
+    if daemon:
+        os.waitpid(child, 0)  # the middle process exits at once
+    end = time.time() + 30
+    while not os.path.exists(pid_file) and time.time() < end:
+        time.sleep(0.01)
+    return child
+
+
+def children_then_sigkill(bad_rank: int = 1, mark: str | None = None, others_sleep: float = 120.0) -> int:
+    """``bad_rank`` starts a sleeping child and a double-forked sleeping daemon, records their pids
+    next to the mark (``rank_pids`` lists them with the ranks'), and is then SIGKILLed."""
+
+    def start_then_die(r):
+        _sleeping_child(f"{mark}.pid-child{r}", daemon=False)
+        _sleeping_child(f"{mark}.pid-daemon{r}", daemon=True)
+        _sigkill_self(r)
+
+    r = _strike(bad_rank, mark, start_then_die, "starts two processes, then is SIGKILLed")
+    _idle(others_sleep)
+    return r
 
 
 def sigkill_in_collective(bad_rank: int = 1, mark: str | None = None) -> int:

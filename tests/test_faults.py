@@ -79,6 +79,16 @@ def test_2b_rank_sigkilled_during_collective(tmp):
     _common(out)
 
 
+def test_2c_rank_with_child_and_daemon_sigkilled(tmp):
+    out = fc.case_sigkill_with_children(tmp)
+    e = out.error
+    assert isinstance(e, LaunchError), repr(e)
+    assert e.kind == "killed" and e.rank == 1, str(e)
+    # both ranks, rank 1's child and its double-forked daemon, recorded while they ran
+    assert len(out.rank_pids) == 4, out.rank_pids
+    _common(out)
+
+
 def test_3_rank_hangs_in_collective(tmp):
     out = fc.case_stall(tmp)
     e = out.error
@@ -124,7 +134,7 @@ def test_5_port_busy(tmp):
     assert out.error is None, f"{out.error!r}"
     res = out.extra["results"]
     assert [r["rank"] for r in res] == [0, 1] and all(r["all_reduce"] == 3.0 for r in res)
-    assert res[0]["master_port"] != "29500"
+    assert out.extra["port_busy"], "29500 was not busy during the launch"
     assert out.orphans == [] and out.next_ok
 
 

@@ -86,21 +86,24 @@ def test_ranks_with_threads_after_the_parent_ran_torch(nproc):
 
 
 def test_busy_port_29500_does_not_matter():
+    # torch's and accelerate's default port is held (by us, or by whoever holds it already): a launch
+    # that fell back on 29500 would fail to bind its rendezvous store
     with fc.busy_port(29500):
+        assert fc.port_busy(29500)
         res = cpu_launch(rankfns.info, num_processes=2, echo=False)
     assert [r["rank"] for r in res] == [0, 1] and all(r["all_reduce"] == 3.0 for r in res)
-    assert res[0]["master_port"] != "29500" and res[0]["master_port"] == res[1]["master_port"]
+    assert res[0]["master_port"] == res[1]["master_port"] == str(stnb.last_launch().port)
 
 
 def test_explicit_busy_master_port_is_refused_before_starting():
+    port = stnb_launch.free_port()
     before = _descendants()
-    with fc.busy_port(29500) as held:
-        if not held:
-            pytest.skip("29500 is held by another program; cannot hold it ourselves")
+    with fc.busy_port(port) as held:
+        assert held, f"could not hold port {port}"
         with pytest.raises(ConfigError) as ei:
-            cpu_launch(rankfns.info, num_processes=2, echo=False, master_port=29500)
+            cpu_launch(rankfns.info, num_processes=2, echo=False, master_port=port)
     msg = str(ei.value)
-    assert "29500" in msg and "already in use" in msg and "master_port=None" in msg
+    assert str(port) in msg and "already in use" in msg and "master_port=None" in msg
     assert _descendants() - before == set()
 
 

@@ -226,6 +226,58 @@ def test_concurrent_appends_lose_no_run(tmp_path):
     assert sorted(ids) == sorted(f"t{w}-{i}" for w in range(4) for i in range(15)), f"{len(ids)} of 60 rows"
 
 
+APPENDER = r"""
+import os, sys, time
+from stnb import results
+path, tag, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+while not os.path.exists(go):
+    time.sleep(0.001)
+for i in range(n):
+    results.append_result(path, {{"run_id": f"{{tag}}-{{i}}", "pad": "z" * 20000}})
+"""
+
+
+def test_two_processes_appending_at_once_lose_no_run(tmp_path):
+    """Two notebooks (here: two processes) appending to one results file at the same moment keep every
+    row: the lock serialises processes, not only threads (with a thread lock 44 and 58 of 80 survived)."""
+    path, go = tmp_path / "results.jsonl", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER.format(), str(path), tag, "40", str(go)])
+             for tag in ("a", "b")]
+    try:
+        time.sleep(1.0)  # both interpreters started and waiting
+        go.touch()
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0]
+    ids = [r["run_id"] for r in stnb.load_results(path, as_frame=False)]
+    expected = [f"{t}-{i}" for t in ("a", "b") for i in range(40)]
+    assert sorted(ids) == sorted(expected), f"{len(set(ids) & set(expected))} of 80 rows kept"
+
+
+def test_a_reader_never_sees_a_partial_file(tmp_path):
+    """While another process appends large rows, every read of the file parses completely and never
+    has fewer rows than the read before: readers see the old file or the new one, never half."""
+    path = tmp_path / "results.jsonl"
+    stnb.append_result(path, {"run_id": "first", "pad": "y" * 200000})
+    writer = subprocess.Popen([sys.executable, "-c", LOOPER.format(tests=str(Path(__file__).parent)), str(path)])
+    reads, last = 0, 1
+    try:
+        end = time.time() + 4.0
+        while time.time() < end and writer.poll() is None:
+            rows = stnb.load_results(path, as_frame=False)  # ResultsFileError on a partial line
+            assert len(rows) >= last, f"a read found {len(rows)} rows after one with {last}"
+            last = len(rows)
+            reads += 1
+    finally:
+        writer.kill()
+        writer.wait(10)
+    assert last > 3 and reads > 20, (last, reads)  # the writer did append while we read, many times
+
+
 # ---- corrupted files ----------------------------------------------------------------------
 
 CORRUPT = {

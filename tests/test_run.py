@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -12,6 +13,10 @@ import stnb
 from stnb import strategies
 
 SMALL = dict(model="tiny", steps=4, train_size=128, dev_size=32, warmup_steps_excluded=1)
+# Enough steps at a learning rate high enough that training moves the weights far more than the
+# tolerance DDP and one big batch are compared with (measured: moved 4.8e-2, apart 1.3e-5).
+EQUIV = dict(model="tiny", steps=10, learning_rate=5e-3, train_size=256, dev_size=32, warmup_steps_excluded=1)
+EQUIV_TOL = 2e-4
 REQUIRED_KEYS = {"strategy", "world_size", "per_device_batch_size", "global_batch_size", "steps",
                  "samples_per_second", "step_times", "losses", "peak_memory_bytes", "local_param_count",
                  "total_param_count", "verified", "verification", "model", "device", "versions"}
@@ -21,31 +26,82 @@ def _children():
     return psutil.Process().children(recursive=True)
 
 
+def saved_weights(path) -> dict:
+    """The tensors of a saved SentenceTransformer, by name (read from its safetensors files)."""
+    from safetensors.torch import load_file
+
+    files = sorted(pathlib.Path(path).rglob("*.safetensors"))
+    assert files, f"no weights saved under {path}"
+    out = {}
+    for f in files:
+        out.update({f"{f.parent.relative_to(path)}/{k}": v for k, v in load_file(f).items()})
+    return out
+
+
+def max_abs_diff(a: dict, b: dict) -> dict:
+    """{tensor name: max |a - b|}; both must hold exactly the same tensors."""
+    assert set(a) == set(b), set(a) ^ set(b)
+    return {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
+
+
 @pytest.fixture(scope="module")
-def ddp_and_single():
-    ddp = stnb.run(stnb.TrainConfig(strategy="ddp", num_processes=2, per_device_batch_size=4, **SMALL))
-    single = stnb.run(stnb.TrainConfig(strategy="single", per_device_batch_size=8, **SMALL))
-    return ddp, single
+def ddp(tmp_path_factory):
+    """2 ranks x 4 pairs, dropout 0 (the tiny model), final weights saved by rank 0."""
+    target = tmp_path_factory.mktemp("ddp") / "model"
+    return stnb.run(stnb.TrainConfig(strategy="ddp", num_processes=2, per_device_batch_size=4,
+                                     save_to=str(target), **EQUIV))
 
 
-def test_ddp_two_ranks_verified(ddp_and_single):
-    r, _ = ddp_and_single
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process with the same global batch (8), seed and data order."""
+    target = tmp_path_factory.mktemp("single") / "model"
+    return stnb.run(stnb.TrainConfig(strategy="single", per_device_batch_size=8, evaluate=False,
+                                     save_to=str(target), **EQUIV))
+
+
+def test_ddp_two_ranks_verified(ddp):
+    r = ddp
     assert r.strategy == "ddp" and r.world_size == 2 and r.verified
     assert r.global_batch_size == 8 and r.per_device_batch_size == 4
     ranks = r.verification["ranks"]
     assert [v["world_size_seen"] for v in ranks] == [2, 2]
     assert all(v["wrapper"] == "DistributedDataParallel" and v["backend"] == "gloo" for v in ranks)
     assert r.verification["weights_identical_across_ranks"] is True
-    assert len(r.losses) == 4 and len(r.step_times) == 4
+    assert len(r.losses) == EQUIV["steps"] and len(r.step_times) == EQUIV["steps"]
     assert r.samples_per_second > 0
     assert r.local_param_count == [r.total_param_count] * 2
     assert len(r.peak_memory_bytes) == 2 and all(m > 0 for m in r.peak_memory_bytes)
-    assert r.spearman_before is not None and -1 <= r.spearman_after <= 1
     assert not _children(), "a rank process survived the run"
 
 
-def test_result_forms(ddp_and_single):
-    r, _ = ddp_and_single
+def test_spearman_scores_are_the_initial_and_the_trained_models(ddp):
+    """spearman_before/after are the dev scores of the model before training and of the trained
+    (saved) one: recomputed here from those two models, independently of the run."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+
+    from stnb.data import load_pairs
+    from stnb.models import resolve_model
+
+    cfg = stnb.TrainConfig(**ddp.config)
+    _, dev = load_pairs(cfg.data, cfg.train_size, cfg.dev_size, cfg.seed)
+    ev = EmbeddingSimilarityEvaluator(dev["sentence1"], dev["sentence2"], dev["score"], name="dev",
+                                      show_progress_bar=False)
+
+    def score(path):
+        model = SentenceTransformer(str(path), device="cpu")
+        model.max_seq_length = cfg.max_seq_length
+        return ev(model)[ev.primary_metric]
+
+    before, after = score(resolve_model(cfg.model)), score(ddp.saved_to)
+    assert before != pytest.approx(after, abs=1e-3), "training did not change the dev score"
+    assert ddp.spearman_before == pytest.approx(before, abs=1e-6)
+    assert ddp.spearman_after == pytest.approx(after, abs=1e-6)
+
+
+def test_result_forms(ddp):
+    r = ddp
     d = r.to_dict()
     assert REQUIRED_KEYS <= set(d)
     assert json.loads(json.dumps(d)) == d  # JSON-serialisable as is
@@ -54,13 +110,22 @@ def test_result_forms(ddp_and_single):
     assert stnb.RunResult.from_dict(d).to_dict() == d
 
 
-def test_ddp_matches_single_process_with_same_global_batch(ddp_and_single):
-    """Same global batch (2 x 4 vs 1 x 8) and seed: DDP averages gradients exactly like one big batch."""
-    ddp, single = ddp_and_single
+def test_ddp_final_weights_equal_one_big_batch(ddp, single):
+    """Same global batch (2 x 4 vs 1 x 8), seed and data order, no dropout: DDP's averaged gradients
+    are one big batch's, so after 10 steps the final weights agree tensor by tensor, while training
+    moved them far from where they started. A DDP that never all-reduced trains rank 0 on its own half."""
+    from stnb.models import resolve_model
+
     assert single.world_size == 1 and single.global_batch_size == ddp.global_batch_size == 8
     assert single.verification["ranks"][0]["wrapper"] == "SentenceTransformer"
-    for a, b in zip(ddp.losses, single.losses):
-        assert a == pytest.approx(b, rel=1e-3, abs=1e-5)
+    start = saved_weights(resolve_model("tiny"))
+    trained_ddp, trained_single = saved_weights(ddp.saved_to), saved_weights(single.saved_to)
+    moved = max_abs_diff(trained_single, start)
+    assert max(moved.values()) > 100 * EQUIV_TOL, f"training barely moved the weights: {max(moved.values()):.2e}"
+    assert sum(m > EQUIV_TOL for m in moved.values()) > len(moved) // 2, "most tensors did not train"
+    apart = max_abs_diff(trained_ddp, trained_single)
+    worst = max(apart, key=apart.get)
+    assert apart[worst] < EQUIV_TOL, f"DDP and one big batch differ by {apart[worst]:.2e} in {worst}"
 
 
 def test_fsdp_shards_and_saves_a_loadable_model(tmp_path):
@@ -94,6 +159,15 @@ def test_fsdp_verification_fails_loudly_on_an_unsharded_model():
     model = load_model(tiny_path())
     with pytest.raises(stnb.VerificationError, match="not sharded|not an FSDP2 module"):
         strategies.verify("fsdp", model, model, world_size_expected=2)
+
+
+def test_verify_compares_the_world_size_with_the_requested_one():
+    """Outside a process group a rank sees world size 1: asked for 2, verification must say so."""
+    from stnb.models import load_model, tiny_path
+
+    model = load_model(tiny_path())
+    with pytest.raises(stnb.VerificationError, match="world_size 1 != expected 2"):
+        strategies.verify("ddp", model, model, world_size_expected=2)
 
 
 def test_mnrl_with_gather_across_devices():

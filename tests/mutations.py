@@ -1,0 +1,286 @@
+"""Mutation check: break stnb on purpose in a scratch copy and make sure the test named for the
+behaviour goes red.
+
+Each ``Mutation`` is a fault the issue found the suite blind to, written as exact text
+replacements in the product (an anchor that is missing, or found more than once, is an error:
+a stale mutation must never pass silently), and the narrowest test(s) that must catch it.
+``tests/test_mutations.py`` runs every one in CI; by hand:
+
+    python tests/mutations.py                  # every mutation, then a table
+    python tests/mutations.py lock in-place    # mutations whose id contains a word
+    python tests/mutations.py --baseline       # the named tests on an unmutated copy (must pass)
+
+``pending``: the fault is still present in the code (the check that catches it is being
+rewritten elsewhere); the mutation is written against today's code and its test is expected to
+survive it until that work lands. ``tests/test_mutations.py`` runs these as strict xfails, so the
+moment the suite catches one, the xfail fails and the mark must be removed (re-anchoring the
+mutation if the code it names moved).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPIED = ("stnb", "tests", "pyproject.toml")
+PER_TEST_TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    fault: str
+    edits: tuple  # ((path, old, new), ...): exact text replacements, each anchor found exactly once
+    tests: tuple  # pytest node ids that must fail
+    pending: str = ""
+
+
+NOOP_HOOK = '''                if cfg["strategy"] == "ddp" and state["world_size"] > 1:  # MUTATION: DDP never all-reduces
+                    import torch
+
+                    def _noop(_state, bucket):
+                        fut = torch.futures.Future()
+                        fut.set_result(bucket.buffer())
+                        return fut
+
+                    tr.model_wrapped.register_comm_hook(None, _noop)
+                state["t_first_begin"] = time.perf_counter()
+'''
+
+AFTER_TRAIN = "    trainer.train()\n"
+
+MUTATIONS = [
+    Mutation(
+        "ddp-no-allreduce",
+        "a no-op DDP comm hook: each rank trains on its own half batch",
+        (("stnb/runner.py", '                state["t_first_begin"] = time.perf_counter()\n', NOOP_HOOK),),
+        ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
+    Mutation(
+        "save-untrained",
+        "the untrained model is saved instead of the trained one",
+        (("stnb/runner.py", 'saved_to, reloads = _save_atomically(final_model, cfg["save_to"], device)',
+          'saved_to, reloads = _save_atomically(load_model(model_path, device=device, '
+          'max_seq_length=cfg["max_seq_length"]), cfg["save_to"], device)'),),
+        ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
+    Mutation(
+        "rank1-swaps-embedding-rows",
+        "after training, rank 1 swaps two rows of the word embeddings",
+        (("stnb/runner.py", AFTER_TRAIN, AFTER_TRAIN +
+          "    if rank == 1:  # MUTATION\n"
+          "        with torch.no_grad():\n"
+          "            _w = trainer.model[0].auto_model.embeddings.word_embeddings.weight\n"
+          "            _w[[100, 101]] = _w[[101, 100]].clone()\n"),),
+        ("tests/test_run.py::test_ddp_two_ranks_verified",),
+        pending="verify-product item 1: exact per-tensor weight equality across ranks"),
+    Mutation(
+        "rank1-adds-3e-4",
+        "after training, rank 1 adds 3e-4 to one weight",
+        (("stnb/runner.py", AFTER_TRAIN, AFTER_TRAIN +
+          "    if rank == 1:  # MUTATION\n"
+          "        with torch.no_grad():\n"
+          "            next(trainer.model.parameters()).view(-1)[0] += 3e-4\n"),),
+        ("tests/test_run.py::test_ddp_two_ranks_verified",),
+        pending="verify-product item 1: exact per-tensor weight equality across ranks"),
+    Mutation(
+        "results-thread-lock",
+        "the results file lock serialises threads only, not processes",
+        (("stnb/results.py", "from .errors import ResultsFileError\n",
+          "from .errors import ResultsFileError\nimport threading\n_THREAD_LOCK = threading.Lock()\n"),
+         ("stnb/results.py", "    try:\n        fcntl.flock(fd, fcntl.LOCK_EX)\n        yield\n    finally:\n"
+                             "        os.close(fd)\n",
+          "    try:\n        with _THREAD_LOCK:\n            yield\n    finally:\n        os.close(fd)\n")),
+        ("tests/test_results.py::test_two_processes_appending_at_once_lose_no_run",)),
+    Mutation(
+        "write-in-place",
+        "the atomic write truncates and rewrites the file in place",
+        (("stnb/_files.py",
+          '        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=os.path.dirname(target) or ".")\n',
+          "        tmp = target\n        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"),),
+        ("tests/test_results.py::test_a_reader_never_sees_a_partial_file",)),
+    Mutation(
+        "cleanup-descendants-only",
+        "the launcher finds only processes still below a living rank (no child subreaper)",
+        (("stnb/launch.py", "    was_subreaper = child_subreaper(True)",
+          "    was_subreaper = None  # MUTATION"),),
+        ("tests/test_faults.py::test_2c_rank_with_child_and_daemon_sigkilled",)),
+    Mutation(
+        "world-size-compared-with-itself",
+        "DDP verification compares the world size a rank sees with itself",
+        (("stnb/strategies.py", '''        if seen_ws != world_size_expected:
+            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
+    elif strategy == "fsdp":''', '''        if seen_ws != seen_ws:
+            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
+    elif strategy == "fsdp":'''),),
+        ("tests/test_run.py::test_verify_compares_the_world_size_with_the_requested_one",),
+        ),
+    Mutation(
+        "memory-grads-counted-from-params",
+        "the gradient bytes a rank reports count frozen parameters too",
+        (("stnb/runner.py",
+          "    grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)\n",
+          "    grads = sum(tensor_bytes(p) for p in model.parameters())\n"),),
+        ("tests/test_memory.py::test_prediction_matches_a_real_single_process_run",),
+        pending="verify-product item 2: memory measured independently (the trainable count from "
+                "requires_grad, not inferred from the measured gradients)"),
+    Mutation(
+        "cli-run-exit-0-unverified",
+        "`python -m stnb run` exits 0 whatever the result's verification says",
+        (("stnb/__main__.py", "        _print_summary(result)\n    return 0\n",
+          "        _print_summary(result)\n    return 0  # MUTATION: whatever result.verified says\n"),),
+        ("tests/test_run.py::test_cli_run_exits_nonzero_when_unverified",),
+        pending="verify-product item 6: exit codes (the test named here is theirs)"),
+    Mutation(
+        "launch-on-port-29500",
+        "the launcher uses torch's default port 29500 instead of a free one",
+        (("stnb/launch.py", "    port = master_port or free_port(master_addr)\n", "    port = master_port or 29500\n"),),
+        ("tests/test_launch.py::test_busy_port_29500_does_not_matter",)),
+    Mutation(
+        "ranks-see-the-same-data",
+        "every DDP rank draws its batches from a different shuffle of the data",
+        (("stnb/runner.py", '        data_seed=cfg["seed"],\n', '        data_seed=cfg["seed"] + rank,\n'),),
+        ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
+]
+
+
+def apply(root: str, m: Mutation) -> None:
+    """Apply ``m``'s edits under ``root``; raise if an anchor is missing or ambiguous."""
+    for path, old, new in m.edits:
+        full = os.path.join(root, path)
+        with open(full) as f:
+            text = f.read()
+        n = text.count(old)
+        if n != 1:
+            raise LookupError(f"mutation {m.id!r}: anchor found {n} times in {path} (stale mutation):\n{old}")
+        with open(full, "w") as f:
+            f.write(text.replace(old, new))
+
+
+def check_anchors(m: Mutation, root: str = ROOT) -> None:
+    for path, old, _ in m.edits:
+        with open(os.path.join(root, path)) as f:
+            n = f.read().count(old)
+        if n != 1:
+            raise LookupError(f"mutation {m.id!r}: anchor found {n} times in {path} (stale mutation):\n{old}")
+
+
+def copy_repo(dst: str) -> str:
+    ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.pyc")
+    for name in COPIED:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dst, name), ignore=ignore)
+        else:
+            shutil.copy2(src, os.path.join(dst, name))
+    return dst
+
+
+@dataclass
+class Outcome:
+    mutation: Mutation | None
+    returncode: int
+    failed: list
+    output: str
+    seconds: float
+
+    @property
+    def caught(self) -> bool:
+        """pytest exit code 1 (tests ran and failed, no collection error) and only named tests failed."""
+        names = {t.split("::")[-1] for t in (self.mutation.tests if self.mutation else ())}
+        return self.returncode == 1 and bool(self.failed) and {f.split("::")[-1] for f in self.failed} <= names
+
+
+def run_tests(root: str, tests, timeout: float = PER_TEST_TIMEOUT_S) -> tuple:
+    """Run the named tests in ``root`` with stnb imported from there. Returns (rc, failed ids, output).
+
+    A mutant may leave processes behind (that is what some mutations do): while it runs this process
+    is their child subreaper, and every process that appeared is stopped afterwards. Output goes to
+    a file, so a leftover process holding a pipe open cannot keep us waiting."""
+    import psutil
+
+    from stnb.launch import child_subreaper
+
+    env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=-rf",
+           "-o", f"timeout={int(timeout)}", "--basetemp", os.path.join(root, ".pytest-tmp"), *tests]
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    was = child_subreaper(True)
+    log_path = os.path.join(root, "mutant.log")
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+            try:
+                rc = proc.wait(timeout + 120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+    finally:
+        left = [p for p in me.children(recursive=True) if p.pid not in before]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=10)
+        if was is False:
+            child_subreaper(False)
+    with open(log_path, errors="replace") as f:
+        out = f.read()
+    failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
+    return rc, failed, out
+
+
+def where_stnb_comes_from(root: str) -> str:
+    env = dict(os.environ, PYTHONPATH=root)
+    return subprocess.run([sys.executable, "-c", "import stnb; print(stnb.__file__)"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120).stdout.strip()
+
+
+def run_mutation(m: Mutation | None, tests=None) -> Outcome:
+    """Copy the repository, apply ``m`` (None: the baseline), run its tests there."""
+    with tempfile.TemporaryDirectory(prefix="stnb-mutant-") as tmp:
+        root = copy_repo(os.path.join(tmp, "repo"))
+        if m is not None:
+            apply(root, m)
+        t0 = time.time()
+        rc, failed, out = run_tests(root, tests or m.tests)
+        return Outcome(m, rc, failed, out, time.time() - t0)
+
+
+def main(argv) -> int:
+    baseline = "--baseline" in argv
+    words = [a for a in argv if not a.startswith("--")]
+    chosen = [m for m in MUTATIONS if not words or any(w in m.id for w in words)]
+    if baseline:
+        tests = sorted({t for m in chosen for t in m.tests if not m.pending})
+        o = run_mutation(None, tests)
+        print(o.output[-3000:])
+        print(f"baseline: {len(tests)} named tests, exit code {o.returncode}, {o.seconds:.0f} s")
+        return o.returncode
+    bad = []
+    for m in chosen:
+        o = run_mutation(m)
+        verdict = "caught" if o.caught else "SURVIVED"
+        if m.pending:
+            verdict += f" (pending: {m.pending.split(':')[0]})"
+        elif not o.caught:
+            bad.append(m.id)
+        why = next((ln[1:].strip() for ln in o.output.splitlines() if ln.startswith("E ")), "")
+        print(f"{m.id:<34} {verdict:<40} {o.seconds:5.0f} s  by {', '.join(o.failed) or '-'} (exit {o.returncode})"
+              + (f"\n    {why[:200]}" if why else ""), flush=True)
+    if bad:
+        print("SURVIVED:", ", ".join(bad))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
