@@ -1,7 +1,8 @@
 """Run a function on N processes from a notebook cell, and get every rank's result back.
 
-Built on accelerate's ``notebook_launcher`` (fork start method). stnb adds what the
-launcher lacks:
+Ranks are forked the way accelerate's ``notebook_launcher`` forks them (torch elastic, fork
+start method; ``stnb.forksafe.start_ranks``), but never run inside the kernel, as
+``notebook_launcher`` does in Colab. stnb adds what the launcher lacks:
 
 * a result channel: ``launch`` returns ``[result_of_rank_0, result_of_rank_1, ...]``;
 * torch.distributed initialised in every rank (gloo on CPU, NCCL on GPU) and the world
@@ -36,6 +37,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, LaunchError
+from .forksafe import check_fork_safe, start_ranks
 
 __all__ = ["launch", "heartbeat", "report_progress", "rank_context", "last_launch", "free_port"]
 
@@ -708,27 +710,6 @@ def _reap_new_children(before: set) -> None:
     del psutil
 
 
-def check_fork_safe() -> None:
-    """Refuse to fork when the parent already holds device or accelerate state ranks can't inherit."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise ConfigError(
-            "CUDA is already initialised in this process (a tensor was moved to the GPU, or a model was "
-            "loaded on 'cuda', in an earlier cell), and forked ranks cannot use an initialised CUDA context. "
-            "Fix: restart the kernel and keep all GPU work inside the launched function / stnb.run.")
-    try:
-        from accelerate.state import AcceleratorState
-
-        if len(AcceleratorState._shared_state) > 0:
-            raise ConfigError(
-                "An accelerate Accelerator (or a Trainer) was created in this process before launching; "
-                "forked ranks would inherit its single-process state. Fix: restart the kernel and create "
-                "Accelerators/Trainers only inside the launched function.")
-    except ImportError:  # pragma: no cover
-        pass
-
-
 def _validate(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes, node_rank):
     from .hardware import cpu_cores, gpu_count
 
@@ -854,14 +835,11 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
             # with num_nodes > 1; fork the rank here instead, as global rank node_rank
             _run_single(ch, opts, master_addr, port, rank=node_rank)
         else:
-            from accelerate import notebook_launcher
-
-            entry = _entry(ch, opts)
-            with _quiet_launcher_print(echo, f"stnb: launching {nproc} rank(s) on {device} ({backend}), "
-                                                 f"{master_addr}:{port}"):
-                notebook_launcher(entry, args=(), num_processes=nproc, mixed_precision=mixed_precision,
-                                  use_port=str(port), master_addr=master_addr, node_rank=node_rank,
-                                  num_nodes=num_nodes)
+            if echo:
+                print(f"stnb: launching {nproc} rank(s) on {device} ({backend}), {master_addr}:{port}", flush=True)
+            # never notebook_launcher itself: in Colab it runs the function inside the kernel
+            start_ranks(_entry(ch, opts), nproc, master_addr=master_addr, port=port, node_rank=node_rank,
+                        num_nodes=num_nodes, mixed_precision=mixed_precision)
     except KeyboardInterrupt:
         interrupted = True
     except Exception as e:  # ChildFailedError, SignalException, RuntimeError from the launcher...
@@ -913,33 +891,13 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
 
 
 def _entry(ch, opts):
-    """The function handed to notebook_launcher (which calls it with no arguments)."""
+    """The function handed to the elastic launcher (which calls it with no arguments)."""
 
     def stnb_rank(*_ignored):
         _rank_main(ch, opts)
 
     stnb_rank.__name__ = f"stnb_rank[{getattr(opts.fn, '__name__', 'fn')}]"
     return stnb_rank
-
-
-class _quiet_launcher_print:
-    """notebook_launcher prints 'Launching training on N CUDAs.' even on CPU (its device guess
-    falls back to CUDA); swallow that line and print an accurate one instead."""
-
-    def __init__(self, echo, message):
-        self.echo, self.message = echo, message
-
-    def __enter__(self):
-        import accelerate.launchers as launchers
-
-        self._mod = launchers
-        launchers.print = lambda *a, **k: None
-        if self.echo:
-            print(self.message, flush=True)
-
-    def __exit__(self, *exc):
-        self._mod.__dict__.pop("print", None)
-        return False
 
 
 class _QuietElasticLogs:

@@ -49,8 +49,9 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
     ws = config.world_size()
     env = {}
     if device == "cuda" and config.strategy == "single":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
+        from .hardware import single_gpu_env
+
+        env = single_gpu_env()
     t0 = time.time()
     bars = None
     if on_progress is None and echo:
@@ -286,7 +287,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         from accelerate import PartialState
 
         PartialState(cpu=cfg["device"] == "cpu")
-    on_cpu = not (torch.cuda.is_available() and cfg["device"] != "cpu")
+    on_cpu = not (cfg["device"] != "cpu" and torch.cuda.is_available())
     if cfg.get("threads_per_rank") and on_cpu:
         torch.set_num_threads(cfg["threads_per_rank"])
     allocator = {"applied": False, "reason": "off (reuse_freed_memory=False)" if on_cpu else "GPU run"}
@@ -298,7 +299,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and cfg["device"] != "cpu"
+    use_cuda = cfg["device"] != "cpu" and torch.cuda.is_available()
     device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
     n_gpu = torch.cuda.device_count() if use_cuda else 0
     if use_cuda:
