@@ -228,11 +228,21 @@ def _memory_breakdown(model, optimizer) -> dict:
             "total": params + grads + ostate}
 
 
-def _make_trainer_class(cfg: dict):
+def trainer_class(cfg: dict):
+    """The sentence-transformers trainer class stnb trains with, for this run's config."""
     from sentence_transformers import SentenceTransformerTrainer
 
     class StnbTrainer(SentenceTransformerTrainer):
-        """The sentence-transformers trainer, with stnb's DDP knobs passed to accelerate."""
+        """The sentence-transformers trainer, with stnb's DDP knobs passed to accelerate, and the
+        mixed precision the Trainer's own DataParallel path leaves out (strategies.autocast_data_parallel)."""
+
+        def _wrap_model(self, model, training=True, dataloader=None):
+            from .strategies import autocast_data_parallel
+
+            wrapped = super()._wrap_model(model, training=training, dataloader=dataloader)
+            if wrapped is not model:  # newly wrapped here: the Trainer's DP path (args.n_gpu > 1)
+                wrapped = autocast_data_parallel(wrapped, cfg.get("mixed_precision", "no"))
+            return wrapped
 
         def _build_accelerator_args(self, **kwargs):
             from accelerate.utils import DistributedDataParallelKwargs
@@ -351,7 +361,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         fp16=cfg.get("mixed_precision") == "fp16",
     )
     trainer_ref = {}
-    trainer = _make_trainer_class(cfg)(model=model, args=args, train_dataset=train, loss=loss,
+    trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train, loss=loss,
                                        callbacks=[_make_callback(trainer_ref, cfg, state)])
     trainer.remove_callback(PrinterCallback)
     trainer_ref["trainer"] = trainer

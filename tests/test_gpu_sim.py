@@ -335,3 +335,73 @@ def test_colab_kernel_never_runs_a_rank(tmp_path):
     assert len(pids) == 2 and out["kernel_pid"] not in pids
     assert out["shell_kept"] and out["stdout_kept"]
 
+
+# ---- dp with mixed precision: the Trainer's DataParallel path ----------------------------------------
+
+def test_dp_trains_under_the_requested_precision(tmp_path):
+    """transformers wraps nn.DataParallel itself when args.n_gpu > 1 and then skips accelerate's
+    prepare_model, where autocast lives: dp with bf16 trained in fp32. Here transformers is told it sees
+    2 GPUs (args._n_gpu, what TrainingArguments._setup_devices sets on such a machine); on CPU
+    DataParallel calls the module directly, through the same Trainer code path. The dtype is observed
+    inside the forward."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
+
+    from stnb.data import load_pairs
+    from stnb.models import load_model, resolve_model
+    from stnb.runner import trainer_class
+
+    cfg = stnb.TrainConfig(strategy="dp", model="tiny", mixed_precision="bf16").to_dict()
+    model = load_model(resolve_model("tiny"), device="cpu", max_seq_length=32)
+    seen = []
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    train, _ = load_pairs("synthetic", 32, 8, 0)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, use_cpu=True, bf16=True,
+        report_to="none", save_strategy="no", disable_tqdm=True)
+    assert args.n_gpu == 0
+    args._n_gpu = 2
+    trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train,
+                                 loss=losses.CosineSimilarityLoss(model))
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, torch.nn.DataParallel)
+    assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_dp_replicas_autocast_in_their_own_threads(monkeypatch):
+    """On GPUs DataParallel runs each replica in a worker thread (torch.nn.parallel.parallel_apply), which
+    re-enters autocast without a dtype; the autocast dtype is per thread, so an outer fp16/bf16 context
+    does not carry over. Simulated on CPU with torch's own worker logic: each replica in a new thread
+    under ``torch.amp.autocast(device, enabled=<outer state>)``."""
+    import threading
+
+    from stnb import strategies
+
+    def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+        enabled = torch.is_autocast_enabled("cpu")
+        results = [None] * len(modules)
+
+        def worker(i):
+            with torch.amp.autocast("cpu", enabled=enabled):
+                results[i] = modules[i](*inputs[i], **(kwargs_tup[i] if kwargs_tup else {}))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(modules))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("torch.nn.parallel.data_parallel"), "parallel_apply",
+                        threaded_parallel_apply)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        dp = strategies.autocast_data_parallel(torch.nn.DataParallel(lin), precision)
+        outs = dp.parallel_apply([lin, lin], [(x,), (x,)], [{}, {}])
+        assert [o.dtype for o in outs] == [dtype, dtype]
+    assert strategies.autocast_data_parallel(torch.nn.DataParallel(lin), "no").__class__ is torch.nn.DataParallel
+
