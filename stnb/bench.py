@@ -660,6 +660,7 @@ def _run_concurrent(cfg, timeout: float):
                         "ranks": [m.verification.get("ranks", [{}])[0] for m in merged]}
     res.verified = all(m.verified for m in merged)
     res.peak_memory_bytes = [m.peak_memory_bytes[0] for m in merged]
+    res.peak_memory_run_bytes = [m.peak_memory_run_bytes[0] for m in merged]
     res.launcher = "concurrent"
     return res
 

@@ -146,6 +146,7 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         step_times=step_times,
         losses=r0["losses"],
         peak_memory_bytes=[r["peak_memory_bytes"] for r in rank_results],
+        peak_memory_run_bytes=[r.get("peak_memory_run_bytes") for r in rank_results],
         local_param_count=[r["verification"]["local_param_count"] for r in rank_results],
         total_param_count=r0["verification"]["total_param_count"],
         verified=ok,
@@ -365,7 +366,21 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
                                        callbacks=[_make_callback(trainer_ref, cfg, state)])
     trainer.remove_callback(PrinterCallback)
     trainer_ref["trainer"] = trainer
+    # the peak of the training steps alone: rank 0's evaluation, FSDP's gathered full copy and the
+    # save/reload come after training and are in the whole-run peak only
+    if use_cuda:
+        peak_before_training = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    elif ctx is not None:
+        peak_before_training = ctx.peak_rss
+        ctx.peak_rss = _rss_now()
     trainer.train()
+    if use_cuda:
+        train_peak = torch.cuda.max_memory_allocated()
+    else:
+        train_peak = max(0, max(ctx.peak_rss, _rss_now()) - ctx.start_rss) if ctx else 0
+        if ctx is not None:
+            ctx.peak_rss = max(ctx.peak_rss, peak_before_training)
     if state["verification"] is not None:
         state["verification"]["frozen_unused"] = frozen
         state["verification"]["reuse_freed_memory"] = allocator
@@ -386,7 +401,12 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         dist.barrier()
     shutil.rmtree(out_dir, ignore_errors=True)
 
-    peak = torch.cuda.max_memory_allocated() if use_cuda else (ctx.peak_rss_growth() if ctx else 0)
+    if use_cuda:
+        run_peak = max(peak_before_training, torch.cuda.max_memory_allocated())
+    else:
+        if ctx is not None:
+            ctx.peak_rss = max(ctx.peak_rss, _rss_now())
+        run_peak = ctx.peak_rss_growth() if ctx else 0
     verification = state["verification"] or {}
     per_device_step = cfg["per_device_batch_size"] * cfg["gradient_accumulation_steps"]
     gbs = per_device_step * (world if distributed else max(1, n_gpu if cfg["strategy"] == "dp" else 1))
@@ -398,7 +418,8 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         "losses": losses,
         "verification": verification,
         "memory_breakdown": state["memory_breakdown"] or {},
-        "peak_memory_bytes": int(peak),
+        "peak_memory_bytes": int(train_peak),
+        "peak_memory_run_bytes": int(run_peak),
         "weights_checksum": checksum,
         "spearman_before": spearman_before,
         "spearman_after": spearman_after,
@@ -406,6 +427,12 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None) -> 
         "saved_to": saved_to,
         "saved_model_reloads": reloads,
     }
+
+
+def _rss_now() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def _make_loss(cfg, model):

@@ -405,3 +405,32 @@ def test_dp_replicas_autocast_in_their_own_threads(monkeypatch):
         assert [o.dtype for o in outs] == [dtype, dtype]
     assert strategies.autocast_data_parallel(torch.nn.DataParallel(lin), "no").__class__ is torch.nn.DataParallel
 
+
+# ---- peak memory: the training steps apart from the rest ----------------------------------------------
+
+def test_training_peak_excludes_what_happens_after_training(tmp_path, monkeypatch):
+    """Rank 0's work after training (evaluation, FSDP's gathered full copy, the save/reload) used to be in
+    the per-rank peak. Here the library's SentenceTransformer.save allocates and touches 600 MiB, holds it
+    for a second (the RSS sampler sees it), then saves: the whole-run peak shows it, the training peak not."""
+    import time
+
+    from sentence_transformers import SentenceTransformer
+
+    big = 600 * 2**20
+    real_save = SentenceTransformer.save
+
+    def heavy_save(self, *args, **kwargs):
+        block = torch.ones(big // 4, dtype=torch.float32)
+        time.sleep(1.0)
+        del block
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceTransformer, "save", heavy_save)
+    result = stnb.run(strategy="single", device="cpu", model="tiny", steps=3, warmup_steps_excluded=1,
+                      train_size=32, dev_size=8, evaluate=False, per_device_batch_size=4,
+                      save_to=str(tmp_path / "model"), echo=False)
+    assert result.verified and result.saved_to
+    [train], [whole] = result.peak_memory_bytes, result.peak_memory_run_bytes
+    assert 0 < train < big / 2
+    assert whole - train >= big * 0.8
+
