@@ -338,12 +338,8 @@ def test_colab_kernel_never_runs_a_rank(tmp_path):
 
 # ---- dp with mixed precision: the Trainer's DataParallel path ----------------------------------------
 
-def test_dp_trains_under_the_requested_precision(tmp_path):
-    """transformers wraps nn.DataParallel itself when args.n_gpu > 1 and then skips accelerate's
-    prepare_model, where autocast lives: dp with bf16 trained in fp32. Here transformers is told it sees
-    2 GPUs (args._n_gpu, what TrainingArguments._setup_devices sets on such a machine); on CPU
-    DataParallel calls the module directly, through the same Trainer code path. The dtype is observed
-    inside the forward."""
+def _dp_trainer_dtypes(output_dir: str) -> dict:
+    """In a rank: the real stnb trainer with bf16, transformers told it sees 2 GPUs."""
     from sentence_transformers import SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer import losses
 
@@ -355,18 +351,30 @@ def test_dp_trains_under_the_requested_precision(tmp_path):
     model = load_model(resolve_model("tiny"), device="cpu", max_seq_length=32)
     seen = []
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    linear.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    linear.register_forward_hook(lambda m, i, out: seen.append(str(out.dtype)))
     train, _ = load_pairs("synthetic", 32, 8, 0)
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, use_cpu=True, bf16=True,
+        output_dir=output_dir, per_device_train_batch_size=4, max_steps=2, use_cpu=True, bf16=True,
         report_to="none", save_strategy="no", disable_tqdm=True)
-    assert args.n_gpu == 0
+    n_gpu_here = args.n_gpu
     args._n_gpu = 2
     trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train,
                                  loss=losses.CosineSimilarityLoss(model))
     trainer.train()
-    assert isinstance(trainer.model_wrapped, torch.nn.DataParallel)
-    assert seen and set(seen) == {torch.bfloat16}
+    return {"n_gpu_here": n_gpu_here, "data_parallel": isinstance(trainer.model_wrapped, torch.nn.DataParallel),
+            "dtypes": sorted(set(seen)), "calls": len(seen)}
+
+
+def test_dp_trains_under_the_requested_precision(tmp_path):
+    """transformers wraps nn.DataParallel itself when args.n_gpu > 1 and then skips accelerate's
+    prepare_model, where autocast lives: dp with bf16 trained in fp32. Here transformers is told it sees
+    2 GPUs (args._n_gpu, what TrainingArguments._setup_devices sets on such a machine); on CPU
+    DataParallel calls the module directly, through the same Trainer code path. The dtype is observed
+    inside the forward. (In a forked rank: a Trainer in this process would make it unfit to fork.)"""
+    [out] = stnb.launch(_dp_trainer_dtypes, str(tmp_path), num_processes=1, device="cpu", distributed=False,
+                        echo=False)
+    assert out["n_gpu_here"] == 0 and out["data_parallel"]
+    assert out["calls"] > 0 and out["dtypes"] == ["torch.bfloat16"]
 
 
 def test_dp_replicas_autocast_in_their_own_threads(monkeypatch):
