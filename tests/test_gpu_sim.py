@@ -442,3 +442,106 @@ def test_training_peak_excludes_what_happens_after_training(tmp_path, monkeypatc
     assert 0 < train < big / 2
     assert whole - train >= big * 0.8
 
+
+# ---- NCCL failure handling: the diagnosis names the rank that really failed ----------------------------
+# Real 2-rank gloo launches; the ranks behave the way NCCL ranks do (a failing rank that cannot exit,
+# a peer whose NCCL watchdog gives up on a collective).
+
+NCCL_TIMEOUT = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600017 milliseconds before timing out.")
+
+
+def _origin_cannot_exit():
+    """Rank 0 raises, but its process cannot exit (as when destroy_process_group blocks under NCCL):
+    rank 1 waits in the collective rank 0 never joins."""
+    import threading
+    import time as _time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        threading.Thread(target=_time.sleep, args=(3600,), daemon=False).start()
+        raise ValueError("the real failure, on rank 0")
+    dist.barrier()
+    return 1
+
+
+def _peer_gives_up_waiting():
+    """Rank 0 is busy elsewhere; rank 1's NCCL watchdog times out the collective it waits in."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        _time.sleep(120)
+        return 0
+    _time.sleep(1.0)
+    raise RuntimeError(NCCL_TIMEOUT)
+
+
+def _raise_on_rank0_peer_waits():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ValueError("the real failure, on rank 0")
+    dist.barrier()
+    return 1
+
+
+def test_diagnosis_names_the_origin_when_its_peers_hang():
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_origin_cannot_exit, num_processes=2, device="cpu", stall_timeout=3, timeout=180, echo=False)
+    err = e.value
+    assert err.rank == 0 and err.kind == "raised"
+    assert str(err).startswith("rank 0 raised ValueError: the real failure, on rank 0")
+    assert "ValueError" in err.rank_traceback
+
+
+def test_diagnosis_treats_an_nccl_watchdog_timeout_as_a_consequence():
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_peer_gives_up_waiting, num_processes=2, device="cpu", stall_timeout=30, timeout=180,
+                    echo=False)
+    err = e.value
+    assert err.rank == 0, str(err)
+    assert "never joined the collective rank 1 waited in" in str(err) and "Watchdog caught" in str(err)
+
+
+@pytest.mark.parametrize("message", [
+    "NCCL error in: ProcessGroupNCCL.cpp:1935, remote process exited or there was a network error, NCCL version 2.27.3",
+    NCCL_TIMEOUT,
+    "Connection closed by remote peer 127.0.0.1:29500",
+])
+def test_nccl_messages_are_secondary(message):
+    from stnb import peerfail
+
+    assert peerfail.is_secondary({"type": "RuntimeError", "message": message})
+    assert not peerfail.is_secondary({"type": "ValueError", "message": "bad batch"})
+    earlier = {"type": "RuntimeError", "message": message, "time": 1.0, "rank": 1}
+    real = {"type": "ValueError", "message": "bad batch", "time": 2.0, "rank": 0}
+    assert peerfail.origin([earlier, real]) is real
+
+
+def test_failing_rank_never_calls_a_blocking_destroy_process_group(monkeypatch):
+    """NCCL's destroy_process_group can block in a rank whose peers never finish their collectives.
+    Simulated: the library's destroy_process_group never returns. The failing rank must still exit, so
+    its peer is stopped long before the stall timeout and the error names rank 0."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: _time.sleep(3600))
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_raise_on_rank0_peer_waits, num_processes=2, device="cpu", stall_timeout=15, timeout=180,
+                    echo=False)
+    err = e.value
+    assert err.rank == 0 and "ValueError" in str(err)
+    assert err.kind == "raised" and "waited for it" not in str(err)
+
+
+def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
+    from stnb import peerfail
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert peerfail.collective_timeout(30).total_seconds() == peerfail.MIN_COLLECTIVE_TIMEOUT_S
+    assert peerfail.collective_timeout(600).total_seconds() == 1200
