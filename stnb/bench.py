@@ -257,12 +257,27 @@ def knob_names(device: str = "cpu", quick: bool = False) -> list:
     return [n for n, _, _ in _knob_variants(device, 1, quick)]
 
 
+def bench_device(opts: BenchOptions) -> tuple:
+    """(device, note): the device the bench runs on. With device 'auto' and a single GPU, DDP/FSDP
+    (2 ranks, one per GPU) cannot run there, so the comparisons run on CPU ranks, as the notebooks do;
+    the note says so. device='cuda' runs what the GPUs allow and marks the rest not runnable."""
+    from .hardware import default_device, device_for_ranks, gpu_count
+
+    if opts.device != "auto":
+        return opts.device, ""
+    device = device_for_ranks(2)
+    if device != default_device():
+        return device, (f"{gpu_count()} GPU: DDP/FSDP need 2 ranks (one per GPU), so the bench compares on "
+                        f"CPU ranks; pass device='cuda' to run the GPU rows one GPU allows")
+    return device, ""
+
+
 def plan(opts: BenchOptions) -> list:
     """Every run the options ask for, in execution order (interleaved repeats)."""
     from .config import TrainConfig
-    from .hardware import cpu_cores, gpu_count, max_processes
+    from .hardware import cpu_cores, max_processes
 
-    device = opts.device if opts.device != "auto" else ("cuda" if gpu_count() else "cpu")
+    device = bench_device(opts)[0]
     nmax = max_processes(device)
     base = TrainConfig(model=opts.model, data=opts.data, loss=opts.loss, max_seq_length=opts.max_seq_length,
                        steps=opts.steps, warmup_steps_excluded=opts.warmup, train_size=opts.train_size, dev_size=16,
@@ -627,6 +642,7 @@ def _run_concurrent(cfg, timeout: float):
                         "ranks": [m.verification.get("ranks", [{}])[0] for m in merged]}
     res.verified = all(m.verified for m in merged)
     res.peak_memory_bytes = [m.peak_memory_bytes[0] for m in merged]
+    res.peak_memory_run_bytes = [m.peak_memory_run_bytes[0] for m in merged]
     res.launcher = "concurrent"
     return res
 
@@ -732,6 +748,8 @@ def bench(opts: BenchOptions | None = None, **overrides) -> BenchReport:
               f"{opts.steps} steps ({opts.warmup} warm-up excluded), sections {', '.join(opts.sections)}")
         print(f"results: {path}  ({len(items)} runs planned, {len(items) - len(todo)} already there, "
               f"{len(todo)} to run)", flush=True)
+        device, note = bench_device(opts)
+        print(f"device: {device}" + (f" ({note})" if note else ""), flush=True)
     if todo:
         _warm_parent()
     ran = failed = 0

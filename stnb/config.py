@@ -202,11 +202,15 @@ class TrainConfig:
         return self
 
     def _check_hardware(self) -> None:
-        from .hardware import gpu_count, max_processes, strategy_availability
+        from .hardware import gpu_count, gpu_problems, max_processes, strategy_availability
 
         device = self.resolved_device()
         if device == "cuda" and gpu_count() == 0:
             raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
+        if device == "cuda":
+            problems = gpu_problems(self.mixed_precision)
+            if problems:
+                raise ConfigError("; ".join(problems))
         if self.mixed_precision == "fp16" and device == "cpu":
             raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
         if self.comm_hook == "bf16" and device == "cpu" and self.strategy == "ddp":

@@ -57,9 +57,10 @@ def ddp_step(seed: int = 0, batch_per_rank: int = 4, features: int = 8) -> dict:
     """One DDP training step on a small linear model, with different data on every rank.
 
     Returns this rank's gradient before the all-reduce (its own data only), the gradient DDP
-    left after backward (the average over ranks) and a checksum of the weights after the
+    left after backward (the average over ranks) and a sha256 digest of the weights after the
     optimizer step. Local gradients differ between ranks; synced gradients and weights agree.
     """
+    from .checks import model_digest, tensor_digests
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -82,7 +83,7 @@ def ddp_step(seed: int = 0, batch_per_rank: int = 4, features: int = 8) -> dict:
     return {"rank": rank, "world_size": world,
             "local_grad_sum": round(float(local_grad.sum()), 6),
             "synced_grad_sum": round(float(synced_grad.sum()), 6),
-            "weights_checksum": round(float(sum(p.detach().double().sum() for p in model.parameters())), 6)}
+            "weights_digest": model_digest(tensor_digests(model))[:16]}  # sha256 of every weight's bytes
 
 
 def batch_shards(dataset_size: int = 16, per_device_batch_size: int = 4, seed: int = 0, steps: int = 2) -> dict:

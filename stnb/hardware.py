@@ -1,16 +1,28 @@
 """What this machine has, and which strategies can run here (with reasons).
 
-Nothing here initialises CUDA: device counts come from torch.cuda.device_count(),
-which uses NVML and leaves the process fork-safe for stnb.launch.
+Nothing here initialises the CUDA driver: ranks are forked from this process, and a forked
+child cannot use a driver its parent initialised ("Cannot re-initialize CUDA in forked
+subprocess"). ``torch.cuda.is_available()`` and ``torch.cuda.device_count()`` may call
+``cudaGetDeviceCount`` (which runs ``cuInit``), so GPUs are counted and described from NVML
+(torch's own NVML reader, which honours CUDA_VISIBLE_DEVICES) and ``nvidia-smi`` instead.
+
+``gpus()`` is the hardware API: one dict per visible GPU,
+``{"index", "name", "memory_bytes", "compute_capability", "uuid"}`` (index: the CUDA ordinal a
+rank sees; compute_capability: ``(major, minor)``; fields nvidia-smi could not give are None).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
+import shutil
+import subprocess
+import warnings
 from dataclasses import asdict, dataclass, field
 
 STRATEGIES = ("single", "dp", "ddp", "fsdp")
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: native bf16 matmuls; below it torch emulates bf16, slowly
 
 
 def cpu_cores() -> int:
@@ -21,19 +33,179 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def gpu_count() -> int:
+def _cuda_build() -> bool:
     import torch
 
-    if os.environ.get("STNB_FORCE_CPU") == "1":
+    return os.environ.get("STNB_FORCE_CPU") != "1" and torch.version.cuda is not None
+
+
+def gpu_count() -> int:
+    """Visible CUDA GPUs (CUDA_VISIBLE_DEVICES honoured), counted without initialising the driver."""
+    if not _cuda_build():
         return 0
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # pragma: no cover - broken driver
+    import torch
+
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)  # what torch.cuda.device_count() uses first
+    if nvml is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Can't initialize NVML": nvidia-smi is asked next
+            try:
+                n = nvml()
+            except Exception:  # noqa: BLE001 - a broken NVML is a missing NVML
+                n = -1
+        if n >= 0:
+            return n
+    return len(gpus())
+
+
+@functools.lru_cache(maxsize=8)
+def _smi_rows(path_env: str | None) -> tuple:
+    """Every GPU nvidia-smi lists (physical order), or () without nvidia-smi. Never touches CUDA."""
+    exe = shutil.which("nvidia-smi", path=path_env)
+    if not exe:
+        return ()
+    fields = ["index", "name", "memory.total", "uuid", "compute_cap"]
+    for query in (fields, fields[:-1]):  # compute_cap needs driver >= 510
+        try:
+            out = subprocess.run([exe, f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return ()
+        if out.returncode == 0:
+            break
+    else:
+        return ()
+    rows = []
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        cc = None
+        if len(parts) > 4 and parts[4].replace(".", "", 1).isdigit():
+            major, _, minor = parts[4].partition(".")
+            cc = (int(major), int(minor or 0))
+        mem = int(float(parts[2]) * 2**20) if parts[2].replace(".", "", 1).isdigit() else None
+        rows.append({"index": int(parts[0]), "name": parts[1], "memory_bytes": mem,
+                     "compute_capability": cc, "uuid": parts[3]})
+    return tuple(rows)
+
+
+def _visible(rows: list) -> list:
+    """The rows CUDA_VISIBLE_DEVICES selects, in the order CUDA numbers them (ordinals or UUID prefixes)."""
+    var = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if var is None:
+        return list(rows)
+    out = []
+    for item in (x.strip() for x in var.split(",")):
+        if item.startswith(("GPU-", "MIG-")):
+            match = [r for r in rows if str(r["uuid"]).startswith(item)]
+            if item.startswith("MIG-"):  # a MIG slice: the count is right, the details are its parent's
+                match = rows[len(out):len(out) + 1]
+        else:
+            digits = item.lstrip("+")
+            match = [r for r in rows if digits.isdigit() and r["index"] == int(digits)]
+        if len(match) != 1 or match[0] in out:  # CUDA stops at the first invalid entry
+            break
+        out.append(match[0])
+    return out
+
+
+def gpus() -> list:
+    """One dict per visible GPU: index (CUDA ordinal), name, memory_bytes, compute_capability (major,
+    minor), uuid; read from nvidia-smi (NVML), never from the CUDA runtime. [] without a CUDA build."""
+    if not _cuda_build():
+        return []
+    rows = _visible(list(_smi_rows(os.environ.get("PATH"))))
+    if not rows:
+        import torch
+
+        nvml = getattr(torch.cuda, "_device_count_nvml", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                n = max(0, nvml()) if nvml is not None else 0
+            except Exception:  # noqa: BLE001
+                n = 0
+        return [{"index": i, "name": f"cuda:{i}", "memory_bytes": None, "compute_capability": None, "uuid": None}
+                for i in range(n)]
+    return [dict(r, index=i) for i, r in enumerate(rows)]
+
+
+def torch_arch_list() -> list:
+    """GPU architectures this torch build ships kernels for (compile-time flags; no driver call)."""
+    if not _cuda_build():
+        return []
+    import torch
+
+    return list(torch.cuda.get_arch_list())
+
+
+def arch_supported(capability, arch_list) -> bool:
+    """True when a GPU of this compute capability can run this torch build's kernels: a cubin for
+    sm_XY runs on the same major version with minor >= Y, PTX (compute_XY) JIT-compiles for any
+    capability >= XY. Unknown capability or arch list: assumed supported."""
+    if capability is None or not arch_list:
+        return True
+    cc = capability[0] * 10 + capability[1]
+    for arch in arch_list:
+        kind, _, ver = arch.partition("_")
+        ver = ver.rstrip("af")
+        if not ver.isdigit():
+            continue
+        code = int(ver)
+        if kind == "sm" and code // 10 == capability[0] and code <= cc:
+            return True
+        if kind == "compute" and code <= cc:
+            return True
+    return False
+
+
+def gpu_problems(mixed_precision: str = "no") -> list:
+    """Why the visible GPUs cannot run stnb with this precision, each with its fix ([] when they can)."""
+    details = gpus()
+    archs = torch_arch_list()
+    problems = []
+    for g in details:
+        cc = g["compute_capability"]
+        if not arch_supported(cc, archs):
+            problems.append(
+                f"GPU {g['index']} ({g['name']}, compute capability {cc[0]}.{cc[1]}) has no kernels in this torch "
+                f"build (it ships {' '.join(archs)}). Fix: install a torch build whose "
+                f"torch.cuda.get_arch_list() includes sm_{cc[0]}{cc[1]} (an older CUDA wheel, see "
+                "https://pytorch.org/get-started/locally/), or use device='cpu'")
+        elif mixed_precision == "bf16" and cc is not None and tuple(cc) < BF16_MIN_CAPABILITY:
+            problems.append(
+                f"mixed_precision='bf16' needs compute capability >= 8.0 (Ampere or newer); GPU {g['index']} "
+                f"({g['name']}) is {cc[0]}.{cc[1]}, where bf16 is emulated and slow. "
+                "Fix: use mixed_precision='fp16' (or 'no') on this GPU")
+    return problems
+
+
+def usable_gpu_count() -> int:
+    """Visible GPUs this torch build can run on (0 when any visible GPU has no kernels in it)."""
+    n = gpu_count()
+    if n and any(not arch_supported(g["compute_capability"], torch_arch_list()) for g in gpus()):
         return 0
+    return n
+
+
+def single_gpu_env() -> dict:
+    """The environment that pins a one-process run to the first visible GPU (set in the child before
+    CUDA starts there: this is why the notebook process must never start the driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {"CUDA_VISIBLE_DEVICES": visible.split(",")[0].strip() if visible else "0"}
 
 
 def default_device() -> str:
-    return "cuda" if gpu_count() > 0 else "cpu"
+    """'cuda' when a GPU this torch build can use is visible, else 'cpu' (``report()`` says why)."""
+    return "cuda" if usable_gpu_count() > 0 else "cpu"
+
+
+def device_for_ranks(n: int = 2) -> str:
+    """The device for an ``n``-rank run: the default device when it has ``n`` (one rank per GPU),
+    else 'cpu' (one GPU: DDP/FSDP compare on CPU ranks, as the notebooks do)."""
+    device = default_device()
+    return device if max_processes(device) >= n else "cpu"
 
 
 def backend_for(device: str) -> str:
@@ -54,6 +226,8 @@ class HardwareReport:
     max_processes: int = 1
     strategies: dict = field(default_factory=dict)  # name -> {"runnable": bool, "reason": str}
     versions: dict = field(default_factory=dict)
+    gpu_details: list = field(default_factory=list)  # gpus(): index, name, memory_bytes, compute_capability
+    warnings: list = field(default_factory=list)     # GPUs this torch build cannot use, with the fix
 
     def runnable(self, strategy: str) -> bool:
         return self.strategies[strategy]["runnable"]
@@ -72,6 +246,7 @@ class HardwareReport:
             mark = "yes" if info["runnable"] else "no "
             lines.append(f"  {name:<7} {mark}  {info['reason']}")
         lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()))
+        lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
 
@@ -121,34 +296,19 @@ def strategy_availability(device: str | None = None) -> dict:
     return out
 
 
-def _gpu_names() -> list:
-    """GPU names from nvidia-smi; torch.cuda.get_device_name would initialise CUDA and break fork."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):  # pragma: no cover
-        return []
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-
-
 def report(device: str | None = None) -> HardwareReport:
     device = device or default_device()
-    n = gpu_count()
-    gpus = _gpu_names()[:n] if n else []
-    gpus += [f"cuda:{i}" for i in range(len(gpus), n)]
+    details = gpus()
     return HardwareReport(
         cpu_cores=cpu_cores(),
-        gpus=gpus,
+        gpus=[g["name"] for g in details],
         device=device,
         backend=backend_for(device),
         max_processes=max_processes(device),
         strategies=strategy_availability(device),
         versions=versions(),
+        gpu_details=details,
+        warnings=gpu_problems(),
     )
 
 

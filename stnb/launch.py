@@ -1,7 +1,8 @@
 """Run a function on N processes from a notebook cell, and get every rank's result back.
 
-Built on accelerate's ``notebook_launcher`` (fork start method). stnb adds what the
-launcher lacks:
+Ranks are forked the way accelerate's ``notebook_launcher`` forks them (torch elastic, fork
+start method; ``stnb.forksafe.start_ranks``), but never run inside the kernel, as
+``notebook_launcher`` does in Colab. stnb adds what the launcher lacks:
 
 * a result channel: ``launch`` returns ``[result_of_rank_0, result_of_rank_1, ...]``;
 * torch.distributed initialised in every rank (gloo on CPU, NCCL on GPU) and the world
@@ -38,6 +39,8 @@ import traceback
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, LaunchError
+from .forksafe import check_fork_safe, start_ranks
+from .peerfail import collective_timeout, is_secondary, nccl_env, origin
 
 __all__ = ["launch", "heartbeat", "report_progress", "rank_context", "last_launch", "free_port"]
 
@@ -332,6 +335,7 @@ class _Options:
     launch_time: float
     init_distributed: bool = True
     env: dict = field(default_factory=dict)
+    stall_timeout: float | None = None
 
 
 def _rank_main(ch: _Channel, opts: _Options) -> None:
@@ -370,9 +374,13 @@ def _rank_main(ch: _Channel, opts: _Options) -> None:
 
     try:
         if opts.init_distributed and not dist.is_initialized():
+            kw = {}
+            if opts.backend == "nccl":  # a peer that fails ends NCCL collectives instead of hanging them
+                os.environ.update(nccl_env())
+                kw["timeout"] = collective_timeout(opts.stall_timeout)
             if opts.device == "cuda":
                 torch.cuda.set_device(local_rank)
-            dist.init_process_group(backend=opts.backend)
+            dist.init_process_group(backend=opts.backend, **kw)
             # the world the caller asked for (opts, not the environment the group was built from)
             # against the processes that answer in the group
             problems = world_problems(opts.world_size, observe_world())
@@ -413,12 +421,35 @@ def _rank_main(ch: _Channel, opts: _Options) -> None:
     finally:
         stop.set()
         try:
-            if dist.is_initialized():
+            if dist.is_initialized() and ch.get(local_rank, _STATE) != _FAILED:
                 dist.destroy_process_group()
+            elif dist.is_initialized():
+                _leave_group_failing()
         except Exception:
             pass
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+_DESTROY_GRACE_S = 2.0
+
+
+def _leave_group_failing() -> None:
+    """Tear the process group down in a failing rank without ever blocking there.
+
+    Destroying it closes the connections, so gloo peers fail at once instead of waiting; but under
+    NCCL destroy_process_group can block (it waits for collectives the peers never finish), and a
+    rank that never exits leaves its peers hanging. So it runs in a thread, given a moment; if it is
+    still blocked, the rank leaves without it (its error record is written; exit code 1)."""
+    import torch.distributed as dist
+
+    t = threading.Thread(target=dist.destroy_process_group, name="stnb-destroy-group", daemon=True)
+    t.start()
+    t.join(_DESTROY_GRACE_S)
+    if t.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -737,27 +768,6 @@ def _reap_new_children(before: set) -> None:
     del psutil
 
 
-def check_fork_safe() -> None:
-    """Refuse to fork when the parent already holds device or accelerate state ranks can't inherit."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise ConfigError(
-            "CUDA is already initialised in this process (a tensor was moved to the GPU, or a model was "
-            "loaded on 'cuda', in an earlier cell), and forked ranks cannot use an initialised CUDA context. "
-            "Fix: restart the kernel and keep all GPU work inside the launched function / stnb.run.")
-    try:
-        from accelerate.state import AcceleratorState
-
-        if len(AcceleratorState._shared_state) > 0:
-            raise ConfigError(
-                "An accelerate Accelerator (or a Trainer) was created in this process before launching; "
-                "forked ranks would inherit its single-process state. Fix: restart the kernel and create "
-                "Accelerators/Trainers only inside the launched function.")
-    except ImportError:  # pragma: no cover
-        pass
-
-
 def _validate(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes, node_rank):
     from .hardware import cpu_cores, gpu_count
 
@@ -854,7 +864,7 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
     ch = _Channel(nproc)
     opts = _Options(fn=fn, args=args, kwargs=kwargs, device=device, backend=backend, threads=threads,
                     nproc=nproc, world_size=world_size, launch_time=t0,
-                    init_distributed=distributed or world_size > 1, env=env)
+                    init_distributed=distributed or world_size > 1, env=env, stall_timeout=stall_timeout)
     info = LaunchInfo(num_processes=nproc, port=port, device=device, backend=backend, start_time=t0)
     _LAST = info
     before = _children_now()
@@ -884,14 +894,11 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
             # with num_nodes > 1; fork the rank here instead, as global rank node_rank
             _run_single(ch, opts, master_addr, port, rank=node_rank)
         else:
-            from accelerate import notebook_launcher
-
-            entry = _entry(ch, opts)
-            with _quiet_launcher_print(echo, f"stnb: launching {nproc} rank(s) on {device} ({backend}), "
-                                                 f"{master_addr}:{port}"):
-                notebook_launcher(entry, args=(), num_processes=nproc, mixed_precision=mixed_precision,
-                                  use_port=str(port), master_addr=master_addr, node_rank=node_rank,
-                                  num_nodes=num_nodes)
+            if echo:
+                print(f"stnb: launching {nproc} rank(s) on {device} ({backend}), {master_addr}:{port}", flush=True)
+            # never notebook_launcher itself: in Colab it runs the function inside the kernel
+            start_ranks(_entry(ch, opts), nproc, master_addr=master_addr, port=port, node_rank=node_rank,
+                        num_nodes=num_nodes, mixed_precision=mixed_precision)
     except KeyboardInterrupt:
         interrupted = True
     except Exception as e:  # ChildFailedError, SignalException, RuntimeError from the launcher...
@@ -945,33 +952,13 @@ def _launch_locked(fn, args, kwargs, nproc, timeout, stall_timeout, device, thre
 
 
 def _entry(ch, opts):
-    """The function handed to notebook_launcher (which calls it with no arguments)."""
+    """The function handed to the elastic launcher (which calls it with no arguments)."""
 
     def stnb_rank(*_ignored):
         _rank_main(ch, opts)
 
     stnb_rank.__name__ = f"stnb_rank[{getattr(opts.fn, '__name__', 'fn')}]"
     return stnb_rank
-
-
-class _quiet_launcher_print:
-    """notebook_launcher prints 'Launching training on N CUDAs.' even on CPU (its device guess
-    falls back to CUDA); swallow that line and print an accurate one instead."""
-
-    def __init__(self, echo, message):
-        self.echo, self.message = echo, message
-
-    def __enter__(self):
-        import accelerate.launchers as launchers
-
-        self._mod = launchers
-        launchers.print = lambda *a, **k: None
-        if self.echo:
-            print(self.message, flush=True)
-
-    def __exit__(self, *exc):
-        self._mod.__dict__.pop("print", None)
-        return False
 
 
 class _QuietElasticLogs:
@@ -1075,6 +1062,19 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
             "after the fork; all ranks were stopped. This usually means the process forked while another "
             "thread held a lock; run the launch again, and report it if it repeats.",
             ranks=ranks, kind="stalled", rank_traceback=_format_stacks(watchdog.stacks, base), logs=logs)
+    errors = [e for e in (ch.read_error(r) for r in range(nproc)) if e is not None]
+    collateral = ("KeyboardInterrupt", "SystemExit", "SignalException")
+    real = [e for e in errors if e["type"] not in collateral]
+    first = origin(real)  # the earliest error that is not a consequence of another rank's failure
+    if watchdog.reason == "stalled" and first is not None and not is_secondary(first):
+        # the rank that raised never exited (e.g. blocked tearing NCCL down), so its peers waited for it
+        stalled = [base + r for r in watchdog.stalled]
+        return LaunchError(
+            f"rank {first['rank']} raised {first['type']}: {first['message']} (rank(s) {', '.join(map(str, stalled))} "
+            f"then waited for it with no progress for {watchdog.stall_timeout:g} s and all ranks were stopped)",
+            rank=first["rank"], ranks=sorted({first["rank"], *stalled}), kind="raised",
+            rank_traceback=(f"--- traceback of rank {first['rank']} ---\n{first['traceback']}\n"
+                            + _format_stacks(watchdog.stacks, base)), logs=logs)
     if watchdog.reason == "stalled":
         ranks = [base + r for r in watchdog.stalled]
         return LaunchError(
@@ -1084,10 +1084,6 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
             "is legitimately long, or call stnb.heartbeat() in long loops.",
             rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled",
             rank_traceback=_format_stacks(watchdog.stacks, base), logs=logs)
-    errors = [e for e in (ch.read_error(r) for r in range(nproc)) if e is not None]
-    collateral = ("KeyboardInterrupt", "SystemExit", "SignalException")
-    real = [e for e in errors if e["type"] not in collateral]
-    first = min(real, key=lambda e: e["time"]) if real else None
     codes = _exit_codes(failure) if failure is not None else {}
     # A rank that ended without a result or an error record (SIGKILL, os._exit) is the cause of
     # what the others then report ("Connection closed by peer", SignalException): blame it.
@@ -1097,9 +1093,12 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
         if t <= returned and (first is None or t <= first["time"] + 1.0) and _silent(ch, r):
             silent[r] = code
     for r, code in codes.items():
-        if code not in (0, None) and _silent(ch, r) and (r in silent or first is None or code < 0):
+        # (a rank killed by a signal after another rank's own error is a consequence: NCCL's watchdog
+        # aborts the process of a peer left waiting)
+        if code not in (0, None) and _silent(ch, r) and (r in silent or first is None
+                                                         or (code < 0 and is_secondary(first))):
             silent[r] = code if silent.get(r) is None else silent[r]
-    if first is not None and not silent and any(p in first["message"] for p in _PEER_GONE):
+    if first is not None and not silent and is_secondary(first):
         # the rank that raised says its peer went away; the peer that left no trace is the cause
         silent = {r: codes.get(r) for r in range(nproc) if _silent(ch, r) and ch.get(r, _PID) > 0}
     if watchdog.reason == "exited" or silent:
@@ -1132,6 +1131,20 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
         ranks = sorted({base + x for x in silent} | {base + x for x in watchdog.stalled})
         return LaunchError(f"rank {base + r} {why}; the other ranks were stopped.{also}", rank=base + r,
                            ranks=ranks, kind=kind, rank_traceback=tb.strip(), logs=logs)
+    failed = {e["local_rank"] for e in real}
+    absent = [r for r in range(nproc) if r not in failed and not os.path.exists(ch.path("result", r))]
+    if real and is_secondary(first) and absent:
+        # a peer gave up waiting in a collective (NCCL's watchdog timeout...) for ranks that never joined it
+        tails = "\n".join(f"--- last output of rank {base + r} ---\n" + "\n".join(logs.get(r, "").splitlines()[-20:])
+                          for r in absent)
+        names = ", ".join(str(base + r) for r in absent)
+        return LaunchError(
+            f"rank(s) {names} never joined the collective rank {first['rank']} waited in: rank {first['rank']} "
+            f"raised {first['type']}: {first['message'].splitlines()[0] if first['message'] else ''} (a "
+            f"consequence). Rank(s) {names} were busy elsewhere or hung and were stopped; their last output "
+            "follows.", rank=base + absent[0] if len(absent) == 1 else None,
+            ranks=sorted({base + r for r in absent} | {first["rank"]}), kind="stalled",
+            rank_traceback=f"{tails}\n--- traceback of rank {first['rank']} ---\n{first['traceback']}", logs=logs)
     if real:
         others = sorted({e["rank"] for e in real} - {first["rank"]})
         also = f" (rank(s) {', '.join(map(str, others))} failed too)" if others else ""
@@ -1170,10 +1183,6 @@ def _launch_error(ch, watchdog, failure, nproc, node_rank) -> LaunchError | None
     msg = "".join(traceback.format_exception_only(type(failure), failure)).strip()
     return LaunchError(f"the launch failed before any rank reported an error: {msg}", kind="exited",
                        rank_traceback="".join(traceback.format_exception(failure)), logs=logs)
-
-
-# what a collective raises in a rank whose peer process died
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
 
 
 def _signame(signum: int) -> str:

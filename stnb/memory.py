@@ -152,13 +152,18 @@ def measure(model, optimizer) -> dict:
 
 class PeakMemory:
     """A rank's peak memory from the allocator (CUDA: ``max_memory_allocated``) or from the kernel
-    (CPU: the process's resident high-water mark, VmHWM, reset when the measurement starts; its
-    growth over the resident size at that moment). Start it with ``PeakMemory(cuda)``, read ``peak()``."""
+    (CPU: the process's resident high-water mark, VmHWM, reset when a measurement starts; its
+    growth over the resident size when the rank began).
+
+    ``PeakMemory(cuda)`` starts the whole-run measurement; ``start_phase()`` / ``phase_peak()``
+    measure the training steps alone (rank 0's evaluation, FSDP's gathered full copy and the
+    save/reload come after training and count in ``peak()``, the whole run, only)."""
 
     def __init__(self, cuda: bool):
         import torch
 
         self.cuda = cuda
+        self._before_phase = 0  # the whole run's peak before the phase's reset (absolute)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             self.method = "cuda max_memory_allocated"
@@ -168,12 +173,31 @@ class PeakMemory:
         self.method = ("resident high-water mark (VmHWM) growth" if self.reset
                        else "resident high-water mark (ru_maxrss) growth, not reset: may include earlier peaks")
 
-    def peak(self) -> int:
+    def _current_peak(self) -> int:
         import torch
 
+        return int(torch.cuda.max_memory_allocated()) if self.cuda else _high_water()
+
+    def start_phase(self) -> None:
+        """Remember the run's peak so far, then reset the counter: ``phase_peak`` sees this phase only."""
+        import torch
+
+        self._before_phase = max(self._before_phase, self._current_peak())
         if self.cuda:
-            return int(torch.cuda.max_memory_allocated())
-        return max(0, _high_water() - self.base)
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_high_water()
+
+    def phase_peak(self) -> int:
+        """Peak since ``start_phase`` (CPU: as growth over the rank's starting resident size)."""
+        return self._growth(self._current_peak())
+
+    def peak(self) -> int:
+        """Peak over the whole run, phases included."""
+        return self._growth(max(self._before_phase, self._current_peak()))
+
+    def _growth(self, value: int) -> int:
+        return value if self.cuda else max(0, value - self.base)
 
 
 def _rss() -> int:

@@ -24,7 +24,7 @@ class RunResult:
     samples_per_second: float | None
     step_times: list
     losses: list
-    peak_memory_bytes: list            # per rank
+    peak_memory_bytes: list            # per rank, the training steps (CUDA: max allocated; CPU: RSS growth)
     local_param_count: list            # per rank
     total_param_count: int
     verified: bool
@@ -33,6 +33,7 @@ class RunResult:
     device: str
     versions: dict
     memory_breakdown: list = field(default_factory=list)   # per rank {params, grads, optimizer_state}
+    peak_memory_run_bytes: list = field(default_factory=list)  # per rank, the whole run (evaluation, save...)
     spearman_before: float | None = None
     spearman_after: float | None = None
     dev_metric: str | None = None      # the dev evaluator's primary metric, e.g. 'dev_spearman_cosine'

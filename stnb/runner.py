@@ -49,8 +49,9 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
     ws = config.world_size()
     env = {}
     if device == "cuda" and config.strategy == "single":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
+        from .hardware import single_gpu_env
+
+        env = single_gpu_env()
     t0 = time.time()
     bars = None
     if on_progress is None and echo:
@@ -139,6 +140,7 @@ def merge(config: TrainConfig, rank_results: list, device: str, n_gpu: int = 0,
         step_times=step_times,
         losses=r0["losses"],
         peak_memory_bytes=[r["peak_memory_bytes"] for r in rank_results],
+        peak_memory_run_bytes=[r.get("peak_memory_run_bytes") for r in rank_results],
         local_param_count=[r["verification"].get("local_param_count") for r in rank_results],
         total_param_count=r0["verification"].get("total_param_count") or 0,
         verified=ok,
@@ -264,11 +266,21 @@ def _make_callback(trainer_ref: dict, cfg: dict, state: dict):
     return StnbCallback()
 
 
-def _make_trainer_class(cfg: dict):
+def trainer_class(cfg: dict):
+    """The sentence-transformers trainer class stnb trains with, for this run's config."""
     from sentence_transformers import SentenceTransformerTrainer
 
     class StnbTrainer(SentenceTransformerTrainer):
-        """The sentence-transformers trainer, with stnb's DDP knobs passed to accelerate."""
+        """The sentence-transformers trainer, with stnb's DDP knobs passed to accelerate, and the
+        mixed precision the Trainer's own DataParallel path leaves out (strategies.autocast_data_parallel)."""
+
+        def _wrap_model(self, model, training=True, dataloader=None):
+            from .strategies import autocast_data_parallel
+
+            wrapped = super()._wrap_model(model, training=training, dataloader=dataloader)
+            if wrapped is not model:  # newly wrapped here: the Trainer's DP path (args.n_gpu > 1)
+                wrapped = autocast_data_parallel(wrapped, cfg.get("mixed_precision", "no"))
+            return wrapped
 
         def _build_accelerator_args(self, **kwargs):
             from accelerate.utils import DistributedDataParallelKwargs
@@ -355,7 +367,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
         from accelerate import PartialState
 
         PartialState(cpu=cfg["device"] == "cpu")
-    on_cpu = not (torch.cuda.is_available() and cfg["device"] != "cpu")
+    on_cpu = not (cfg["device"] != "cpu" and torch.cuda.is_available())
     if cfg.get("threads_per_rank") and on_cpu:
         torch.set_num_threads(cfg["threads_per_rank"])
     allocator = {"applied": False, "reason": "off (reuse_freed_memory=False)" if on_cpu else "GPU run"}
@@ -367,7 +379,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and cfg["device"] != "cpu"
+    use_cuda = cfg["device"] != "cpu" and torch.cuda.is_available()
     device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
     n_gpu = torch.cuda.device_count() if use_cuda else 0
     peak_memory = memory.PeakMemory(use_cuda)
@@ -424,12 +436,16 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
         fp16=cfg.get("mixed_precision") == "fp16",
     )
     trainer_ref = {}
-    trainer = _make_trainer_class(cfg)(model=model, args=args, train_dataset=train, loss=loss,
+    trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train, loss=loss,
                                        callbacks=[_make_callback(trainer_ref, cfg, state)])
     trainer.remove_callback(PrinterCallback)
     model_shape["optimizer"] = memory.optimizer_kind(args.optim)
     trainer_ref["trainer"] = trainer
+    # the peak of the training steps alone: rank 0's evaluation, FSDP's gathered full copy and the
+    # save/reload come after training and are in the whole-run peak only
+    peak_memory.start_phase()
     trainer.train()
+    train_peak = peak_memory.phase_peak()
     if state["verification"] is not None:
         state["verification"]["frozen_unused"] = frozen
         state["verification"]["reuse_freed_memory"] = allocator
@@ -454,7 +470,7 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
         dist.barrier()
     shutil.rmtree(out_dir, ignore_errors=True)
 
-    peak = peak_memory.peak()
+    run_peak = peak_memory.peak()
     verification = state["verification"] or {}
     per_device_step = cfg["per_device_batch_size"] * cfg["gradient_accumulation_steps"]
     gbs = per_device_step * (world if distributed else max(1, n_gpu if cfg["strategy"] == "dp" else 1))
@@ -467,7 +483,8 @@ def train_rank(cfg: dict, model_path: str, launch_time: float | None = None,
         "verification": verification,
         "memory_breakdown": state["memory_breakdown"] or {},
         "model_shape": model_shape,
-        "peak_memory_bytes": int(peak),
+        "peak_memory_bytes": int(train_peak),
+        "peak_memory_run_bytes": int(run_peak),
         "peak_memory_method": peak_memory.method,
         "weight_digests": digests,
         "dev_metric": evaluator.primary_metric if evaluator is not None else None,

@@ -15,6 +15,8 @@ fsdp    FSDP2 ``fully_shard``: each transformer block and then the root are shar
 
 from __future__ import annotations
 
+import functools
+
 from .errors import VerificationError
 
 FSDP_SHARD_TOLERANCE = 0.05  # local fraction may exceed 1/N by this much (uneven splits)
@@ -132,6 +134,61 @@ def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int =
     if problems:
         raise VerificationError(f"strategy {strategy!r} failed verification: " + "; ".join(problems))
     return info
+
+
+def autocast_data_parallel(dp, mixed_precision: str):
+    """Give a torch.nn.DataParallel the autocast that the HF Trainer's DP path never applies.
+
+    Why it is missing (transformers 5.23, accelerate 1.15): ``Trainer._wrap_model`` wraps the model
+    in ``nn.DataParallel`` itself when ``args.n_gpu > 1``; the model is then "already wrapped", so
+    ``_inner_training_loop`` skips ``accelerator.prepare(model)``, which is where accelerate patches
+    autocast into ``model.forward``; and ``Trainer.autocast_smart_context_manager`` is a no-op
+    ("We rely on accelerate for autocast"). So fp16/bf16 computed in fp32. An autocast around
+    DataParallel's forward is not enough either: each replica runs in its own thread, where
+    ``parallel_apply`` re-enters autocast without a dtype, and the autocast dtype is per thread
+    (a bf16 run would compute in fp16). The replicas are therefore called inside their own autocast.
+    Returns an AutocastDataParallel over the same module and devices (``dp`` itself without mixed precision)."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
+    if dtype is None or not isinstance(dp, torch.nn.DataParallel):
+        return dp
+    if not dp.device_ids:  # no accelerator: DataParallel just calls the module
+        wrapped = _autocast_dp_class()(dp.module)
+    else:
+        wrapped = _autocast_dp_class()(dp.module, device_ids=dp.device_ids, output_device=dp.output_device,
+                                       dim=dp.dim)
+    wrapped.autocast_dtype = dtype
+    return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_dp_class():
+    import torch
+
+    class _AutocastReplica:
+        def __init__(self, replica, device_type, dtype):
+            self.replica, self.device_type, self.dtype = replica, device_type, dtype
+
+        def __call__(self, *args, **kwargs):
+            with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+                return self.replica(*args, **kwargs)
+
+    class AutocastDataParallel(torch.nn.DataParallel):
+        """DataParallel whose forward, and every replica in its worker thread, runs under autocast."""
+
+        def _device_type(self):
+            return self.src_device_obj.type if self.device_ids else "cpu"
+
+        def forward(self, *inputs, **kwargs):
+            with torch.autocast(device_type=self._device_type(), dtype=self.autocast_dtype):
+                return super().forward(*inputs, **kwargs)
+
+        def parallel_apply(self, replicas, inputs, kwargs):
+            wrapped = [_AutocastReplica(r, self._device_type(), self.autocast_dtype) for r in replicas]
+            return super().parallel_apply(wrapped, inputs, kwargs)
+
+    return AutocastDataParallel
 
 
 def freeze_unused_pooler(model) -> list:

@@ -42,7 +42,7 @@ class Mutation:
     pending: str = ""
 
 
-NOOP_HOOK = '''                if cfg["strategy"] == "ddp" and state["world_size"] > 1:  # MUTATION: DDP never all-reduces
+NOOP_HOOK = '''                if cfg["strategy"] == "ddp" and state["process_group_size"] > 1:  # MUTATION: DDP never all-reduces
                     import torch
 
                     def _noop(_state, bucket):
@@ -65,9 +65,9 @@ MUTATIONS = [
     Mutation(
         "save-untrained",
         "the untrained model is saved instead of the trained one",
-        (("stnb/runner.py", 'saved_to, reloads = _save_atomically(final_model, cfg["save_to"], device)',
-          'saved_to, reloads = _save_atomically(load_model(model_path, device=device, '
-          'max_seq_length=cfg["max_seq_length"]), cfg["save_to"], device)'),),
+        (("stnb/runner.py", 'saved = save_checked(final_model, cfg["save_to"], device,',
+          'saved = save_checked(load_model(model_path, device=device, '
+          'max_seq_length=cfg["max_seq_length"]), cfg["save_to"], device,'),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(
         "rank1-swaps-embedding-rows",
@@ -77,8 +77,7 @@ MUTATIONS = [
           "        with torch.no_grad():\n"
           "            _w = trainer.model[0].auto_model.embeddings.word_embeddings.weight\n"
           "            _w[[100, 101]] = _w[[101, 100]].clone()\n"),),
-        ("tests/test_run.py::test_ddp_two_ranks_verified",),
-        pending="verify-product item 1: exact per-tensor weight equality across ranks"),
+        ("tests/test_run.py::test_ddp_two_ranks_verified",)),
     Mutation(
         "rank1-adds-3e-4",
         "after training, rank 1 adds 3e-4 to one weight",
@@ -86,8 +85,7 @@ MUTATIONS = [
           "    if rank == 1:  # MUTATION\n"
           "        with torch.no_grad():\n"
           "            next(trainer.model.parameters()).view(-1)[0] += 3e-4\n"),),
-        ("tests/test_run.py::test_ddp_two_ranks_verified",),
-        pending="verify-product item 1: exact per-tensor weight equality across ranks"),
+        ("tests/test_run.py::test_ddp_two_ranks_verified",)),
     Mutation(
         "results-thread-lock",
         "the results file lock serialises threads only, not processes",
@@ -113,29 +111,23 @@ MUTATIONS = [
     Mutation(
         "world-size-compared-with-itself",
         "DDP verification compares the world size a rank sees with itself",
-        (("stnb/strategies.py", '''        if seen_ws != world_size_expected:
-            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
-    elif strategy == "fsdp":''', '''        if seen_ws != seen_ws:
-            problems.append(f"world_size {seen_ws} != expected {world_size_expected}")
-    elif strategy == "fsdp":'''),),
+        (("stnb/checks.py", "    if size != requested:\n", "    if size != size:  # MUTATION\n"),
+         ("stnb/checks.py", "    if procs != requested:\n", "    if procs != procs:  # MUTATION\n")),
         ("tests/test_run.py::test_verify_compares_the_world_size_with_the_requested_one",),
         ),
     Mutation(
         "memory-grads-counted-from-params",
         "the gradient bytes a rank reports count frozen parameters too",
-        (("stnb/runner.py",
+        (("stnb/memory.py",
           "    grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)\n",
           "    grads = sum(tensor_bytes(p) for p in model.parameters())\n"),),
-        ("tests/test_memory.py::test_prediction_matches_a_real_single_process_run",),
-        pending="verify-product item 2: memory measured independently (the trainable count from "
-                "requires_grad, not inferred from the measured gradients)"),
+        ("tests/test_memory.py::test_prediction_matches_a_real_single_process_run",)),
     Mutation(
         "cli-run-exit-0-unverified",
         "`python -m stnb run` exits 0 whatever the result's verification says",
-        (("stnb/__main__.py", "        _print_summary(result)\n    return 0\n",
-          "        _print_summary(result)\n    return 0  # MUTATION: whatever result.verified says\n"),),
-        ("tests/test_run.py::test_cli_run_exits_nonzero_when_unverified",),
-        pending="verify-product item 6: exit codes (the test named here is theirs)"),
+        (("stnb/__main__.py", "    status = 0 if result.verified else 1",
+          "    status = 0  # MUTATION: whatever result.verified says"),),
+        ("tests/test_verification.py::test_cli_run_exits_nonzero_for_an_unverified_result",)),
     Mutation(
         "launch-on-port-29500",
         "the launcher uses torch's default port 29500 instead of a free one",

@@ -166,7 +166,7 @@ def test_verify_compares_the_world_size_with_the_requested_one():
     from stnb.models import load_model, tiny_path
 
     model = load_model(tiny_path())
-    with pytest.raises(stnb.VerificationError, match="world_size 1 != expected 2"):
+    with pytest.raises(stnb.VerificationError, match="world size 2 was requested, but the process group has 1 rank"):
         strategies.verify("ddp", model, model, world_size_expected=2)
 
 

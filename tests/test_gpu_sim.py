@@ -1,0 +1,547 @@
+"""The GPU path on a machine without GPUs: what the libraries do on a GPU box is simulated, stnb is not.
+
+The simulation (fixture ``gpu_box``) gives this CPU torch what a CUDA build on a GPU machine has:
+``torch.version.cuda``, the compiled arch list, NVML answering with N GPUs (torch's own NVML
+reader, which honours CUDA_VISIBLE_DEVICES) and an ``nvidia-smi`` on PATH. The CUDA driver's entry
+points (``torch._C._cuda_getDeviceCount``, ``torch._C._cuda_init``, ``torch.cuda._lazy_init``)
+record the call and raise in this process (the "notebook"); in forked ranks they answer like a
+driver that sees no GPU (the ranks here run on CPU). ``torch.cuda.is_available()`` and
+``torch.cuda.device_count()`` are torch's real functions, running on top of that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+# The training stack is imported before any simulation starts: a real CUDA build has the rest of
+# torch._C's CUDA bindings (torch._dynamo imports some when torch looks CUDA-compiled); this one has not.
+import sentence_transformers.sentence_transformer.evaluation  # noqa: F401,E402
+import sentence_transformers.sentence_transformer.losses  # noqa: F401,E402
+import torch._dynamo  # noqa: F401,E402
+import transformers.trainer  # noqa: F401,E402
+
+import stnb
+from stnb import hardware
+from stnb.errors import ConfigError
+
+T4 = ("Tesla T4", 15360, "GPU-7e1a", "7.5")
+A100 = ("NVIDIA A100-SXM4-40GB", 40960, "GPU-a100", "8.0")
+P100 = ("Tesla P100-PCIE-16GB", 16384, "GPU-9100", "6.0")
+CU128_ARCHS = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"   # a cu128-style build: no Pascal, no Volta
+CU126_ARCHS = "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90"
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class GpuBox:
+    def __init__(self):
+        self.driver_calls = []
+
+
+def _fake_smi(folder, gpus) -> None:
+    """An nvidia-smi answering the queries stnb and accelerate make (index,name,memory,uuid[,compute_cap];
+    count,name; driver_version)."""
+    full = "\n".join(f"{i}, {n}, {m}, {u}, {cc}" for i, (n, m, u, cc) in enumerate(gpus))
+    nocc = "\n".join(f"{i}, {n}, {m}, {u}" for i, (n, m, u, cc) in enumerate(gpus))
+    count = "\n".join(f"{len(gpus)}, {n}" for n, *_ in gpus)
+    script = "\n".join([
+        "#!/bin/sh",
+        'case "$*" in',
+        f"  *compute_cap*) printf '%s\\n' \"{full}\" ;;",
+        f"  *count,name*) printf '%s\\n' \"{count}\" ;;",
+        "  *driver_version*) echo 570.00 ;;",
+        f"  *index,name*) printf '%s\\n' \"{nocc}\" ;;",
+        '  *) echo "fake nvidia-smi: unsupported query $*" >&2; exit 2 ;;',
+        "esac", ""])
+    path = os.path.join(folder, "nvidia-smi")
+    with open(path, "w") as f:
+        f.write(script)
+    os.chmod(path, 0o755)
+
+
+@pytest.fixture
+def gpu_box(monkeypatch, tmp_path):
+    """Returns a function gpu_box(gpus, archs=CU128_ARCHS) that turns this process into a simulated
+    CUDA machine; box.driver_calls lists every CUDA driver entry point this process reached."""
+    box = GpuBox()
+    parent = os.getpid()
+
+    def driver(name, in_rank):
+        def call(*args, **kwargs):
+            if os.getpid() != parent:  # a forked CPU rank: a driver that sees no GPU
+                return in_rank
+            box.driver_calls.append(name)
+            raise RuntimeError(f"simulated GPU box: {name} starts the CUDA driver in the notebook process")
+        return call
+
+    def make(gpus, archs=CU128_ARCHS):
+        _fake_smi(str(tmp_path), gpus)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        monkeypatch.delenv("STNB_FORCE_CPU", raising=False)
+        monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: archs, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", driver("cudaGetDeviceCount", 0), raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_init", driver("cuInit", None), raising=False)
+        monkeypatch.setattr(torch.cuda, "_lazy_init", driver("torch.cuda._lazy_init", None))
+        # NVML, as torch reads it (libnvidia-ml): the physical GPUs
+        monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: len(gpus))
+        monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: [u for _, _, u, _ in gpus])
+        return box
+
+    return make
+
+
+def test_simulation_is_what_torch_sees(gpu_box):
+    """The simulated box behaves like the real one: the NVML check counts GPUs, the default check
+    reaches the driver (the call stnb used to make)."""
+    box = gpu_box([T4, T4])
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 2
+    finally:
+        del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+    assert box.driver_calls == []
+    with pytest.raises(RuntimeError, match="simulated GPU box"):
+        torch.cuda.is_available()
+    assert box.driver_calls == ["cudaGetDeviceCount"]
+
+
+def test_no_stnb_call_in_the_notebook_reaches_the_driver(gpu_box, tmp_path, capsys):
+    """Everything a notebook calls before its ranks fork: setup, hardware, validate, bench planning,
+    widgets, launch (2 forked ranks) and run. None of it may start the CUDA driver."""
+    box = gpu_box([A100, A100])
+    prof = stnb.setup(show=True)
+    hw = stnb.hardware()
+    assert hw.device == "cuda" and hw.gpus == [A100[0]] * 2 and hw.max_processes == 2
+    assert hw.runnable("dp") and hw.runnable("ddp")
+    assert "A100" in capsys.readouterr().out
+    for strategy in ("single", "dp", "ddp", "fsdp"):
+        cfg = prof.config(strategy=strategy, mixed_precision="bf16").validate()
+        assert cfg.resolved_device() == "cuda"
+    assert prof.config(strategy="ddp").world_size() == 2
+    from stnb import bench
+
+    items = bench.plan(bench.BenchOptions.from_preset("quick"))
+    assert items and all(it.config.device == "cuda" for it in items)
+    from stnb import widgets
+
+    panel = widgets.Panel(train_size=64)
+    assert panel.device == "cuda" and panel.max_processes == 2
+    ranks = stnb.launch(os.getpid, num_processes=2, device="cpu", echo=False)
+    assert len(set(ranks)) == 2 and os.getpid() not in ranks
+    result = stnb.run(strategy="single", device="cpu", model="tiny", steps=3, warmup_steps_excluded=1,
+                      train_size=32, dev_size=8, evaluate=False, per_device_batch_size=4, echo=False)
+    assert result.status == "ok" and len(result.losses) == 3
+    assert box.driver_calls == []
+
+
+def test_gpus_api_honours_cuda_visible_devices(gpu_box, monkeypatch):
+    gpu_box([T4, A100, P100], archs=CU126_ARCHS)
+    assert [g["name"] for g in hardware.gpus()] == [T4[0], A100[0], P100[0]]
+    g = hardware.gpus()[1]
+    assert g == {"index": 1, "name": A100[0], "memory_bytes": 40960 * 2**20, "compute_capability": (8, 0),
+                 "uuid": "GPU-a100"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert [(g["index"], g["name"]) for g in hardware.gpus()] == [(0, P100[0]), (1, T4[0])]
+    assert hardware.gpu_count() == 2 == torch.cuda.device_count()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a1")
+    assert [g["name"] for g in hardware.gpus()] == [A100[0]] and hardware.gpu_count() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert hardware.gpus() == [] and hardware.gpu_count() == 0 and hardware.default_device() == "cpu"
+
+
+def test_gpu_count_falls_back_to_nvidia_smi_without_nvml(gpu_box, monkeypatch):
+    box = gpu_box([T4, T4, T4])
+
+    def no_nvml():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", no_nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
+    assert hardware.gpu_count() == 2
+    assert box.driver_calls == []
+
+
+def test_single_pins_one_gpu_in_its_rank(gpu_box, monkeypatch):
+    """run(strategy='single') pins the rank to the first visible GPU through CUDA_VISIBLE_DEVICES, set in
+    the child before CUDA starts there; the rank then sees one GPU."""
+    box = gpu_box([A100, A100, A100])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
+    env = hardware.single_gpu_env()
+    assert env == {"CUDA_VISIBLE_DEVICES": "2"}
+
+    def seen():
+        return os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.device_count(), hardware.gpu_count()
+
+    [inside] = stnb.launch(seen, num_processes=1, device="cuda", distributed=False, env=env, echo=False)
+    assert inside == ("2", 1, 1)
+    assert box.driver_calls == []
+
+
+def test_bf16_on_a_t4_is_refused_with_the_fix(gpu_box):
+    gpu_box([T4])
+    with pytest.raises(ConfigError) as e:
+        stnb.TrainConfig(strategy="single", model="tiny", device="cuda", mixed_precision="bf16").validate()
+    assert "7.5" in str(e.value) and "mixed_precision='fp16'" in str(e.value)
+    stnb.TrainConfig(strategy="single", model="tiny", device="cuda", mixed_precision="fp16").validate()
+    gpu_box([A100])
+    stnb.TrainConfig(strategy="single", model="tiny", device="cuda", mixed_precision="bf16").validate()
+
+
+def test_p100_without_kernels_in_this_torch_build(gpu_box):
+    """A P100 (sm_60) with a build that ships sm_75+: not usable. auto falls back to CPU with a warning
+    naming the fix; device='cuda' is refused. With a build that ships sm_60 it is usable."""
+    gpu_box([P100])
+    hw = stnb.hardware()
+    assert hw.device == "cpu" and hw.gpus == [P100[0]]
+    assert any("sm_60" in w and "device='cpu'" in w for w in hw.warnings)
+    assert "warning:" in str(hw)
+    with pytest.raises(ConfigError, match="no kernels in this torch build"):
+        stnb.TrainConfig(strategy="single", model="tiny", device="cuda").validate()
+    gpu_box([P100], archs=CU126_ARCHS)
+    assert stnb.hardware().device == "cuda" and stnb.hardware().warnings == []
+    stnb.TrainConfig(strategy="single", model="tiny", device="cuda").validate()
+
+
+def test_arch_compatibility_rules():
+    assert hardware.arch_supported((8, 6), ["sm_80"])          # same major, newer minor: the cubin runs
+    assert not hardware.arch_supported((8, 0), ["sm_86"])      # an older minor cannot run it
+    assert not hardware.arch_supported((6, 0), CU128_ARCHS.split())
+    assert hardware.arch_supported((7, 5), ["sm_80", "compute_70"])  # PTX JIT-compiles upwards
+    assert hardware.arch_supported((12, 0), ["sm_90a", "sm_120"])
+
+
+def test_bench_on_one_gpu_compares_on_cpu_ranks(gpu_box):
+    """Notebook 05 / bench with device auto on 1 GPU: DDP needs 2 ranks, so the plan runs on CPU ranks
+    (as notebooks 00/03/04/06 do) and every DDP variant is runnable; device='cuda' marks them not runnable."""
+    from stnb import bench
+
+    gpu_box([T4])
+    opts = bench.BenchOptions.from_preset("quick", sections=("knobs",))
+    device, note = bench.bench_device(opts)
+    assert device == "cpu" and "CPU ranks" in note
+    items = bench.plan(opts)
+    ddp = [it for it in items if it.config.strategy == "ddp"]
+    assert ddp and all(it.unavailable is None for it in ddp)
+    assert all(it.config.device == "cpu" for it in items)
+    on_gpu = bench.plan(bench.BenchOptions.from_preset("quick", sections=("knobs",), device="cuda"))
+    assert all("needs at least 2 ranks" in (it.unavailable or "") for it in on_gpu if it.config.strategy == "ddp")
+    assert any(it.unavailable is None for it in on_gpu if it.config.strategy == "single")
+
+
+# ---- the driver started by user code: check_fork_safe sees it ------------------------------------
+
+FAKE_DRIVER = r"""
+static int initialised = 0;
+int cuInit(unsigned int flags) { (void)flags; initialised = 1; return 0; }
+int cuDeviceGetCount(int *n) { if (!initialised) return 3; *n = 1; return 0; }  /* 3: NOT_INITIALIZED */
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in libcuda.so.1")
+def test_check_fork_safe_sees_a_driver_started_by_is_available(tmp_path):
+    """A cell calls torch.cuda.is_available(): torch's cudaGetDeviceCount loads libcuda and runs cuInit,
+    torch.cuda.is_initialized() stays False. stnb.launch must refuse before forking. The driver is a
+    stand-in shared library (cuInit / cuDeviceGetCount), in a subprocess so it never loads here."""
+    src = tmp_path / "cuda.c"
+    src.write_text(FAKE_DRIVER)
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)], check=True)
+    script = textwrap.dedent(f"""
+        import ctypes, json, torch
+        import stnb
+        from stnb import forksafe
+        out = {{"before_load": forksafe.cuda_driver_initialised()}}
+        def cuda_get_device_count():  # what torch's cudaGetDeviceCount does: load the driver, cuInit
+            driver = ctypes.CDLL({str(lib)!r})
+            driver.cuInit(0)
+            return 1
+        torch._C._cuda_getDeviceCount = cuda_get_device_count
+        torch.version.cuda = "12.8"
+        out["loaded_not_started"] = forksafe.cuda_driver_initialised() if ctypes.CDLL({str(lib)!r}) else None
+        out["is_available"] = torch.cuda.is_available()          # the user's cell
+        out["torch_flag"] = torch.cuda.is_initialized()
+        out["after"] = forksafe.cuda_driver_initialised()
+        try:
+            stnb.launch(lambda: 1, num_processes=2, device="cpu", echo=False)
+            out["launch"] = "forked"
+        except stnb.ConfigError as e:
+            out["launch"] = str(e)
+        print(json.dumps(out))
+        """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["before_load"] is False and out["loaded_not_started"] is False
+    assert out["is_available"] is True and out["torch_flag"] is False   # what the old check looked at
+    assert out["after"] is True
+    assert "CUDA is already initialised" in out["launch"] and "restart the kernel" in out["launch"]
+
+
+# ---- Colab: notebook_launcher would run the rank inside the kernel ----------------------------------
+
+COLAB_KERNEL = r"""
+import importlib.machinery, json, os, sys, types
+from IPython.core.interactiveshell import InteractiveShell
+
+# a Colab kernel as accelerate recognises one: "google.colab" in str(get_ipython())
+google, colab, shell_mod = (types.ModuleType(n) for n in ("google", "google.colab", "google.colab._shell"))
+for m in (google, colab, shell_mod):
+    m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)
+class Shell(InteractiveShell):
+    pass
+Shell.__module__ = "google.colab._shell"
+shell_mod.Shell = Shell
+sys.modules.update({"google": google, "google.colab": colab, "google.colab._shell": shell_mod})
+shell = Shell.instance()
+import IPython
+assert "google.colab" in str(sys.modules["IPython"].get_ipython())
+
+import stnb
+kernel_pid, stdout, fd1 = os.getpid(), sys.stdout, os.fstat(1).st_ino
+
+def rank():
+    ctx = stnb.rank_context()
+    return {"rank": ctx.rank, "pid": os.getpid(), "world_size": ctx.world_size}
+
+ranks = stnb.launch(rank, num_processes=2, device="cpu", echo=False)
+print(json.dumps({"ranks": ranks, "kernel_pid": kernel_pid, "shell_kept": IPython.get_ipython() is shell,
+                  "stdout_kept": sys.stdout is stdout and os.fstat(1).st_ino == fd1}))
+"""
+
+
+def test_colab_kernel_never_runs_a_rank(tmp_path):
+    """In Colab with fewer than 2 GPUs notebook_launcher calls the function in the kernel; stnb then
+    redirected the kernel's output, cleared its shell and SIGKILLed it. The 'kernel' here is a subprocess
+    with a Colab-like IPython shell: it must get two forked ranks' results and survive untouched."""
+    proc = subprocess.run([sys.executable, "-c", COLAB_KERNEL], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=str(tmp_path))
+    assert proc.returncode == 0, f"the kernel died (exit {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in out["ranks"]] == [0, 1] and {r["world_size"] for r in out["ranks"]} == {2}
+    pids = {r["pid"] for r in out["ranks"]}
+    assert len(pids) == 2 and out["kernel_pid"] not in pids
+    assert out["shell_kept"] and out["stdout_kept"]
+
+
+# ---- dp with mixed precision: the Trainer's DataParallel path ----------------------------------------
+
+def _dp_trainer_dtypes(output_dir: str) -> dict:
+    """In a rank: the real stnb trainer with bf16, transformers told it sees 2 GPUs."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
+
+    from stnb.data import load_pairs
+    from stnb.models import load_model, resolve_model
+    from stnb.runner import trainer_class
+
+    cfg = stnb.TrainConfig(strategy="dp", model="tiny", mixed_precision="bf16").to_dict()
+    model = load_model(resolve_model("tiny"), device="cpu", max_seq_length=32)
+    seen = []
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda m, i, out: seen.append(str(out.dtype)))
+    train, _ = load_pairs("synthetic", 32, 8, 0)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=4, max_steps=2, use_cpu=True, bf16=True,
+        report_to="none", save_strategy="no", disable_tqdm=True)
+    n_gpu_here = args.n_gpu
+    args._n_gpu = 2
+    trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train,
+                                 loss=losses.CosineSimilarityLoss(model))
+    trainer.train()
+    return {"n_gpu_here": n_gpu_here, "data_parallel": isinstance(trainer.model_wrapped, torch.nn.DataParallel),
+            "dtypes": sorted(set(seen)), "calls": len(seen)}
+
+
+def test_dp_trains_under_the_requested_precision(tmp_path):
+    """transformers wraps nn.DataParallel itself when args.n_gpu > 1 and then skips accelerate's
+    prepare_model, where autocast lives: dp with bf16 trained in fp32. Here transformers is told it sees
+    2 GPUs (args._n_gpu, what TrainingArguments._setup_devices sets on such a machine); on CPU
+    DataParallel calls the module directly, through the same Trainer code path. The dtype is observed
+    inside the forward. (In a forked rank: a Trainer in this process would make it unfit to fork.)"""
+    [out] = stnb.launch(_dp_trainer_dtypes, str(tmp_path), num_processes=1, device="cpu", distributed=False,
+                        echo=False)
+    assert out["n_gpu_here"] == 0 and out["data_parallel"]
+    assert out["calls"] > 0 and out["dtypes"] == ["torch.bfloat16"]
+
+
+def test_dp_replicas_autocast_in_their_own_threads(monkeypatch):
+    """On GPUs DataParallel runs each replica in a worker thread (torch.nn.parallel.parallel_apply), which
+    re-enters autocast without a dtype; the autocast dtype is per thread, so an outer fp16/bf16 context
+    does not carry over. Simulated on CPU with torch's own worker logic: each replica in a new thread
+    under ``torch.amp.autocast(device, enabled=<outer state>)``."""
+    import threading
+
+    from stnb import strategies
+
+    def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+        enabled = torch.is_autocast_enabled("cpu")
+        results = [None] * len(modules)
+
+        def worker(i):
+            with torch.amp.autocast("cpu", enabled=enabled):
+                results[i] = modules[i](*inputs[i], **(kwargs_tup[i] if kwargs_tup else {}))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(modules))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("torch.nn.parallel.data_parallel"), "parallel_apply",
+                        threaded_parallel_apply)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        dp = strategies.autocast_data_parallel(torch.nn.DataParallel(lin), precision)
+        outs = dp.parallel_apply([lin, lin], [(x,), (x,)], [{}, {}])
+        assert [o.dtype for o in outs] == [dtype, dtype]
+    assert strategies.autocast_data_parallel(torch.nn.DataParallel(lin), "no").__class__ is torch.nn.DataParallel
+
+
+# ---- peak memory: the training steps apart from the rest ----------------------------------------------
+
+def test_training_peak_excludes_what_happens_after_training(tmp_path, monkeypatch):
+    """Rank 0's work after training (evaluation, FSDP's gathered full copy, the save/reload) used to be in
+    the per-rank peak. Here the library's SentenceTransformer.save allocates and touches 600 MiB, holds it
+    for a second (the RSS sampler sees it), then saves: the whole-run peak shows it, the training peak not."""
+    import time
+
+    from sentence_transformers import SentenceTransformer
+
+    big = 600 * 2**20
+    real_save = SentenceTransformer.save
+
+    def heavy_save(self, *args, **kwargs):
+        block = torch.ones(big // 4, dtype=torch.float32)
+        time.sleep(1.0)
+        del block
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceTransformer, "save", heavy_save)
+    result = stnb.run(strategy="single", device="cpu", model="tiny", steps=3, warmup_steps_excluded=1,
+                      train_size=32, dev_size=8, evaluate=False, per_device_batch_size=4,
+                      save_to=str(tmp_path / "model"), echo=False)
+    assert result.verified and result.saved_to
+    [train], [whole] = result.peak_memory_bytes, result.peak_memory_run_bytes
+    assert 0 < train < big / 2
+    assert whole - train >= big * 0.8
+
+
+# ---- NCCL failure handling: the diagnosis names the rank that really failed ----------------------------
+# Real 2-rank gloo launches; the ranks behave the way NCCL ranks do (a failing rank that cannot exit,
+# a peer whose NCCL watchdog gives up on a collective).
+
+NCCL_TIMEOUT = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600017 milliseconds before timing out.")
+
+
+def _origin_cannot_exit():
+    """Rank 0 raises, but its process cannot exit (as when destroy_process_group blocks under NCCL):
+    rank 1 waits in the collective rank 0 never joins."""
+    import threading
+    import time as _time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        threading.Thread(target=_time.sleep, args=(3600,), daemon=False).start()
+        raise ValueError("the real failure, on rank 0")
+    dist.barrier()
+    return 1
+
+
+def _peer_gives_up_waiting():
+    """Rank 0 is busy elsewhere; rank 1's NCCL watchdog times out the collective it waits in."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        _time.sleep(120)
+        return 0
+    _time.sleep(1.0)
+    raise RuntimeError(NCCL_TIMEOUT)
+
+
+def _raise_on_rank0_peer_waits():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ValueError("the real failure, on rank 0")
+    dist.barrier()
+    return 1
+
+
+def test_diagnosis_names_the_origin_when_its_peers_hang():
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_origin_cannot_exit, num_processes=2, device="cpu", stall_timeout=3, timeout=180, echo=False)
+    err = e.value
+    assert err.rank == 0 and err.kind == "raised"
+    assert str(err).startswith("rank 0 raised ValueError: the real failure, on rank 0")
+    assert "ValueError" in err.rank_traceback
+
+
+def test_diagnosis_treats_an_nccl_watchdog_timeout_as_a_consequence():
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_peer_gives_up_waiting, num_processes=2, device="cpu", stall_timeout=30, timeout=180,
+                    echo=False)
+    err = e.value
+    assert err.rank == 0, str(err)
+    assert "never joined the collective rank 1 waited in" in str(err) and "Watchdog caught" in str(err)
+
+
+@pytest.mark.parametrize("message", [
+    "NCCL error in: ProcessGroupNCCL.cpp:1935, remote process exited or there was a network error, NCCL version 2.27.3",
+    NCCL_TIMEOUT,
+    "Connection closed by remote peer 127.0.0.1:29500",
+])
+def test_nccl_messages_are_secondary(message):
+    from stnb import peerfail
+
+    assert peerfail.is_secondary({"type": "RuntimeError", "message": message})
+    assert not peerfail.is_secondary({"type": "ValueError", "message": "bad batch"})
+    earlier = {"type": "RuntimeError", "message": message, "time": 1.0, "rank": 1}
+    real = {"type": "ValueError", "message": "bad batch", "time": 2.0, "rank": 0}
+    assert peerfail.origin([earlier, real]) is real
+
+
+def test_failing_rank_never_calls_a_blocking_destroy_process_group(monkeypatch):
+    """NCCL's destroy_process_group can block in a rank whose peers never finish their collectives.
+    Simulated: the library's destroy_process_group never returns. The failing rank must still exit, so
+    its peer is stopped long before the stall timeout and the error names rank 0."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: _time.sleep(3600))
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_raise_on_rank0_peer_waits, num_processes=2, device="cpu", stall_timeout=15, timeout=180,
+                    echo=False)
+    err = e.value
+    assert err.rank == 0 and "ValueError" in str(err)
+    assert err.kind == "raised" and "waited for it" not in str(err)
+
+
+def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
+    from stnb import peerfail
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert peerfail.collective_timeout(30).total_seconds() == peerfail.MIN_COLLECTIVE_TIMEOUT_S
+    assert peerfail.collective_timeout(600).total_seconds() == 1200
