@@ -149,19 +149,14 @@ def test_run_all_skips_and_budget(monkeypatch):
 
 # ---- reading the machine without the CUDA driver ------------------------------------------------
 
-def test_visible_gpus_from_nvidia_smi(tmp_path, monkeypatch):
-    """A stand-in nvidia-smi (the tool cannot exist here) prints what the real one prints."""
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho '0, NVIDIA H100 80GB HBM3, 81559, 9.0'\necho '1, Tesla T4, 15360, 7.5'\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    import stnb.hardware
-
-    monkeypatch.setattr(stnb.hardware, "gpu_count", lambda: 1)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    got = planning.visible_gpus()
-    assert got == [{"index": 1, "name": "Tesla T4", "memory_bytes": 15360 * 2 ** 20, "compute_capability": [7, 5]}]
-    assert "single bf16" in {c.name for c in gpucheck.plan(Machine(gpus=got, arch_list=ARCH)) if c.skip}
+def test_plan_takes_the_gpus_as_stnb_hardware_describes_them():
+    """hardware.gpus() gives compute capability as a (major, minor) tuple (tests/test_gpu_sim.py reads it
+    from a stand-in nvidia-smi); the plan refuses bf16 on a T4 given that shape."""
+    t4 = {"index": 1, "name": "Tesla T4", "memory_bytes": 15360 * 2 ** 20, "compute_capability": (7, 5),
+          "uuid": None}
+    assert "single bf16" in {c.name for c in gpucheck.plan(Machine(gpus=[t4], arch_list=ARCH)) if c.skip}
+    assert not planning.unsupported(Machine(gpus=[t4], arch_list=ARCH))
+    assert planning.unsupported(Machine(gpus=[dict(t4, compute_capability=(6, 0))], arch_list=ARCH))
 
 
 # ---- the real command, on this machine ----------------------------------------------------------

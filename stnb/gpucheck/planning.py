@@ -9,10 +9,11 @@ build has no kernels for).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass, field
 
-BF16_MIN_CC = (8, 0)   # Ampere: bf16 tensor cores; older GPUs emulate bf16 (slowly)
+from ..hardware import BF16_MIN_CAPABILITY, arch_supported, torch_arch_list
+from ..hardware import gpus as hardware_gpus
+
 
 # one training configuration for every check that trains: the bundled MiniLM, 32 per device
 TRAIN = dict(model="minilm", per_device_batch_size=32, max_seq_length=128, steps=30, warmup_steps_excluded=5,
@@ -59,21 +60,10 @@ def _cc(gpu) -> tuple:
     return tuple(int(x) for x in cc) if cc else (0, 0)
 
 
-def _min_arch(arch_list) -> tuple | None:
-    ccs = []
-    for a in arch_list or ():
-        m = re.fullmatch(r"sm_(\d+)(\d)[a-z]?", a)
-        if m:
-            ccs.append((int(m.group(1)), int(m.group(2))))
-    return min(ccs) if ccs else None
-
-
 def unsupported(machine: Machine) -> list:
-    """GPUs this torch build ships no kernels for (their compute capability is below every sm_XY)."""
-    low = _min_arch(machine.arch_list)
-    if low is None:
-        return []
-    return [g for g in machine.gpus if _cc(g) < low]
+    """GPUs this torch build ships no kernels for (stnb.hardware.arch_supported decides)."""
+    return [g for g in machine.gpus if g.get("compute_capability") is not None
+            and not arch_supported(tuple(_cc(g)), machine.arch_list)]
 
 
 def plan(machine: Machine) -> list:
@@ -87,10 +77,10 @@ def plan(machine: Machine) -> list:
         checks[0].params["unsupported"] = [f"{g['name']} (compute capability {'.'.join(map(str, _cc(g)))})"
                                            for g in bad]
         return checks
-    bf16 = all(_cc(g) >= BF16_MIN_CC for g in machine.gpus)
+    bf16 = all(_cc(g) >= BF16_MIN_CAPABILITY for g in machine.gpus)
     no_bf16 = None if bf16 else (
         "bf16 needs compute capability >= 8.0 (Ampere); "
-        + ", ".join(f"{g['name']} has {'.'.join(map(str, _cc(g)))}" for g in machine.gpus if _cc(g) < BF16_MIN_CC)
+        + ", ".join(f"{g['name']} has {'.'.join(map(str, _cc(g)))}" for g in machine.gpus if _cc(g) < BF16_MIN_CAPABILITY)
         + " (it would emulate bf16, slowly): use fp16")
     dist_mp = "bf16" if bf16 else "no"   # precision of the ddp / fsdp / dp rows
     one = dict(TRAIN)
@@ -130,55 +120,18 @@ def plan(machine: Machine) -> list:
 
 # ---- reading the machine ----------------------------------------------------------------------
 
-def visible_gpus() -> list:
-    """[{index, name, memory_bytes, compute_capability}] of the visible GPUs, without the CUDA driver.
-
-    Local fallback until stnb.hardware.gpus() exists: the count from hardware.gpu_count(), names,
-    memory and compute capability from nvidia-smi, filtered by CUDA_VISIBLE_DEVICES indices."""
-    import shutil
-    import subprocess
-
-    from ..hardware import gpu_count
-
-    n = gpu_count()
-    if n == 0:
-        return []
-    rows = []
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,compute_cap",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
-            for line in out.stdout.splitlines():
-                parts = [p.strip() for p in line.split(",")]
-                if len(parts) == 4 and parts[0].isdigit():
-                    rows.append({"index": int(parts[0]), "name": parts[1],
-                                 "memory_bytes": int(float(parts[2]) * 2 ** 20) if parts[2][:1].isdigit() else None,
-                                 "compute_capability": [int(x) for x in parts[3].split(".")]
-                                 if re.fullmatch(r"\d+\.\d+", parts[3]) else None})
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            rows = []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible and all(v.strip().isdigit() for v in visible.split(",")):
-        order = [int(v) for v in visible.split(",")]
-        rows = [r for i in order for r in rows if r["index"] == i]
-    rows = rows[:n]
-    for i in range(len(rows), n):  # no nvidia-smi: still n GPUs, details unknown
-        rows.append({"index": i, "name": f"cuda:{i}", "memory_bytes": None, "compute_capability": None})
-    return rows
-
-
 def detect() -> Machine:
     """This machine, read without initialising CUDA."""
     import torch
 
     from ..hardware import gpu_count
 
-    gpus = visible_gpus()  # the lead switches this line to stnb.hardware.gpus()
+    gpus = hardware_gpus()
     nb = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "notebooks", "00_setup_and_hardware.ipynb")
     machine = Machine(gpus=gpus, torch_cuda=torch.version.cuda, notebook=nb if os.path.isfile(nb) else None)
     if torch.version.cuda:
-        machine.arch_list = torch.cuda.get_arch_list()  # compile-time flags; no driver call
+        machine.arch_list = torch_arch_list()  # compile-time flags; no driver call
     if not gpus:
         if os.environ.get("STNB_FORCE_CPU") == "1":
             machine.no_gpu_reason = "STNB_FORCE_CPU=1 hides the GPUs from stnb"
