@@ -4,7 +4,7 @@ from .config import TrainConfig
 from .errors import (ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
                      VerificationError)
 from . import hardware  # callable: stnb.hardware() -> HardwareReport
-from .profile import current_profile, setup
+from .profiles import current_profile, setup
 from .launch import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run

@@ -30,7 +30,7 @@ import ipywidgets as W
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
 from .hardware import STRATEGIES, max_processes, strategy_availability
-from .profile import current_profile
+from .profiles import current_profile
 from .results import RunResult, load_results, results_frame
 
 MODEL_PRESETS = ("tiny", "minilm")
