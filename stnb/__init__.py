@@ -3,7 +3,8 @@
 from .config import TrainConfig
 from .errors import (ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
                      VerificationError)
-from . import hardware  # callable: stnb.hardware() -> HardwareReport
+from . import hardware
+from .hardware import report as hardware_report
 from .profiles import current_profile, setup
 from .launch import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
@@ -14,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
-    "TrainConfig", "VerificationError", "append_result", "hardware", "heartbeat", "last_launch", "launch",
+    "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch", "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
     "current_profile", "export_script",
 ]

@@ -310,14 +310,3 @@ def report(device: str | None = None) -> HardwareReport:
         gpu_details=details,
         warnings=gpu_problems(),
     )
-
-
-class _CallableModule(__import__("types").ModuleType):
-    """``stnb.hardware()`` returns the report, while ``stnb.hardware`` stays this module
-    (``import stnb.hardware as hw``, monkeypatching its functions in tests)."""
-
-    def __call__(self, device: str | None = None) -> HardwareReport:
-        return report(device)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -188,7 +188,7 @@ def test_ddp_knob_combinations_refused_before_any_process_starts():
     with pytest.raises(stnb.ConfigError, match="143580"):
         stnb.TrainConfig(strategy="ddp", num_processes=2, model="tiny", static_graph=True,
                          gradient_accumulation_steps=2).validate(check_resources=False)
-    if not stnb.hardware().gpus:
+    if not stnb.hardware_report().gpus:
         with pytest.raises(stnb.ConfigError, match="comm_hook='bf16' needs CUDA"):
             stnb.TrainConfig(strategy="ddp", num_processes=2, model="tiny", device="cpu",
                              comm_hook="bf16").validate()

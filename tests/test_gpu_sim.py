@@ -122,7 +122,7 @@ def test_no_stnb_call_in_the_notebook_reaches_the_driver(gpu_box, tmp_path, caps
     widgets, launch (2 forked ranks) and run. None of it may start the CUDA driver."""
     box = gpu_box([A100, A100])
     prof = stnb.setup(show=True)
-    hw = stnb.hardware()
+    hw = stnb.hardware_report()
     assert hw.device == "cuda" and hw.gpus == [A100[0]] * 2 and hw.max_processes == 2
     assert hw.runnable("dp") and hw.runnable("ddp")
     assert "A100" in capsys.readouterr().out
@@ -203,14 +203,14 @@ def test_p100_without_kernels_in_this_torch_build(gpu_box):
     """A P100 (sm_60) with a build that ships sm_75+: not usable. auto falls back to CPU with a warning
     naming the fix; device='cuda' is refused. With a build that ships sm_60 it is usable."""
     gpu_box([P100])
-    hw = stnb.hardware()
+    hw = stnb.hardware_report()
     assert hw.device == "cpu" and hw.gpus == [P100[0]]
     assert any("sm_60" in w and "device='cpu'" in w for w in hw.warnings)
     assert "warning:" in str(hw)
     with pytest.raises(ConfigError, match="no kernels in this torch build"):
         stnb.TrainConfig(strategy="single", model="tiny", device="cuda").validate()
     gpu_box([P100], archs=CU126_ARCHS)
-    assert stnb.hardware().device == "cuda" and stnb.hardware().warnings == []
+    assert stnb.hardware_report().device == "cuda" and stnb.hardware_report().warnings == []
     stnb.TrainConfig(strategy="single", model="tiny", device="cuda").validate()
 
 

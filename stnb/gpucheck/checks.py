@@ -84,7 +84,7 @@ def check_hardware(check, machine) -> Outcome:
         problems.append(f"hardware.gpu_count() = {n} but {len(machine.gpus)} GPU(s) were listed")
     rep = report()
     if rep.device != "cuda" or rep.backend != "nccl":
-        problems.append(f"stnb.hardware() says device {rep.device}, backend {rep.backend}")
+        problems.append(f"stnb.hardware_report() says device {rep.device}, backend {rep.backend}")
     if torch.cuda.is_initialized():
         problems.append("CUDA got initialised in this (parent) process: forked ranks would fail")
     names = ", ".join(f"{g['name']} (cc {'.'.join(map(str, g['compute_capability'] or ['?']))})" for g in machine.gpus)
