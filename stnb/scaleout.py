@@ -7,7 +7,7 @@ one machine, the same training is started by an outside launcher instead, and st
   ``torchrun --nproc_per_node=N`` or ``accelerate launch --multi_gpu --num_processes N``
   finds WORLD_SIZE / RANK / LOCAL_RANK in its environment (and not STNB_LAUNCH=1, which
   ``stnb.launch`` sets in its own ranks), so it does not launch again: :func:`run_here`
-  runs ``runner.train_rank`` in this process, gathers every rank's measurements to rank 0
+  runs ``training.train_rank`` in this process, gathers every rank's measurements to rank 0
   (``dist.all_gather_object``) and merges them into the same RunResult a notebook run
   gives, with ``launcher='torchrun'`` or ``'accelerate'``.
   (``accelerate launch --cpu --num_processes N`` starts only ONE process unless given an MPI
@@ -170,7 +170,7 @@ def run_here(config, *, results_file=None):
     """Train ``config`` as one rank of an outside launch (torchrun, accelerate launch).
 
     Every rank calls this (``stnb.run`` does, when :func:`inside_external_launch` is true).
-    Each rank runs ``runner.train_rank``; the ranks gather their measurements to rank 0,
+    Each rank runs ``training.train_rank``; the ranks gather their measurements to rank 0,
     which merges them (``launcher='torchrun'`` / ``'accelerate'``) and, with ``results_file``,
     appends the RunResult there. Every rank returns the same RunResult; print it on rank 0
     only (:func:`is_main_process`). The process group is destroyed before returning, unless
@@ -179,8 +179,8 @@ def run_here(config, *, results_file=None):
     import torch.distributed as dist
 
     from .hardware import gpu_count
-    from .results import RunResult, append_result, check_writable
-    from .runner import merge, train_rank
+    from .results import RunResult, append_result, check_writable, merge
+    from .training import train_rank
 
     env = os.environ
     world, rank, local_world = _world(env)
@@ -217,7 +217,7 @@ def run_here(config, *, results_file=None):
     model_path = resolve_model(config.model)
     had_group = dist.is_available() and dist.is_initialized()
     try:
-        mine = train_rank(config.to_dict(), model_path, launch_time)
+        mine = train_rank(config, model_path, launch_time)
         grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if grouped:
             gathered = [None] * dist.get_world_size()
