@@ -1,7 +1,7 @@
 """stnb: notebook-first distributed training (DP, DDP, FSDP) for sentence-transformers."""
 
 from .config import TrainConfig
-from .errors import (ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
+from .errors import (BuildError, ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
                      VerificationError)
 from . import hardware  # callable: stnb.hardware() -> HardwareReport
 from .profile import current_profile, setup
@@ -13,7 +13,7 @@ from .export import export_script
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
+    "BuildError", "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
     "TrainConfig", "VerificationError", "append_result", "hardware", "heartbeat", "last_launch", "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
     "current_profile", "export_script",

@@ -347,7 +347,7 @@ def _unavailable(cfg, device, nmax) -> str | None:
     """Why this configuration cannot run on this machine (None when it can). Bad values raise."""
     cfg.validate(check_resources=False)
     try:
-        cfg._check_hardware()
+        cfg.check_hardware()
     except StrategyUnavailable as e:
         return e.reason
     except ConfigError as e:

@@ -45,6 +45,8 @@ class RunResult:
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
     saved_to: str | None = None
+    build: str | None = None           # the user's build function (stnb.run(build, ...)); None: stnb's recipe
+    overridden_args: dict = field(default_factory=dict)  # {argument: {"from", "to", "why"}} a strategy owns
     config: dict = field(default_factory=dict)
     run_id: str = ""
     timestamp: float = field(default_factory=time.time)
@@ -102,6 +104,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
     from .hardware import versions
 
     r0 = rank_results[0]
+    training = r0.get("training") or {}  # a user's trainer: what it trains with (not the recipe's fields)
     n_steps = min(len(r["step_times"]) for r in rank_results)
     step_times = [max(r["step_times"][i] for r in rank_results) for i in range(n_steps)]
     warm = min(config.warmup_steps_excluded, max(0, n_steps - 1))
@@ -120,7 +123,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
     return RunResult(
         strategy=config.strategy,
         world_size=len(rank_results) if config.strategy in ("ddp", "fsdp") else 1,
-        per_device_batch_size=config.per_device_batch_size,
+        per_device_batch_size=training.get("per_device_batch_size", config.per_device_batch_size),
         global_batch_size=gbs,
         steps=n_steps,
         samples_per_second=sps,
@@ -132,7 +135,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
         verified=ok,
         verification=verification,
         reason="" if ok else "not verified: " + "; ".join(problems),
-        model=config.model,
+        model=training.get("model", config.model),
         device=r0["device"],
         versions=versions(),
         memory_breakdown=[r["memory_breakdown"] for r in rank_results],
@@ -147,9 +150,18 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
         launcher=launcher,
         mfu=mfu,
         saved_to=(r0.get("saved_model") or {}).get("saved_to"),
-        config=config.to_dict(),
+        build=r0.get("build"),
+        overridden_args=r0.get("overridden_args") or {},
+        config=config.to_dict() if r0.get("build") is None else _own_config(config, r0["build"], training),
         run_id=uuid.uuid4().hex[:12],
     )
+
+
+def _own_config(config, build: str, training: dict) -> dict:
+    """A user's run's config: the launch fields it was given, and what its trainer trains with."""
+    from .config import LAUNCH_FIELDS
+
+    return {**{k: v for k, v in config.to_dict().items() if k in LAUNCH_FIELDS}, **training, "build": build}
 
 
 def cross_rank_checks(config, rank_results: list) -> tuple:

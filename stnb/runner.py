@@ -1,8 +1,10 @@
-"""One training run: model + data + loss -> SentenceTransformerTrainer -> RunResult.
+"""One training run, from the notebook: stnb's recipe or your own trainer -> RunResult.
 
 ``run(config)`` validates the config in the notebook process, then starts the ranks through
 ``stnb.launch`` (ddp/fsdp: N ranks; single/dp: one child process, so CUDA never touches the
-kernel). Every rank runs ``train_rank`` and returns its measurements; ``run`` merges them.
+kernel). Every rank runs ``training.train_rank`` and returns its measurements; ``run`` merges them
+(``results.merge``). ``run(build, strategy=...)`` does the same with the SentenceTransformerTrainer
+your function ``build()`` returns in each rank.
 """
 
 from __future__ import annotations
@@ -17,23 +19,39 @@ from .results import RunResult, append_result, check_writable, merge
 from .training import train_rank
 
 
-def run(config: TrainConfig | None = None, *, results_file=None, on_progress=None, echo: bool = True,
-        **overrides) -> RunResult:
-    """Train once with ``config`` and return a verified, measured RunResult.
+def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, **overrides) -> RunResult:
+    """Train once and return a verified, measured RunResult.
 
+    config: a TrainConfig (stnb's recipe; keyword overrides are applied to it:
+        ``run(strategy="ddp", steps=5)``), or your function that builds and returns a
+        SentenceTransformerTrainer (``run(build, strategy="fsdp", num_processes=2)``). stnb calls it
+        with no arguments in every rank, applies the strategy to the trainer and trains it. With a
+        function, only the options in ``config.LAUNCH_FIELDS`` apply (strategy, num_processes,
+        device, timeout, stall_timeout, threads_per_rank, save_to, the DDP / FSDP knobs); the
+        recipe's (model, data, loss, steps, batch size...) belong in your function and are refused,
+        naming where they go. RunResult.overridden_args lists the training arguments the strategy
+        had to own.
     results_file: a JSONL file the result is appended to (atomically) as soon as it exists.
     on_progress: callback receiving per-rank progress (see ``stnb.launch``).
-    Keyword overrides are applied to the config: ``run(strategy="ddp", steps=5)``.
     """
     from .hardware import gpu_count
     from .models import resolve_model
 
-    config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
+    build = None
+    if config is not None and not isinstance(config, TrainConfig):
+        build = check_build(config)
+        config = TrainConfig.for_build(**overrides)
+    else:
+        config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
     from . import scaleout
 
     if scaleout.inside_external_launch():  # a rank of torchrun / accelerate launch: don't launch again
-        return scaleout.run_here(config, results_file=results_file)
-    config.validate()
+        return scaleout.run_here(config, results_file=results_file, build=build)
+    if build is None:
+        config.validate()
+    else:  # the model and data are the function's: check the options and this machine
+        config.validate(check_resources=False)
+        config.check_hardware()
     if results_file is not None:
         check_writable(results_file)
     if config.save_to:
@@ -41,7 +59,7 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
         if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
             raise ConfigError(f"save_to={config.save_to!r} already exists and is not empty; stnb never "
                               "overwrites a saved model. Choose a new folder or remove the old one.")
-    model_path = resolve_model(config.model)  # builds 'tiny' once, here, so ranks never race
+    model_path = resolve_model(config.model) if build is None else None  # builds 'tiny' once, here
     _preimport()
     device = config.resolved_device()
     ws = config.world_size()
@@ -56,7 +74,7 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
         on_progress = bars.update
     try:
         # the requested world size travels as an argument, apart from the environment the launcher sets
-        rank_results = launch(train_rank, config, model_path, t0, ws, num_processes=ws,
+        rank_results = launch(train_rank, config, model_path, t0, ws, build, num_processes=ws,
                               timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                               threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
                               distributed=config.strategy in ("ddp", "fsdp"), env=env)
@@ -67,6 +85,37 @@ def run(config: TrainConfig | None = None, *, results_file=None, on_progress=Non
     if results_file is not None:
         append_result(results_file, result)
     return result
+
+
+def check_build(build):
+    """``build`` is a function stnb can call with no arguments in every rank (ConfigError otherwise)."""
+    import inspect
+
+    try:
+        from transformers import Trainer
+
+        if isinstance(build, Trainer):
+            raise ConfigError("stnb.run got a trainer built in this process; pass the function that builds it "
+                              "instead (stnb.run(build, ...), not stnb.run(build())): each rank builds its own "
+                              "trainer, and a trainer made here holds state forked ranks cannot use")
+    except ImportError:  # pragma: no cover
+        pass
+    if not callable(build):
+        raise ConfigError(f"stnb.run takes a TrainConfig or a function returning a SentenceTransformerTrainer; "
+                          f"got {type(build).__name__}")
+    if inspect.iscoroutinefunction(build) or inspect.isgeneratorfunction(build):
+        raise ConfigError("the build function must return the trainer (not be async or a generator)")
+    try:
+        sig = inspect.signature(build)
+    except (TypeError, ValueError):
+        return build
+    required = [p.name for p in sig.parameters.values() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        raise ConfigError(f"stnb calls your build function with no arguments, but {getattr(build, '__name__', build)}"
+                          f"() requires {', '.join(required)}; give them defaults, or bind them with "
+                          f"functools.partial(build, {required[0]}=...)")
+    return build
 
 
 def _preimport() -> None:

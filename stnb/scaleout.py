@@ -103,7 +103,7 @@ def _world(env) -> tuple[int, int, int]:
     return world, rank, local_world
 
 
-def _check_here(config, world: int, local_world: int, launcher: str) -> None:
+def _check_here(config, world: int, local_world: int, launcher: str, recipe: bool = True) -> None:
     """Validation for ranks started from outside: the world comes from the launcher, and the
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
     from .hardware import cpu_cores, gpu_count
@@ -138,6 +138,8 @@ def _check_here(config, world: int, local_world: int, launcher: str) -> None:
             raise ConfigError(
                 f"{launcher} started {local_world} processes on this node but it has {cores} CPU core(s) and "
                 f"each gloo rank needs one; use --nproc_per_node <= {cores}")
+    if not recipe:  # a user's build function: its model and data are its own
+        return
     from .data import check_data
     from .models import resolve_model
 
@@ -166,8 +168,8 @@ def _process_start_time() -> float:
         return time.time()
 
 
-def run_here(config, *, results_file=None):
-    """Train ``config`` as one rank of an outside launch (torchrun, accelerate launch).
+def run_here(config, *, results_file=None, build=None):
+    """Train ``config`` (or the trainer ``build()`` returns) as one rank of torchrun / accelerate launch.
 
     Every rank calls this (``stnb.run`` does, when :func:`inside_external_launch` is true).
     Each rank runs ``training.train_rank``; the ranks gather their measurements to rank 0,
@@ -193,7 +195,7 @@ def run_here(config, *, results_file=None):
     if config.strategy in ("ddp", "fsdp"):
         config = config.replace(num_processes=world)
     config = config.replace(threads_per_rank=_threads(config, env))
-    _check_here(config, world, local_world, launcher)
+    _check_here(config, world, local_world, launcher, recipe=build is None)
     if results_file is not None and rank == 0:
         check_writable(results_file)
     if config.save_to and rank == 0:
@@ -214,10 +216,10 @@ def run_here(config, *, results_file=None):
 
     from .models import resolve_model
 
-    model_path = resolve_model(config.model)
+    model_path = resolve_model(config.model) if build is None else None
     had_group = dist.is_available() and dist.is_initialized()
     try:
-        mine = train_rank(config, model_path, launch_time)
+        mine = train_rank(config, model_path, launch_time, build=build)
         grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if grouped:
             gathered = [None] * dist.get_world_size()
