@@ -325,3 +325,24 @@ def test_fsdp_arguments_of_accelerate_are_refused_with_the_fix(tmp_path):
     with pytest.raises(stnb.LaunchError, match="stnb.run\\(build, strategy='fsdp'\\)"):
         stnb.run(build, strategy="fsdp", echo=False, **FAST)
     assert not _no_children_left()
+
+
+def build_cached_mnrl_with_prompts(outdir: str):
+    """CachedMultipleNegativesRankingLoss gathering in-batch negatives from every rank, with prompts."""
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer import losses
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2, gather_across_devices=True)
+    args = _args(os.path.join(outdir, "out"), prompts={"anchor": "query: ", "positive": "passage: "})
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=_triplets().remove_columns("negative"),
+                                      loss=loss)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cached_mnrl_gathering_across_ranks_with_prompts(tmp_path, strategy):
+    res = stnb.run(functools.partial(build_cached_mnrl_with_prompts, str(tmp_path)), strategy=strategy, echo=False,
+                   **FAST)
+    assert res.verified, res.reason
+    assert res.config["loss"] == "CachedMultipleNegativesRankingLoss" and len(res.losses) == 3
+    assert all(r["loss_model"]["ok"] for r in res.verification["ranks"])
