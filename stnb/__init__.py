@@ -1,7 +1,7 @@
 """stnb: notebook-first distributed training (DP, DDP, FSDP) for sentence-transformers."""
 
 from .config import TrainConfig
-from .errors import (ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
+from .errors import (BuildError, ConfigError, LaunchError, ResultsFileError, StnbError, StrategyUnavailable,
                      VerificationError)
 from . import hardware
 from .hardware import report as hardware_report
@@ -14,8 +14,9 @@ from .export import export_script
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
-    "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch", "launch",
+    "BuildError", "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
+    "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch",
+    "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
     "current_profile", "export_script",
 ]

@@ -3,7 +3,7 @@
 Sections (all run unless some are named with --sweep / --launchers / --ddp-knobs):
 
 sweep       strategies x per-device batch sizes x processes, each through ``stnb.run``.
-launchers   the same DDP training (``runner.train_rank``) under ``stnb.launch``, under raw
+launchers   the same DDP training (``training.train_rank``) under ``stnb.launch``, under raw
             accelerate ``notebook_launcher`` and under ``torchrun`` (a subprocess), plus the
             single-process baselines (one device = one core on CPU: 1 thread; and, on CPU, one
             process with every core). Repeats are interleaved (the order rotates every repeat).
@@ -362,7 +362,7 @@ def _unavailable(cfg, device, nmax) -> str | None:
     """Why this configuration cannot run on this machine (None when it can). Bad values raise."""
     cfg.validate(check_resources=False)
     try:
-        cfg._check_hardware()
+        cfg.check_hardware()
     except StrategyUnavailable as e:
         return e.reason
     except ConfigError as e:
@@ -416,9 +416,9 @@ def _model_path(cfg) -> str:
     return resolve_model(cfg.model)
 
 
-def _raw_rank(cfg: dict, model_path: str, launch_time: float, outdir: str) -> None:
+def _raw_rank(cfg, model_path: str, launch_time: float, outdir: str) -> None:
     """What a user writes for raw notebook_launcher: train, then leave the result in a file."""
-    from .runner import train_rank
+    from .training import train_rank
 
     res = train_rank(cfg, model_path, launch_time)
     rank = int(os.environ.get("RANK", "0"))
@@ -476,7 +476,7 @@ def _run_notebook_launcher(cfg, timeout: float):
 
     from .hardware import gpu_count
     from .launch import _children_now, check_fork_safe, free_port
-    from .runner import merge
+    from .results import merge
 
     cfg.validate()
     check_fork_safe()
@@ -491,7 +491,7 @@ def _run_notebook_launcher(cfg, timeout: float):
         t0 = time.time()
         timer.start()
         with _output_to(log):
-            notebook_launcher(_raw_rank, args=(cfg.to_dict(), model_path, t0, outdir), num_processes=ws,
+            notebook_launcher(_raw_rank, args=(cfg, model_path, t0, outdir), num_processes=ws,
                               use_port=str(free_port()))
         wall = time.time() - t0
         results = []
@@ -569,27 +569,27 @@ def _kill_group(proc) -> None:
 def _worker(argv) -> int:
     """``python -m stnb.bench worker CONFIG.json MODEL_PATH LAUNCH_TIME OUT.json``: one torchrun rank.
 
-    Runs runner.train_rank, gathers every rank's measurements on rank 0 (all_gather_object),
+    Runs training.train_rank, gathers every rank's measurements on rank 0 (all_gather_object),
     which merges them into a RunResult (launcher 'torchrun'), writes it to OUT.json and prints it.
     """
     import torch.distributed as dist
 
     from .config import TrainConfig
     from .hardware import gpu_count
-    from .runner import merge, train_rank
+    from .results import merge
+    from .training import train_rank
 
     cfg_path, model_path, launch_time, out_path = argv
     with open(cfg_path) as f:
-        cfg = json.load(f)
+        config = TrainConfig.from_dict(json.load(f))
     launch_time = float(launch_time)
-    res = train_rank(cfg, model_path, launch_time)
+    res = train_rank(config, model_path, launch_time)
     gathered = [res]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, res)
     if int(os.environ.get("RANK", "0")) == 0:
         gathered.sort(key=lambda d: d["rank"])
-        config = TrainConfig.from_dict(cfg)
         result = merge(config, gathered, device=config.resolved_device(), n_gpu=gpu_count(),
                        wall_time_s=time.time() - launch_time, launcher="torchrun")
         data = json.dumps(result.to_dict())
@@ -603,11 +603,11 @@ def _worker(argv) -> int:
     return 0
 
 
-def _concurrent_rank(cfg: dict, model_path: str, launch_time: float) -> dict:
+def _concurrent_rank(cfg, model_path: str, launch_time: float) -> dict:
     """One of N independent single-device runs started together (no process group while training)."""
     import torch.distributed as dist
 
-    from .runner import train_rank
+    from .training import train_rank
 
     if dist.is_initialized():
         dist.barrier()  # start together
@@ -622,13 +622,13 @@ def _run_concurrent(cfg, timeout: float):
     """N single-device runs at the same time (one per device): the machine's limit with no communication."""
     from .hardware import cpu_cores, gpu_count
     from .launch import launch
-    from .runner import merge
+    from .results import merge
 
     cfg.validate()
     n = int(cfg.extra.get("concurrent_runs") or (cpu_cores() if cfg.resolved_device() == "cpu" else gpu_count()))
     model_path = _model_path(cfg)
     t0 = time.time()
-    parts = launch(_concurrent_rank, cfg.to_dict(), model_path, t0, num_processes=n, timeout=timeout,
+    parts = launch(_concurrent_rank, cfg, model_path, t0, num_processes=n, timeout=timeout,
                    stall_timeout=cfg.stall_timeout, device=cfg.resolved_device(),
                    threads_per_rank=cfg.threads_per_rank, echo=False)
     wall = time.time() - t0

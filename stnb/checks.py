@@ -9,7 +9,7 @@ saved model  the reloaded weights equal the trained ones bit for bit, and differ
              initial (untrained) ones.
 
 Every function returns plain data (lists of problems, dicts of names); the callers decide what
-a problem means (strategies.verify raises, runner.merge marks the result unverified).
+a problem means (strategies.verify raises, results.merge marks the result unverified).
 """
 
 from __future__ import annotations

@@ -13,6 +13,33 @@ PRECISIONS = ("no", "fp16", "bf16")
 COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
 DEVICES = ("auto", "cpu", "cuda")
 
+# The fields that apply to any training, stnb's recipe or a user's own trainer (``stnb.run(build, ...)``):
+# where and how the ranks run, and the strategy's knobs. The other fields describe stnb's recipe;
+# for a user's trainer they live in the user's code, here is where (refused with this hint).
+LAUNCH_FIELDS = ("strategy", "num_processes", "device", "timeout", "stall_timeout", "threads_per_rank",
+                 "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
+                 "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls")
+_ARGS = "your SentenceTransformerTrainingArguments"
+RECIPE_FIELDS = {
+    "model": "build your SentenceTransformer in the function",
+    "data": "pass train_dataset=... (and eval_dataset=...) to your trainer",
+    "columns": "give your datasets the columns your loss reads (dataset.rename_column / select_columns)",
+    "train_size": "select the rows in your function (dataset.select(range(n)))",
+    "dev_size": "select the rows in your function (dataset.select(range(n)))",
+    "loss": "pass loss=... to your trainer",
+    "gather_across_devices": "pass it to your loss: MultipleNegativesRankingLoss(model, gather_across_devices=True)",
+    "per_device_batch_size": f"per_device_train_batch_size in {_ARGS}",
+    "steps": f"max_steps in {_ARGS}",
+    "learning_rate": f"learning_rate in {_ARGS}",
+    "max_seq_length": "set model.max_seq_length in your function",
+    "seed": f"seed in {_ARGS}",
+    "evaluate": "pass evaluator=... to your trainer (or leave it out)",
+    "mixed_precision": f"bf16=True or fp16=True in {_ARGS}",
+    "gradient_accumulation_steps": f"gradient_accumulation_steps in {_ARGS}",
+    "warmup_steps_excluded": "stnb leaves the first 2 steps out of the throughput of your trainer",
+    "extra": "stnb's recipe only",
+}
+
 
 @dataclass
 class TrainConfig:
@@ -113,6 +140,28 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def for_build(cls, **options) -> "TrainConfig":
+        """The TrainConfig of a user's own trainer (``stnb.run(build, **options)``): only LAUNCH_FIELDS.
+        A recipe field is refused naming where it belongs in the user's code; a misspelt one is
+        refused naming the closest field."""
+        misplaced = [k for k in options if k in RECIPE_FIELDS]
+        if misplaced:
+            raise ConfigError(
+                "stnb.run(build, ...) trains the trainer your function returns, so these options would not "
+                "apply to it: " + "; ".join(f"{k}: {RECIPE_FIELDS[k]}" for k in misplaced)
+                + f". stnb.run(build, ...) takes {', '.join(LAUNCH_FIELDS)}")
+        unknown = sorted(k for k in options if k not in LAUNCH_FIELDS)
+        if unknown:
+            import difflib
+
+            hints = [f"{u!r} -> {m[0]!r}" for u in unknown
+                     for m in [difflib.get_close_matches(u, LAUNCH_FIELDS, n=1)] if m]
+            raise ConfigError(f"unknown option(s) {unknown} for stnb.run(build, ...)"
+                              + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                              + f"; it takes {', '.join(LAUNCH_FIELDS)}")
+        return cls(**options)
+
+    @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
@@ -193,7 +242,7 @@ class TrainConfig:
         if self.dev_size == 0 and self.evaluate:
             raise ConfigError("evaluate=True needs dev pairs; set dev_size > 0 or evaluate=False")
         if check_resources:
-            self._check_hardware()
+            self.check_hardware()
             from .models import resolve_model
             from .data import check_data
 
@@ -201,7 +250,8 @@ class TrainConfig:
             check_data(self.data, self.loss, self.columns)
         return self
 
-    def _check_hardware(self) -> None:
+    def check_hardware(self) -> None:
+        """This machine can run the strategy with this many processes (ConfigError / StrategyUnavailable)."""
         from .hardware import gpu_count, gpu_problems, max_processes, strategy_availability
 
         device = self.resolved_device()

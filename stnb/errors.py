@@ -50,3 +50,9 @@ class LaunchError(StnbError):
         if rank_traceback:
             full += "\n\n" + rank_traceback.rstrip()
         super().__init__(full)
+
+
+class BuildError(StnbError):
+    """A user's build function (``stnb.run(build, ...)``) raised, or returned something that is not a
+    SentenceTransformerTrainer stnb can train. Raised inside the ranks; ``stnb.run`` reports it as a
+    LaunchError carrying this message."""

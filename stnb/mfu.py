@@ -195,7 +195,7 @@ class FlopMeter:
 
 
 def summarize(rank_results: list, warm: int, n_steps: int, span: float, samples: int, devices: int) -> dict | None:
-    """MFU over the measured steps, from every rank's ``train_flops`` and ``peak`` (runner.merge).
+    """MFU over the measured steps, from every rank's ``train_flops`` and ``peak`` (results.merge).
 
     ``devices``: GPUs each rank drives (DataParallel: all of them; otherwise 1). ``mfu`` is None on
     CPU (no peak) and where a rank measured nothing."""

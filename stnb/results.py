@@ -46,6 +46,8 @@ class RunResult:
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
     saved_to: str | None = None
+    build: str | None = None           # the user's build function (stnb.run(build, ...)); None: stnb's recipe
+    overridden_args: dict = field(default_factory=dict)  # {argument: {"from", "to", "why"}} a strategy owns
     config: dict = field(default_factory=dict)
     run_id: str = ""
     timestamp: float = field(default_factory=time.time)
@@ -89,6 +91,131 @@ class RunResult:
                    total_param_count=0, verified=False, verification={}, model=config.model,
                    device=config.resolved_device(), versions=versions(), status="not runnable here",
                    reason=reason, config=config.to_dict())
+
+
+# ---- merging the ranks' measurements -----------------------------------------------------
+
+def merge(config, rank_results: list, device: str, n_gpu: int = 0,
+          wall_time_s: float | None = None, launcher: str = "stnb") -> RunResult:
+    """Combine every rank's measurements (``stnb.training.train_rank``'s dicts) into one RunResult.
+
+    config: the run's TrainConfig."""
+    import uuid
+
+    from .hardware import versions
+
+    r0 = rank_results[0]
+    training = r0.get("training") or {}  # a user's trainer: what it trains with (not the recipe's fields)
+    n_steps = min(len(r["step_times"]) for r in rank_results)
+    step_times = [max(r["step_times"][i] for r in rank_results) for i in range(n_steps)]
+    warm = min(config.warmup_steps_excluded, max(0, n_steps - 1))
+    gbs = r0["global_batch_size"]
+    # the slowest rank's own time for the measured steps (the sum of per-step maxima would also add
+    # the ranks' timing jitter, which is not time the job spent)
+    span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
+    sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
+    from .mfu import summarize as mfu_summary
+
+    mfu = mfu_summary(rank_results, warm, n_steps, span, gbs * (n_steps - warm),
+                      devices=max(1, n_gpu) if config.strategy == "dp" else 1)
+    verification, problems = cross_rank_checks(config, rank_results)
+    ok = not problems
+    spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
+    return RunResult(
+        strategy=config.strategy,
+        world_size=len(rank_results) if config.strategy in ("ddp", "fsdp") else 1,
+        per_device_batch_size=training.get("per_device_batch_size", config.per_device_batch_size),
+        global_batch_size=gbs,
+        steps=n_steps,
+        samples_per_second=sps,
+        step_times=step_times,
+        losses=r0["losses"],
+        peak_memory_bytes=[r["peak_memory_bytes"] for r in rank_results],
+        peak_memory_run_bytes=[r.get("peak_memory_run_bytes") for r in rank_results],
+        local_param_count=[r["verification"].get("local_param_count") for r in rank_results],
+        total_param_count=r0["verification"].get("total_param_count") or 0,
+        verified=ok,
+        verification=verification,
+        reason="" if ok else "not verified: " + "; ".join(problems),
+        model=training.get("model", config.model),
+        device=r0["device"],
+        versions=versions(),
+        memory_breakdown=[r["memory_breakdown"] for r in rank_results],
+        spearman_before=r0.get("dev_metric_before") if spearman else None,
+        spearman_after=r0.get("dev_metric_after") if spearman else None,
+        dev_metric=r0.get("dev_metric"),
+        dev_metric_before=r0.get("dev_metric_before"),
+        dev_metric_after=r0.get("dev_metric_after"),
+        time_to_first_step_s=max((r["time_to_first_step_s"] for r in rank_results
+                                  if r["time_to_first_step_s"] is not None), default=None),
+        wall_time_s=wall_time_s,
+        launcher=launcher,
+        mfu=mfu,
+        saved_to=(r0.get("saved_model") or {}).get("saved_to"),
+        build=r0.get("build"),
+        overridden_args=r0.get("overridden_args") or {},
+        config=config.to_dict() if r0.get("build") is None else _own_config(config, r0["build"], training),
+        run_id=uuid.uuid4().hex[:12],
+    )
+
+
+def _own_config(config, build: str, training: dict) -> dict:
+    """A user's run's config: the launch fields it was given, and what its trainer trains with."""
+    from .config import LAUNCH_FIELDS
+
+    return {**{k: v for k, v in config.to_dict().items() if k in LAUNCH_FIELDS}, **training, "build": build}
+
+
+def cross_rank_checks(config, rank_results: list) -> tuple:
+    """(verification dict, problems): every rank's own verification, plus what needs all ranks:
+    the number of ranks against the requested world size, per-tensor identical weights (ddp),
+    shards adding up to the model (fsdp), and the saved model's check (rank 0)."""
+    from .checks import compare_digests
+
+    requested = config.world_size()
+    ranks = [r["verification"] for r in rank_results]
+    verification = {"ranks": ranks, "world_size_requested": requested,
+                    "world_size_seen": sorted({v.get("world_size_seen") for v in ranks}, key=str),
+                    "model_shape": rank_results[0].get("model_shape"),
+                    "peak_memory_method": rank_results[0].get("peak_memory_method")}
+    never = "no training step began, so the prepared model was never verified"
+    problems = [f"rank {i}: " + "; ".join(v.get("problems") or [never]) for i, v in enumerate(ranks) if not v.get("ok")]
+    if config.strategy in ("ddp", "fsdp") and len(rank_results) != requested:
+        problems.append(f"{requested} ranks were requested, {len(rank_results)} returned a result")
+    if config.strategy == "ddp" and len(rank_results) > 1:
+        same = compare_digests([r["weight_digests"] for r in rank_results])
+        verification["weights_identical_across_ranks"] = same["identical"]
+        verification["weights_checksums"] = same["model_digests"]  # sha256 over every tensor, per rank
+        verification["weights_differing"] = same["differing"][:10]
+        verification["weights_tensors_compared"] = same["tensors"]
+        if not same["identical"]:
+            problems.append(f"weights differ across ranks in {len(same['differing'])} of {same['tensors']} "
+                            f"tensor(s), first {same['first_differing']!r} (ranks {same['differing'][0]['ranks']})")
+    if config.strategy == "fsdp":
+        held = sum(v.get("local_param_count") or 0 for v in ranks)
+        total = ranks[0].get("total_param_count")
+        verification["shards_add_up"] = held == total
+        if held != total:
+            problems.append(f"the ranks' local shards hold {held} parameter values, the model has {total}")
+    saved = rank_results[0].get("saved_model")
+    if saved is not None:
+        verification["saved_model"] = saved
+        problems += [f"save_to: {p}" for p in saved.get("problems") or []]
+    # the data reached the loss whole: every text column as an input, the score as the label
+    from .columns import LABEL_COLUMNS
+
+    cols = rank_results[0].get("data_columns")
+    if cols is not None:  # train_rank always reports them; hand-built results may not
+        expected = {"texts": len([c for c in cols if c not in LABEL_COLUMNS]),
+                    "label": any(c in LABEL_COLUMNS for c in cols)}
+        seen = [r.get("loss_inputs") for r in rank_results]
+        verification["data_columns"] = cols
+        verification["loss_inputs"] = seen
+        verification["loss_received_all_columns"] = all(x == expected for x in seen)
+        if not verification["loss_received_all_columns"]:
+            problems.append(f"the loss received {seen[0]} but the data has columns {cols} (expected {expected})")
+    verification["problems"] = problems
+    return verification, problems
 
 
 def _jsonable(o):

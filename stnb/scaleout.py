@@ -7,7 +7,7 @@ one machine, the same training is started by an outside launcher instead, and st
   ``torchrun --nproc_per_node=N`` or ``accelerate launch --multi_gpu --num_processes N``
   finds WORLD_SIZE / RANK / LOCAL_RANK in its environment (and not STNB_LAUNCH=1, which
   ``stnb.launch`` sets in its own ranks), so it does not launch again: :func:`run_here`
-  runs ``runner.train_rank`` in this process, gathers every rank's measurements to rank 0
+  runs ``training.train_rank`` in this process, gathers every rank's measurements to rank 0
   (``dist.all_gather_object``) and merges them into the same RunResult a notebook run
   gives, with ``launcher='torchrun'`` or ``'accelerate'``.
   (``accelerate launch --cpu --num_processes N`` starts only ONE process unless given an MPI
@@ -103,7 +103,7 @@ def _world(env) -> tuple[int, int, int]:
     return world, rank, local_world
 
 
-def _check_here(config, world: int, local_world: int, launcher: str) -> None:
+def _check_here(config, world: int, local_world: int, launcher: str, recipe: bool = True) -> None:
     """Validation for ranks started from outside: the world comes from the launcher, and the
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
     from .hardware import cpu_cores, gpu_count
@@ -138,6 +138,8 @@ def _check_here(config, world: int, local_world: int, launcher: str) -> None:
             raise ConfigError(
                 f"{launcher} started {local_world} processes on this node but it has {cores} CPU core(s) and "
                 f"each gloo rank needs one; use --nproc_per_node <= {cores}")
+    if not recipe:  # a user's build function: its model and data are its own
+        return
     from .data import check_data
     from .models import resolve_model
 
@@ -166,11 +168,11 @@ def _process_start_time() -> float:
         return time.time()
 
 
-def run_here(config, *, results_file=None):
-    """Train ``config`` as one rank of an outside launch (torchrun, accelerate launch).
+def run_here(config, *, results_file=None, build=None):
+    """Train ``config`` (or the trainer ``build()`` returns) as one rank of torchrun / accelerate launch.
 
     Every rank calls this (``stnb.run`` does, when :func:`inside_external_launch` is true).
-    Each rank runs ``runner.train_rank``; the ranks gather their measurements to rank 0,
+    Each rank runs ``training.train_rank``; the ranks gather their measurements to rank 0,
     which merges them (``launcher='torchrun'`` / ``'accelerate'``) and, with ``results_file``,
     appends the RunResult there. Every rank returns the same RunResult; print it on rank 0
     only (:func:`is_main_process`). The process group is destroyed before returning, unless
@@ -179,8 +181,8 @@ def run_here(config, *, results_file=None):
     import torch.distributed as dist
 
     from .hardware import gpu_count
-    from .results import RunResult, append_result, check_writable
-    from .runner import merge, train_rank
+    from .results import RunResult, append_result, check_writable, merge
+    from .training import train_rank
 
     env = os.environ
     world, rank, local_world = _world(env)
@@ -193,7 +195,7 @@ def run_here(config, *, results_file=None):
     if config.strategy in ("ddp", "fsdp"):
         config = config.replace(num_processes=world)
     config = config.replace(threads_per_rank=_threads(config, env))
-    _check_here(config, world, local_world, launcher)
+    _check_here(config, world, local_world, launcher, recipe=build is None)
     if results_file is not None and rank == 0:
         check_writable(results_file)
     if config.save_to and rank == 0:
@@ -214,10 +216,10 @@ def run_here(config, *, results_file=None):
 
     from .models import resolve_model
 
-    model_path = resolve_model(config.model)
+    model_path = resolve_model(config.model) if build is None else None
     had_group = dist.is_available() and dist.is_initialized()
     try:
-        mine = train_rank(config.to_dict(), model_path, launch_time)
+        mine = train_rank(config, model_path, launch_time, build=build)
         grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if grouped:
             gathered = [None] * dist.get_world_size()

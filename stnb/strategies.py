@@ -212,25 +212,24 @@ def freeze_unused_pooler(model) -> list:
     return frozen
 
 
-def ddp_kwargs(cfg) -> dict:
-    """accelerate DistributedDataParallelKwargs from the config's DDP knobs."""
+def ddp_kwargs(config) -> dict:
+    """accelerate DistributedDataParallelKwargs from a TrainConfig's DDP knobs."""
     from accelerate.utils import DDPCommunicationHookType
 
-    extra = cfg.get("extra") or {}
     kw = {
-        "find_unused_parameters": bool(extra.get("find_unused_parameters", False)),
+        "find_unused_parameters": bool(config.extra.get("find_unused_parameters", False)),
         # broadcast_buffers=False skips DDP's broadcast of module buffers from rank 0 at every
         # forward (a collective, and a point where the ranks wait for each other, per micro-batch).
         # BERT's buffers (position_ids, token_type_ids) never change, so skipping it changes nothing else.
-        "broadcast_buffers": bool(cfg.get("broadcast_buffers", True)),
-        "gradient_as_bucket_view": bool(cfg.get("gradient_as_bucket_view")),
-        "static_graph": bool(cfg.get("static_graph")),
+        "broadcast_buffers": bool(config.broadcast_buffers),
+        "gradient_as_bucket_view": bool(config.gradient_as_bucket_view),
+        "static_graph": bool(config.static_graph),
         # 'embedding_rows' is stnb's own hook (stnb.rowsync), registered on the prepared model by the runner
         "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,
                       "bf16": DDPCommunicationHookType.BF16,
-                      "embedding_rows": DDPCommunicationHookType.NO}[cfg.get("comm_hook", "none")],
+                      "embedding_rows": DDPCommunicationHookType.NO}[config.comm_hook],
     }
-    if cfg.get("bucket_cap_mb"):
-        kw["bucket_cap_mb"] = int(cfg["bucket_cap_mb"]) if float(cfg["bucket_cap_mb"]).is_integer() \
-            else cfg["bucket_cap_mb"]
+    if config.bucket_cap_mb:
+        cap = config.bucket_cap_mb
+        kw["bucket_cap_mb"] = int(cap) if float(cap).is_integer() else cap
     return kw

@@ -42,7 +42,7 @@ class Mutation:
     pending: str = ""
 
 
-NOOP_HOOK = '''                if cfg["strategy"] == "ddp" and state["process_group_size"] > 1:  # MUTATION: DDP never all-reduces
+NOOP_HOOK = '''                if config.strategy == "ddp" and state["process_group_size"] > 1:  # MUTATION: DDP never all-reduces
                     import torch
 
                     def _noop(_state, bucket):
@@ -54,37 +54,37 @@ NOOP_HOOK = '''                if cfg["strategy"] == "ddp" and state["process_gr
                 state["t_first_begin"] = time.perf_counter()
 '''
 
-AFTER_TRAIN = "    trainer.train()\n"
+AFTER_TRAIN = "        trainer.train()\n"
 
 MUTATIONS = [
     Mutation(
         "ddp-no-allreduce",
         "a no-op DDP comm hook: each rank trains on its own half batch",
-        (("stnb/runner.py", '                state["t_first_begin"] = time.perf_counter()\n', NOOP_HOOK),),
+        (("stnb/training.py", '                state["t_first_begin"] = time.perf_counter()\n', NOOP_HOOK),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(
         "save-untrained",
         "the untrained model is saved instead of the trained one",
-        (("stnb/runner.py", 'saved = save_checked(final_model, cfg["save_to"], device,',
-          'saved = save_checked(load_model(model_path, device=device, '
-          'max_seq_length=cfg["max_seq_length"]), cfg["save_to"], device,'),),
+        (("stnb/training.py", 'saved = save_checked(final_model, config.save_to, device,',
+          'saved = save_checked(load_model(initial_path, device=device, max_seq_length=max_len), '
+          'config.save_to, device,'),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(
         "rank1-swaps-embedding-rows",
         "after training, rank 1 swaps two rows of the word embeddings",
-        (("stnb/runner.py", AFTER_TRAIN, AFTER_TRAIN +
-          "    if rank == 1:  # MUTATION\n"
-          "        with torch.no_grad():\n"
-          "            _w = trainer.model[0].auto_model.embeddings.word_embeddings.weight\n"
-          "            _w[[100, 101]] = _w[[101, 100]].clone()\n"),),
+        (("stnb/training.py", AFTER_TRAIN, AFTER_TRAIN +
+          "        if rank == 1:  # MUTATION\n"
+          "            with torch.no_grad():\n"
+          "                _w = trainer.model[0].auto_model.embeddings.word_embeddings.weight\n"
+          "                _w[[100, 101]] = _w[[101, 100]].clone()\n"),),
         ("tests/test_run.py::test_ddp_two_ranks_verified",)),
     Mutation(
         "rank1-adds-3e-4",
         "after training, rank 1 adds 3e-4 to one weight",
-        (("stnb/runner.py", AFTER_TRAIN, AFTER_TRAIN +
-          "    if rank == 1:  # MUTATION\n"
-          "        with torch.no_grad():\n"
-          "            next(trainer.model.parameters()).view(-1)[0] += 3e-4\n"),),
+        (("stnb/training.py", AFTER_TRAIN, AFTER_TRAIN +
+          "        if rank == 1:  # MUTATION\n"
+          "            with torch.no_grad():\n"
+          "                next(trainer.model.parameters()).view(-1)[0] += 3e-4\n"),),
         ("tests/test_run.py::test_ddp_two_ranks_verified",)),
     Mutation(
         "results-thread-lock",
@@ -136,7 +136,8 @@ MUTATIONS = [
     Mutation(
         "ranks-see-the-same-data",
         "every DDP rank draws its batches from a different shuffle of the data",
-        (("stnb/runner.py", '        data_seed=cfg["seed"],\n', '        data_seed=cfg["seed"] + rank,\n'),),
+        (("stnb/recipe.py", "        data_seed=config.seed,\n",
+          '        data_seed=config.seed + int(__import__("os").environ.get("RANK", "0")),\n'),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
 ]
 

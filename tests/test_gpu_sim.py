@@ -339,15 +339,15 @@ def test_colab_kernel_never_runs_a_rank(tmp_path):
 # ---- dp with mixed precision: the Trainer's DataParallel path ----------------------------------------
 
 def _dp_trainer_dtypes(output_dir: str) -> dict:
-    """In a rank: the real stnb trainer with bf16, transformers told it sees 2 GPUs."""
-    from sentence_transformers import SentenceTransformerTrainingArguments
+    """In a rank: a sentence-transformers trainer with bf16, transformers told it sees 2 GPUs, prepared
+    for 'dp' the way stnb's training does (stnb.prepare.apply_dp_precision)."""
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer import losses
 
+    from stnb import prepare
     from stnb.data import load_pairs
     from stnb.models import load_model, resolve_model
-    from stnb.runner import trainer_class
 
-    cfg = stnb.TrainConfig(strategy="dp", model="tiny", mixed_precision="bf16").to_dict()
     model = load_model(resolve_model("tiny"), device="cpu", max_seq_length=32)
     seen = []
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -358,11 +358,12 @@ def _dp_trainer_dtypes(output_dir: str) -> dict:
         report_to="none", save_strategy="no", disable_tqdm=True)
     n_gpu_here = args.n_gpu
     args._n_gpu = 2
-    trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train,
-                                 loss=losses.CosineSimilarityLoss(model))
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
+                                         loss=losses.CosineSimilarityLoss(model))
+    applied = prepare.apply_dp_precision(trainer)
     trainer.train()
     return {"n_gpu_here": n_gpu_here, "data_parallel": isinstance(trainer.model_wrapped, torch.nn.DataParallel),
-            "dtypes": sorted(set(seen)), "calls": len(seen)}
+            "dtypes": sorted(set(seen)), "calls": len(seen), "applied": applied}
 
 
 def test_dp_trains_under_the_requested_precision(tmp_path):
@@ -374,7 +375,7 @@ def test_dp_trains_under_the_requested_precision(tmp_path):
     [out] = stnb.launch(_dp_trainer_dtypes, str(tmp_path), num_processes=1, device="cpu", distributed=False,
                         echo=False)
     assert out["n_gpu_here"] == 0 and out["data_parallel"]
-    assert out["calls"] > 0 and out["dtypes"] == ["torch.bfloat16"]
+    assert out["calls"] > 0 and out["dtypes"] == ["torch.bfloat16"] and out["applied"] == "bf16"
 
 
 def test_dp_replicas_autocast_in_their_own_threads(monkeypatch):

@@ -345,7 +345,7 @@ def _rank_result(step_times, rank):
 def test_merge_times_the_slowest_rank_not_the_sum_of_per_step_maxima():
     """Ranks finish a step at slightly different moments; the job's time is the slowest rank's own
     time, not the sum over steps of whichever rank was slower at each step (that adds their jitter)."""
-    from stnb.runner import merge
+    from stnb.results import merge
 
     cfg = stnb.TrainConfig(strategy="ddp", num_processes=2, steps=5, warmup_steps_excluded=1)
     r0 = _rank_result([9.0, 1.0, 2.0, 1.0, 2.0], 0)   # 6 s measured

@@ -97,16 +97,16 @@ def _check_run_result(d: dict, launcher: str, world: int) -> RunResult:
 # rank function for the two-node stnb.launch test (runs inside each node's rank)
 
 
-def two_node_rank(cfg: dict, model_path: str) -> dict:
+def two_node_rank(config: stnb.TrainConfig, model_path: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from stnb.runner import train_rank
+    from stnb.training import train_rank
 
     print(f"hello from global rank {dist.get_rank()}", flush=True)
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    trained = train_rank(cfg, model_path)
+    trained = train_rank(config, model_path)
     ctx = stnb.rank_context()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "allreduce": t.item(),
             "ctx_rank": ctx.rank, "ctx_world": ctx.world_size, "pid": os.getpid(),
@@ -119,7 +119,7 @@ import json, sys
 import stnb, test_scaleout
 from stnb.models import resolve_model
 node, port, cfg = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-res = stnb.launch(test_scaleout.two_node_rank, cfg, resolve_model(cfg["model"]), num_processes=1, num_nodes=2,
+res = stnb.launch(test_scaleout.two_node_rank, stnb.TrainConfig.from_dict(cfg), resolve_model(cfg["model"]), num_processes=1, num_nodes=2,
                   node_rank=node, master_addr="127.0.0.1", master_port=port, device="cpu",
                   threads_per_rank=1, timeout=120)
 print(json.dumps(res))

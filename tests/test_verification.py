@@ -16,7 +16,7 @@ import pytest
 import stnb
 from stnb import checks, saving, strategies
 from stnb.models import load_model, tiny_path
-from stnb.runner import merge
+from stnb.results import merge
 
 EMB = "0.model.embeddings.word_embeddings.weight"
 QUERY = "0.model.encoder.layer.0.attention.self.query.weight"
@@ -140,9 +140,9 @@ def test_launch_refuses_a_world_other_than_the_one_requested():
 
 def test_train_rank_compares_the_requested_world_with_its_process_group():
     """A DDP config for 2 ranks trained in a world of 1: verification names the mismatch."""
-    from stnb.runner import train_rank
+    from stnb.training import train_rank
 
-    cfg = _cfg(per_device_batch_size=4, train_size=32, dev_size=8, evaluate=False).to_dict()
+    cfg = _cfg(per_device_batch_size=4, train_size=32, dev_size=8, evaluate=False)
     with pytest.raises(stnb.LaunchError, match="world size 2 was requested, but the process group has 1"):
         stnb.launch(train_rank, cfg, tiny_path(), None, 2, num_processes=1, device="cpu", timeout=180, echo=False)
 

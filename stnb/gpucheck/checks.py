@@ -121,15 +121,16 @@ def check_train(check, machine) -> Outcome:
 def check_train_direct(check, machine) -> Outcome:
     """ddp / fsdp with ONE NCCL rank. TrainConfig.validate refuses both for users (a 1-rank fsdp
     "shards nothing"; stnb.hardware lists ddp/fsdp as needing 2 ranks), so this runs what stnb.run
-    would run after validation: stnb.launch(runner.train_rank, ...) on 1 GPU with a process group,
-    then runner.merge. It exercises NCCL init, the DDP / FSDP2 wrapping and the trainer on CUDA."""
+    would run after validation: stnb.launch(training.train_rank, ...) on 1 GPU with a process group,
+    then results.merge. It exercises NCCL init, the DDP / FSDP2 wrapping and the trainer on CUDA."""
     from ..launch import launch
     from ..models import resolve_model
-    from ..runner import merge, train_rank
+    from ..results import merge
+    from ..training import train_rank
 
     cfg = _config(check.params)
     t0 = time.time()
-    parts = launch(train_rank, cfg.to_dict(), resolve_model(cfg.model), t0, num_processes=1, device=cfg.device,
+    parts = launch(train_rank, cfg, resolve_model(cfg.model), t0, num_processes=1, device=cfg.device,
                    timeout=cfg.timeout, stall_timeout=cfg.stall_timeout, echo=False, distributed=True)
     from ..hardware import gpu_count
 

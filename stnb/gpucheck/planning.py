@@ -91,7 +91,7 @@ def plan(machine: Machine) -> list:
     if dist_mp != "bf16":
         checks.append(Check(f"single {dist_mp}", "train", dict(one, strategy="single", mixed_precision=dist_mp)))
     # one NCCL rank each: TrainConfig refuses these for users (nothing to shard / nothing to average),
-    # so they run through stnb.launch + runner.train_rank directly: the NCCL path itself
+    # so they run through stnb.launch + training.train_rank directly: the NCCL path itself
     for strategy in ("ddp", "fsdp"):
         checks.append(Check(f"{strategy} x1 nccl {dist_mp}", "train_direct",
                             dict(one, strategy=strategy, num_processes=1, mixed_precision=dist_mp)))

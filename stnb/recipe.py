@@ -1,0 +1,85 @@
+"""stnb's own recipe, inside a rank: a TrainConfig -> a SentenceTransformerTrainer.
+
+The model (preset, path or hub id), the data (synthetic, a file or a hub dataset, holding exactly
+the columns the loss reads), the loss ('cosine' or 'mnrl'), the dev evaluator and the training
+arguments. ``stnb.training.train_rank`` then applies the strategy to this trainer exactly as it
+does to a trainer a user's own build function returns.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from .config import TrainConfig
+
+
+def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: bool, distributed: bool):
+    """The trainer of stnb's recipe for ``config`` (the model already on ``device``)."""
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    from .data import load_pairs
+    from .models import load_model
+
+    model = load_model(model_path, device=device, max_seq_length=config.max_seq_length)
+    train, dev = load_pairs(config.data, config.train_size, config.dev_size, config.seed, config.loss,
+                            config.columns)  # train holds exactly the columns the loss reads
+    args = SentenceTransformerTrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="stnb-trainer-"),
+        per_device_train_batch_size=config.per_device_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        max_steps=config.steps,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=config.seed,
+        data_seed=config.seed,
+        dataloader_num_workers=0,
+        dataloader_drop_last=distributed,
+        dataloader_pin_memory=use_cuda,
+        use_cpu=not use_cuda,
+        bf16=config.mixed_precision == "bf16",
+        fp16=config.mixed_precision == "fp16",
+        # stnb freezes the unused pooler (strategies.freeze_unused_pooler), so DDP need not search the graph
+        ddp_find_unused_parameters=bool(config.extra.get("find_unused_parameters", False)),
+    )
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=make_loss(config, model),
+                                      evaluator=dev_evaluator(dev) if config.evaluate else None)
+
+
+def make_loss(config: TrainConfig, model):
+    from sentence_transformers.sentence_transformer import losses
+
+    if config.loss == "cosine":
+        return losses.CosineSimilarityLoss(model)
+    return losses.MultipleNegativesRankingLoss(model, gather_across_devices=config.gather_across_devices)
+
+
+def dev_evaluator(dev, name="dev"):
+    """The dev evaluator that fits the dev rows: scored pairs -> Spearman (EmbeddingSimilarityEvaluator),
+    (anchor, positive, negative...) -> TripletEvaluator accuracy (one triplet per negative),
+    unscored pairs -> InformationRetrievalEvaluator NDCG@10 (each anchor's own positive among all)."""
+    from .columns import text_columns
+    from .data import has_scores
+
+    if dev is None or len(dev) == 0:
+        return None
+    from sentence_transformers.sentence_transformer import evaluation
+
+    texts = text_columns(dev)
+    col = {c: list(dev[c]) for c in dev.column_names}
+    if has_scores(dev):
+        return evaluation.EmbeddingSimilarityEvaluator(col[texts[0]], col[texts[1]], col["score"], name=name,
+                                                       show_progress_bar=False)
+    if len(texts) > 2:
+        anchors, positives = col[texts[0]], col[texts[1]]
+        negatives = [col[c] for c in texts[2:]]
+        return evaluation.TripletEvaluator(anchors * len(negatives), positives * len(negatives),
+                                           [n for col in negatives for n in col], name=name,
+                                           show_progress_bar=False, write_csv=False)
+    queries = {f"q{i}": q for i, q in enumerate(col[texts[0]])}
+    corpus = {f"d{i}": d for i, d in enumerate(col[texts[1]])}
+    return evaluation.InformationRetrievalEvaluator(queries, corpus, {f"q{i}": {f"d{i}"} for i in range(len(dev))},
+                                                    name=name, show_progress_bar=False, write_csv=False)

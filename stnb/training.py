@@ -1,0 +1,303 @@
+"""Inside a rank: build the trainer, apply the strategy, verify, train, measure (``train_rank``).
+
+Every rank of a run executes ``train_rank``: started by ``stnb.run`` through ``stnb.launch``
+(notebook side, ``stnb.runner``), or by torchrun / accelerate launch (``stnb.scaleout.run_here``).
+The trainer comes from stnb's recipe (``stnb.recipe``, from the TrainConfig) or from the user's
+build function; ``stnb.prepare`` applies the strategy to it the same way in both cases. The
+configuration arrives as a ``TrainConfig``; the rank returns plain data, which
+``stnb.results.merge`` combines into one RunResult.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from .config import TrainConfig
+from .launch import rank_context, report_progress
+
+
+def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: float | None = None,
+               world_size: int | None = None, build=None) -> dict:
+    """Runs in every rank: build, prepare, verify, train, measure. Returns plain data.
+
+    model_path: the model of stnb's recipe (``models.resolve_model(config.model)``); None with ``build``.
+    world_size: the world size the caller requested (default: the config's); verification
+        compares it with the process group this rank is in.
+    build: a user's function returning a SentenceTransformerTrainer (``stnb.run(build, ...)``);
+        None trains stnb's recipe for ``config``.
+    """
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from . import checks, memory, prepare, strategies
+    from .mfu import FlopMeter, device_peak
+
+    transformers.logging.disable_progress_bar()  # the parent shows per-rank progress instead
+    ctx = rank_context()
+    launch_time = launch_time or (ctx.launch_time if ctx else time.time())
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # started by another launcher (torchrun, accelerate launch, raw notebook_launcher):
+        # accelerate initialises the process group from its environment (gloo on CPU, NCCL on GPU)
+        from accelerate import PartialState
+
+        PartialState(cpu=config.device == "cpu")
+    use_cuda = torch.cuda.is_available() and config.device != "cpu"
+    if config.threads_per_rank and not use_cuda:
+        torch.set_num_threads(config.threads_per_rank)
+    allocator = {"applied": False, "reason": "GPU run" if use_cuda else "off (reuse_freed_memory=False)"}
+    if not use_cuda and config.reuse_freed_memory:
+        from .cpualloc import reuse_freed_memory
+
+        allocator = reuse_freed_memory()  # this process only: a rank, never the notebook kernel
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
+    n_gpu = torch.cuda.device_count() if use_cuda else 0
+    peak_memory = memory.PeakMemory(use_cuda)
+    requested = world_size if world_size is not None else config.world_size()
+
+    torch.manual_seed(config.seed)
+    if build is None:
+        from .recipe import build_trainer
+
+        trainer = build_trainer(config, model_path, device, use_cuda, distributed)
+    else:
+        trainer = prepare.call_build(build)
+    prepare.refusals(trainer, config, use_cuda)
+    model, evaluator = trainer.model, trainer.evaluator
+    overridden, removed = prepare.own_display(trainer)
+    kept = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+
+    state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
+             "memory_breakdown": None, "world_size_requested": requested, "process_group_size": world,
+             "n_gpu": n_gpu, "first_step_wall": None}
+    metric, dev_before = _dev_metric(evaluator, model) if evaluator is not None and rank == 0 else (None, None)
+    initial_path, scratch = model_path, None
+    if build is not None and rank == 0 and (config.strategy == "fsdp" or config.save_to):
+        # the untrained model, to rebuild an unsharded copy (fsdp) and to check the saved one against
+        scratch = initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
+        model.save(scratch)
+    if distributed:
+        dist.barrier()
+
+    prep = {}
+    frozen = strategies.freeze_unused_pooler(model) if build is None else []
+    model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
+    state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
+    _record_loss_inputs(trainer.loss, state)
+    if config.strategy == "fsdp":
+        prep["initial_weights"] = prepare.same_start(model)
+        prep.update(prepare.shard(trainer, config, "cuda" if use_cuda else "cpu", world))
+    if config.strategy == "dp":
+        prepare.apply_dp_precision(trainer)
+    if config.strategy == "ddp":
+        _, ddp_overridden = prepare.apply_ddp(trainer, config)
+        overridden.update(ddp_overridden)
+    state["prepare_info"] = prep
+    state["callbacks"] = {"kept": kept, "removed": removed, "added": "StnbCallback"}
+    trainer_ref = {"trainer": trainer}
+    trainer.add_callback(_make_callback(trainer_ref, config, state))
+    model_shape["optimizer"] = memory.optimizer_kind(trainer.args.optim)
+    precision = prepare.mixed_precision(trainer.args)
+    try:
+        # the peak of the training steps alone: rank 0's evaluation, FSDP's gathered full copy and
+        # the save/reload come after training and are in the whole-run peak only
+        peak_memory.start_phase()
+        trainer.train()
+        train_peak = peak_memory.phase_peak()
+        if state["verification"] is not None:
+            state["verification"]["frozen_unused"] = frozen
+            state["verification"]["reuse_freed_memory"] = allocator
+            if state.get("rowsync") is not None:
+                state["verification"]["embedding_rows"] = state["rowsync"].stats()
+
+        digests = checks.tensor_digests(trainer.model)
+        saved = dev_after = None
+        max_len = trainer.model.max_seq_length
+        final_model = _full_model_on_rank0(config, trainer.model, initial_path, device, rank, max_len)
+        if rank == 0:
+            if evaluator is not None:
+                metric, dev_after = _dev_metric(evaluator, final_model)
+            if config.save_to:
+                from .models import load_model
+                from .saving import save_checked
+
+                initial = checks.state_of(load_model(initial_path, device="cpu", max_seq_length=max_len))
+                saved = save_checked(final_model, config.save_to, device, checks.state_of(final_model), initial)
+        if distributed:
+            dist.barrier()
+    finally:
+        if build is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    run_peak = peak_memory.peak()
+    args = trainer.args
+    per_device_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    gbs = per_device_step * (world if distributed else max(1, n_gpu if config.strategy == "dp" else 1))
+    train_columns = getattr(trainer.train_dataset, "column_names", None)
+    return {
+        "rank": rank,
+        "device": device.split(":")[0],
+        "global_batch_size": gbs,
+        "step_times": state["step_times"],
+        "losses": state["losses"],
+        "verification": state["verification"] or {},
+        "memory_breakdown": state["memory_breakdown"] or {},
+        "model_shape": model_shape,
+        "peak_memory_bytes": int(train_peak),
+        "peak_memory_run_bytes": int(run_peak),
+        "peak_memory_method": peak_memory.method,
+        "weight_digests": digests,
+        "dev_metric": metric,
+        "dev_metric_before": dev_before,
+        "dev_metric_after": dev_after,
+        "data_columns": train_columns if isinstance(train_columns, list) else None,
+        "loss_inputs": state.get("loss_inputs"),
+        "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
+        "saved_model": saved,
+        "train_flops": state["flops"].per_step,
+        "train_tokens": state["flops"].tokens,
+        "flops_shape": state["flops"].shape,
+        "peak": device_peak(device, precision),
+        "overridden_args": overridden,
+        "build": None if build is None else prepare.describe(build),
+        "training": _training_facts(trainer, precision) if build is not None else None,
+    }
+
+
+def _training_facts(trainer, precision: str) -> dict:
+    """What a user's trainer trains with, for the result's config (its TrainConfig fields do not apply)."""
+    from .prepare import describe
+
+    args, model = trainer.args, trainer.model
+    loss = trainer.loss
+    name = (getattr(model.model_card_data, "base_model", None)
+            or getattr(getattr(model[0], "auto_model", None), "name_or_path", None) or type(model).__name__)
+    return {"model": str(name),
+            "loss": ", ".join(sorted({type(v).__name__ for v in loss.values()})) if isinstance(loss, dict)
+            else type(loss).__name__,
+            "per_device_batch_size": args.per_device_train_batch_size, "steps": args.max_steps,
+            "learning_rate": args.learning_rate, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "seed": args.seed, "mixed_precision": precision, "max_seq_length": model.max_seq_length,
+            "evaluator": describe(type(trainer.evaluator)) if trainer.evaluator is not None else None,
+            "train_size": len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else None}
+
+
+def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
+    import torch
+    from transformers import TrainerCallback
+
+    from . import memory, prepare, strategies
+
+    class StnbCallback(TrainerCallback):
+        """Times every step, keeps losses, verifies the prepared model and the loss's model, measures memory."""
+
+        def on_step_begin(self, args, st, control, **kw):
+            state["flops"].start_step()  # evaluation forwards before this step do not count
+            if state["t_first_begin"] is None:
+                tr = trainer_ref["trainer"]
+                if (config.comm_hook == "embedding_rows" and config.strategy == "ddp"
+                        and state["process_group_size"] > 1):
+                    from . import rowsync  # before the first backward, as DDP requires
+
+                    state["rowsync"] = rowsync.register(tr.model_wrapped)
+                state["t_first_begin"] = time.perf_counter()
+                state["verification"] = strategies.verify(
+                    config.strategy, tr.model_wrapped, tr.model, state["world_size_requested"], state["n_gpu"])
+                state["verification"].update(state.get("prepare_info", {}))
+                state["verification"]["callbacks"] = state["callbacks"]
+                # the loss must call the module that trains (sentence-transformers #3023)
+                rebound = prepare.rebind_loss_model(tr)
+                calls = state["loss_model_calls"] = [0]
+                state["loss_model_hook"] = tr.model_wrapped.register_forward_pre_hook(
+                    lambda *_: calls.__setitem__(0, calls[0] + 1))
+                state["verification"]["loss_model"] = {"trains": type(tr.model_wrapped).__name__,
+                                                       "rebound": rebound}
+                if isinstance(tr.model_wrapped, torch.nn.parallel.DistributedDataParallel):
+                    w = tr.model_wrapped  # DDP's settings as the wrapper holds them (observed)
+                    state["verification"]["ddp_settings"] = {
+                        "bucket_cap_mb": w.bucket_bytes_cap / 2**20, "find_unused_parameters": w.find_unused_parameters,
+                        "broadcast_buffers": getattr(w, "forward_sync_buffers", None), "static_graph": w.static_graph,
+                        "gradient_as_bucket_view": w.gradient_as_bucket_view}
+
+        def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
+            if state["memory_breakdown"] is None:
+                state["memory_breakdown"] = memory.measure(trainer_ref["trainer"].model, optimizer)
+
+        def on_step_end(self, args, st, control, **kw):
+            now = time.perf_counter()
+            state["flops"].end_step()
+            prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
+            state["step_times"].append(now - prev)
+            if state["t_last_end"] is None:
+                state["first_step_wall"] = time.time()
+                _check_loss_model(state)
+            state["t_last_end"] = now
+            report_progress(st.global_step, st.max_steps)  # the step's loss follows in on_log
+
+        def on_log(self, args, st, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                state["losses"].append(float(logs["loss"]))
+                report_progress(st.global_step, st.max_steps, float(logs["loss"]))
+
+    return StnbCallback()
+
+
+def _check_loss_model(state: dict) -> None:
+    """After the first step: did the loss call the module that trains? (observed by a forward hook)"""
+    state.pop("loss_model_hook").remove()
+    v = state["verification"]
+    calls = state["loss_model_calls"][0]
+    v["loss_model"]["calls_in_first_step"] = calls
+    v["loss_model"]["ok"] = calls > 0
+    if not calls:
+        v["problems"].append(f"the loss never called the {v['loss_model']['trains']} that trains in the first step: "
+                             "it holds its own reference to the model; store the model as `self.model` in the loss")
+        v["ok"] = False
+
+
+def _dev_metric(evaluator, model) -> tuple:
+    """(primary metric name, value): the evaluator's own primary metric (some name it while evaluating)."""
+    scores = evaluator(model)
+    name = evaluator.primary_metric
+    return name, float(scores[name])
+
+
+def _record_loss_inputs(loss, state: dict) -> None:
+    """Note what the loss really receives at its first call: how many text inputs, and a label or not."""
+    def hook(module, args):
+        if state.get("loss_inputs") is None and args:
+            features = list(args[0])
+            labels = args[1] if len(args) > 1 else None
+            state["loss_inputs"] = {"texts": len(features), "label": labels is not None}
+
+    for one in (loss.values() if isinstance(loss, dict) else [loss]):
+        one.register_forward_pre_hook(hook)
+
+
+def _full_model_on_rank0(config, model, initial_path, device, rank, max_seq_length):
+    """An ordinary SentenceTransformer with the trained weights, on rank 0 (None elsewhere).
+
+    For FSDP this gathers a FULL_STATE_DICT (a collective: every rank takes part) and loads it
+    into a fresh, unsharded copy of the model (from ``initial_path``).
+    """
+    if config.strategy != "fsdp":
+        return model if rank == 0 else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from .models import load_model
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    plain = load_model(initial_path, device=device, max_seq_length=max_seq_length)
+    plain.load_state_dict(full, strict=True)  # raises if any key is missing or unexpected
+    return plain
