@@ -43,8 +43,6 @@ class Mutation:
 
 
 NOOP_HOOK = '''                if config.strategy == "ddp" and state["process_group_size"] > 1:  # MUTATION: DDP never all-reduces
-                    import torch
-
                     def _noop(_state, bucket):
                         fut = torch.futures.Future()
                         fut.set_result(bucket.buffer())
