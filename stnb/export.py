@@ -236,10 +236,10 @@ def export_script(config: TrainConfig | dict, path, *, results_file=None, nproc_
 
 
 def add_cli(subparsers) -> None:
-    from .__main__ import _add_run_args
+    from .cli_options import add_run_options
 
     p = subparsers.add_parser("export", help="write a standalone training script for torchrun / accelerate launch")
-    _add_run_args(p)
+    add_run_options(p)
     p.add_argument("--out", required=True, help="the script to write, e.g. train.py")
     p.add_argument("--nnodes", type=int, default=2, help="nodes in the printed multi-node commands (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -251,7 +251,7 @@ def add_cli(subparsers) -> None:
 
 
 def cmd_export(a) -> int:
-    from .__main__ import config_from_args
+    from .cli_options import config_from_args
 
     export_script(config_from_args(a), a.out, results_file=a.results, nproc_per_node=a.nproc_per_node,
                   num_nodes=a.nnodes, master_addr=a.master_addr, master_port=a.master_port,

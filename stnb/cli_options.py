@@ -1,0 +1,116 @@
+"""Command-line options for a TrainConfig, derived from its fields (``python -m stnb run`` / ``export``).
+
+Every TrainConfig field is an option named after it (``per_device_batch_size`` -> ``--per-device-batch-size``)
+with the field's own default and type, so the CLI can never drift from the dataclass. A boolean field
+that defaults to True is switched off with ``--no-<name>``. A few fields keep a short alias that
+earlier versions documented (``--nproc``, ``--batch-size``, ``--lr``, ``--accumulate``, ``--no-eval``).
+Only the help texts live here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from .config import TrainConfig
+
+# field -> extra option strings kept from earlier versions of the CLI
+ALIASES = {
+    "num_processes": ("--nproc",),
+    "per_device_batch_size": ("--batch-size",),
+    "learning_rate": ("--lr",),
+    "gradient_accumulation_steps": ("--accumulate",),
+}
+# boolean fields whose "off" switch has a name of its own
+OFF_SWITCHES = {"evaluate": "--no-eval"}
+# fields a command line cannot express
+SKIPPED = ("extra",)
+
+HELP = {
+    "strategy": "single, dp, ddp or fsdp",
+    "num_processes": "processes for ddp/fsdp (default: 2 on CPU, all GPUs). Under torchrun, whose own "
+                     "--nproc_per_node makes --nproc ambiguous, use --num-processes or leave it out",
+    "model": "minilm, tiny, mpnet-base-random, a hub id or a local path",
+    "data": "synthetic, a .csv/.jsonl/.parquet file or a hub dataset",
+    "columns": 'JSON mapping of data columns to the loss inputs, e.g. \'{"question": "anchor", "id": null}\'',
+    "loss": "cosine or mnrl",
+    "gather_across_devices": "mnrl: in-batch negatives from all ranks",
+    "per_device_batch_size": "per-device batch size",
+    "train_size": "training pairs (synthetic data: generated)",
+    "dev_size": "dev pairs for the evaluation",
+    "warmup_steps_excluded": "first steps left out of the throughput",
+    "evaluate": "skip the dev evaluation before and after training",
+    "save_to": "folder for the trained model (must not exist)",
+    "device": "auto, cpu or cuda",
+    "mixed_precision": "no, bf16 or fp16",
+    "reuse_freed_memory": "CPU: keep glibc's default allocator in the training processes",
+    "gradient_accumulation_steps": "micro-batches per optimizer step; one all-reduce per step (no_sync)",
+    "comm_hook": "none, fp16, bf16 (NCCL) or embedding_rows (exact)",
+    "broadcast_buffers": "skip DDP's buffer broadcast at every forward (safe when buffers never change)",
+    "reshard_after_forward": "FSDP: keep the gathered parameters between forward and backward",
+    "fsdp_layer_cls": "FSDP: the module class to shard separately (default: the model's transformer block)",
+    "timeout": "seconds for the whole run",
+    "stall_timeout": "seconds without progress before the run is stopped",
+}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: str):
+    """int / float / str / dict from a field's annotation string ('int | None' -> int)."""
+    for part in annotation.replace(" ", "").split("|"):
+        if part in ("int", "float", "str", "dict", "bool"):
+            return {"int": int, "float": float, "str": str, "dict": dict, "bool": bool}[part]
+    raise TypeError(f"TrainConfig field annotation {annotation!r} has no command-line type")
+
+
+def _json_dict(text: str):
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def config_fields() -> list:
+    """The TrainConfig fields the command line carries."""
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in SKIPPED]
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per TrainConfig field, with the field's default and type."""
+    defaults = TrainConfig()
+    for f in config_fields():
+        default = getattr(defaults, f.name)
+        kind = _base_type(str(f.type))
+        helptext = HELP.get(f.name, "")
+        if kind is bool:
+            if default:
+                parser.add_argument(OFF_SWITCHES.get(f.name, "--no-" + f.name.replace("_", "-")), dest=f.name,
+                                    action="store_false", help=helptext)
+            else:
+                parser.add_argument(_option(f.name), dest=f.name, action="store_true", help=helptext)
+            continue
+        names = (_option(f.name),) + ALIASES.get(f.name, ())
+        if f.name == "num_processes":  # --nproc stays the first spelling in --help
+            names = ("--nproc", _option(f.name))
+        shown = f" (default {default})" if default is not None else ""
+        parser.add_argument(*names, dest=f.name, type=_json_dict if kind is dict else kind, default=default,
+                            help=helptext + shown)
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The TrainConfig options plus where the result goes (``run`` and ``export``)."""
+    add_config_options(parser)
+    parser.add_argument("--results", default=None, help="append the RunResult to this JSONL file")
+    parser.add_argument("--json", action="store_true", help="print the RunResult as one JSON object on the last line")
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the parsed options describe."""
+    return TrainConfig(**{f.name: getattr(a, f.name) for f in config_fields()})
