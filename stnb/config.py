@@ -60,7 +60,7 @@ class TrainConfig:
     DDP knobs: bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (False: no buffer
         broadcast, a sync point, at every forward; safe when buffers never change, as in BERT-style models),
         gradient_accumulation_steps (all-reduce once per optimizer step, under no_sync) and comm_hook:
-        'none', 'fp16', 'bf16' (NCCL only) or 'embedding_rows' (stnb.rowsync: all-reduce only the
+        'none', 'fp16', 'bf16' (NCCL only) or 'embedding_rows' (stnb.embedding_rows_hook: all-reduce only the
         embedding rows some rank used; exact).
     """
 

@@ -114,8 +114,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         if state["verification"] is not None:
             state["verification"]["frozen_unused"] = frozen
             state["verification"]["reuse_freed_memory"] = allocator
-            if state.get("rowsync") is not None:
-                state["verification"]["embedding_rows"] = state["rowsync"].stats()
+            if state.get("embedding_rows") is not None:
+                state["verification"]["embedding_rows"] = state["embedding_rows"].stats()
 
         digests = checks.tensor_digests(trainer.model)
         saved = dev_after = None
@@ -206,9 +206,9 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                 tr = trainer_ref["trainer"]
                 if (config.comm_hook == "embedding_rows" and config.strategy == "ddp"
                         and state["process_group_size"] > 1):
-                    from . import rowsync  # before the first backward, as DDP requires
+                    from . import embedding_rows_hook  # before the first backward, as DDP requires
 
-                    state["rowsync"] = rowsync.register(tr.model_wrapped)
+                    state["embedding_rows"] = embedding_rows_hook.register(tr.model_wrapped)
                 state["t_first_begin"] = time.perf_counter()
                 state["verification"] = strategies.verify(
                     config.strategy, tr.model_wrapped, tr.model, state["world_size_requested"], state["n_gpu"])

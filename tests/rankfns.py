@@ -302,14 +302,14 @@ def torch_work(n: int = 20) -> float:
     return s
 
 
-def rowsync_exactness(bucket_cap_mb: float = 25.0, view: bool = False, accumulate: int = 1) -> dict:
+def embedding_rows_exactness(bucket_cap_mb: float = 25.0, view: bool = False, accumulate: int = 1) -> dict:
     """DDP on a toy model with a big embedding, once with DDP's default all-reduce and once with
-    stnb.rowsync's hook, from the same weights and the same per-rank token ids. The ranks touch
+    stnb.embedding_rows_hook's hook, from the same weights and the same per-rank token ids. The ranks touch
     overlapping and disjoint rows. Returns both final parameter sets (as lists) and the hook's stats."""
     import torch
     import torch.distributed as dist
 
-    from stnb import rowsync
+    from stnb import embedding_rows_hook
 
     torch.manual_seed(0)
     rank = dist.get_rank()
@@ -333,7 +333,7 @@ def rowsync_exactness(bucket_cap_mb: float = 25.0, view: bool = False, accumulat
         model.load_state_dict(start)
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                                         gradient_as_bucket_view=view)
-        state = rowsync.register(ddp) if mode == "rows" else None
+        state = embedding_rows_hook.register(ddp) if mode == "rows" else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(3):

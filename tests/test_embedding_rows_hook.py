@@ -1,4 +1,4 @@
-"""stnb.rowsync: the embedding-rows DDP hook gives exactly DDP's default all-reduce, with less traffic."""
+"""stnb.embedding_rows_hook: the embedding-rows DDP hook gives exactly DDP's default all-reduce, with less traffic."""
 
 import pytest
 
@@ -15,7 +15,7 @@ SMALL = dict(model="tiny", steps=4, train_size=128, dev_size=32, warmup_steps_ex
     (0.05, True, 2),      # gradients as bucket views, accumulation under no_sync
 ])
 def test_hook_equals_default_allreduce(bucket_cap_mb, view, accumulate):
-    out = stnb.launch(rankfns.rowsync_exactness, bucket_cap_mb, view, accumulate, num_processes=2, echo=False)
+    out = stnb.launch(rankfns.embedding_rows_exactness, bucket_cap_mb, view, accumulate, num_processes=2, echo=False)
     for r in out:
         assert r["rows"] == r["default"], "the hook changed the result of the all-reduce"
     assert out[0]["rows"] == out[1]["rows"]  # and the ranks agree
