@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, StrategyUnavailable
-from .hardware import STRATEGIES
+from .strategy_table import DISTRIBUTED, ONE_PROCESS, STRATEGIES
 
 LOSSES = ("cosine", "mnrl")
 PRECISIONS = ("no", "fp16", "bf16")
@@ -107,7 +107,7 @@ class TrainConfig:
         return default_device() if self.device == "auto" else self.device
 
     def world_size(self) -> int:
-        if self.strategy in ("single", "dp"):
+        if self.strategy in ONE_PROCESS:
             return 1
         if self.num_processes is not None:
             return self.num_processes
@@ -210,13 +210,13 @@ class TrainConfig:
             raise ConfigError(
                 f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "
                 f"use steps >= {self.warmup_steps_excluded + 1} or lower warmup_steps_excluded")
-        if self.strategy in ("single", "dp") and self.num_processes not in (None, 1):
+        if self.strategy in ONE_PROCESS and self.num_processes not in (None, 1):
             raise ConfigError(
                 f"strategy {self.strategy!r} runs in one process, got num_processes={self.num_processes}; "
                 "use strategy='ddp' or 'fsdp' for several processes, or drop num_processes")
         if self.strategy == "fsdp" and self.num_processes == 1:
             raise ConfigError("fsdp with num_processes=1 shards nothing; use num_processes >= 2 or strategy='single'")
-        if self.strategy not in ("ddp", "fsdp") and (self.comm_hook != "none" or self.static_graph
+        if self.strategy not in DISTRIBUTED and (self.comm_hook != "none" or self.static_graph
                                                       or self.gradient_as_bucket_view or self.bucket_cap_mb
                                                       or not self.broadcast_buffers):
             raise ConfigError("comm_hook, static_graph, gradient_as_bucket_view, bucket_cap_mb and broadcast_buffers "
@@ -232,7 +232,7 @@ class TrainConfig:
         if self.loss == "cosine" and self.gather_across_devices:
             raise ConfigError("gather_across_devices only applies to loss='mnrl' (in-batch negatives); "
                               "set loss='mnrl' or gather_across_devices=False")
-        if self.gather_across_devices and self.strategy in ("single", "dp"):
+        if self.gather_across_devices and self.strategy in ONE_PROCESS:
             raise ConfigError(f"gather_across_devices gathers in-batch negatives from the other DDP/FSDP ranks; "
                               f"strategy {self.strategy!r} runs one process, so there is nothing to gather. "
                               "Use strategy='ddp' or set gather_across_devices=False")
@@ -276,7 +276,7 @@ class TrainConfig:
             raise ConfigError(
                 f"num_processes={ws} is more than this machine supports for {device} "
                 f"({nmax} {unit}, one rank each); use num_processes <= {nmax}")
-        if self.strategy in ("ddp", "fsdp") and ws < 2 and self.strategy == "fsdp":
+        if self.strategy == "fsdp" and ws < 2:
             raise ConfigError("fsdp needs at least 2 ranks to shard over; use num_processes >= 2")
 
 

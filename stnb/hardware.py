@@ -19,9 +19,10 @@ import platform
 import shutil
 import subprocess
 import warnings
+
+from .strategy_table import DISTRIBUTED, STRATEGIES, TABLE
 from dataclasses import asdict, dataclass, field
 
-STRATEGIES = ("single", "dp", "ddp", "fsdp")
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: native bf16 matmuls; below it torch emulates bf16, slowly
 
 
@@ -275,13 +276,14 @@ def strategy_availability(device: str | None = None) -> dict:
     nmax = max_processes(device)
     unit = "GPU" if device == "cuda" else "CPU core"
     out = {"single": {"runnable": True, "reason": f"one process on {device}"}}
-    if n_gpu >= 2:
+    if n_gpu >= TABLE["dp"].min_gpus:
         out["dp"] = {"runnable": True, "reason": f"torch.nn.DataParallel over {n_gpu} GPUs in one process"}
     else:
         out["dp"] = {"runnable": False,
-                     "reason": f"DataParallel needs at least 2 CUDA GPUs in one process; this machine has {n_gpu}"}
+                     "reason": f"DataParallel needs at least {TABLE['dp'].min_gpus} CUDA GPUs in one process; "
+                               f"this machine has {n_gpu}"}
     if not dist.is_available():
-        for s in ("ddp", "fsdp"):
+        for s in DISTRIBUTED:
             out[s] = {"runnable": False, "reason": "this torch build has no torch.distributed"}
         return out
     if nmax >= 2:

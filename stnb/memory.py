@@ -35,13 +35,13 @@ import math
 import numbers
 
 from .errors import ConfigError
+from .strategy_table import DISTRIBUTED, STRATEGIES
 
 COMPONENTS = ("params", "grads", "optimizer_state", "ddp_buckets")
 
 # optimizer state per trainable parameter, in units of bytes_per_param
 OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adafactor": 1}
 
-_STRATEGIES = ("single", "dp", "ddp", "fsdp")
 
 
 def predict(strategy: str, param_count: int, world_size: int = 1, trainable_param_count: int | None = None,
@@ -63,8 +63,8 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     >>> predict("fsdp", 1_000_000, world_size=2)["total"]
     8000000
     """
-    if strategy not in _STRATEGIES:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(map(repr, _STRATEGIES))}")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(map(repr, STRATEGIES))}")
     _check_count("param_count", param_count, 0)
     _check_count("world_size", world_size, 1)
     _check_count("bytes_per_param", bytes_per_param, 1)
@@ -94,14 +94,14 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
 
 
 def predict_table(param_count: int, world_size: int = 2, trainable_param_count: int | None = None,
-                  strategies=_STRATEGIES, **kwargs):
+                  strategies=STRATEGIES, **kwargs):
     """``predict`` for several strategies side by side: a DataFrame, one row per strategy, in MiB."""
     import pandas as pd
 
     rows = []
     for s in strategies:
-        p = predict(s, param_count, world_size if s in ("ddp", "fsdp") else 1, trainable_param_count, **kwargs)
-        rows.append({"strategy": s, "world_size": world_size if s in ("ddp", "fsdp") else 1,
+        p = predict(s, param_count, world_size if s in DISTRIBUTED else 1, trainable_param_count, **kwargs)
+        rows.append({"strategy": s, "world_size": world_size if s in DISTRIBUTED else 1,
                      **{f"{k}_mib": v / 2**20 for k, v in p.items()}})
     return pd.DataFrame(rows)
 
@@ -270,7 +270,7 @@ def compare(result, optimizer: str | None = None):
 
     bucket_view = _first(r.get("gradient_as_bucket_view"), cfg.get("gradient_as_bucket_view"),
                          TrainConfig.gradient_as_bucket_view)
-    pred = predict(strategy, total_params, world_size if strategy in ("ddp", "fsdp") else 1, trainable,
+    pred = predict(strategy, total_params, world_size if strategy in DISTRIBUTED else 1, trainable,
                    bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer,
                    gradient_as_bucket_view=bool(bucket_view))
     peaks = r.get("peak_memory_bytes") or []

@@ -24,6 +24,8 @@ from __future__ import annotations
 from html import escape as _escape
 import math
 
+from .strategy_table import DISTRIBUTED, ONE_PROCESS
+
 OURS = "this machine"
 REFERENCE_SOURCE = "sentence-transformers docs (4x V100)"
 REFERENCE_URL = "https://sbert.net/docs/sentence_transformer/training/distributed.html"
@@ -62,7 +64,7 @@ def reference_frame():
     for strategy, value in sps.items():
         devices = 1 if strategy == "single" else 4
         rows.append(dict(
-            strategy=strategy, world_size=4 if strategy in ("ddp", "fsdp") else 1, devices=devices,
+            strategy=strategy, world_size=4 if strategy in DISTRIBUTED else 1, devices=devices,
             per_device_batch_size=32, global_batch_size=32 * devices, gradient_accumulation_steps=1,
             samples_per_second=value, published_speedup=published[strategy],
             model="microsoft/mpnet-base", device="cuda (4x V100, p3.8xlarge)", max_seq_length=384,
@@ -473,7 +475,7 @@ def _prepare(df, reference: bool = False):
 
 def _devices(r) -> int:
     s = r.get("strategy")
-    if s in ("ddp", "fsdp"):
+    if s in DISTRIBUTED:
         return int(r.get("world_size") or 1)
     if s == "dp":
         pdb, gbs = r.get("per_device_batch_size"), r.get("global_batch_size")
@@ -487,7 +489,7 @@ def _labels(df) -> list:
     base = []
     for _, r in df.iterrows():
         d = int(r["devices"]) if r["devices"] == r["devices"] else 1
-        lab = r["strategy"] if d == 1 and r["strategy"] in ("single", "dp") else f"{r['strategy']} ×{d}"
+        lab = r["strategy"] if d == 1 and r["strategy"] in ONE_PROCESS else f"{r['strategy']} ×{d}"
         if r["source"] == REFERENCE_SOURCE:
             lab += " (docs)"
         base.append(lab)

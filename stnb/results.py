@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ._files import write_atomic
 from .errors import ResultsFileError
+from .strategy_table import DISTRIBUTED
 
 
 @dataclass
@@ -123,7 +124,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
     spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
     return RunResult(
         strategy=config.strategy,
-        world_size=len(rank_results) if config.strategy in ("ddp", "fsdp") else 1,
+        world_size=len(rank_results) if config.strategy in DISTRIBUTED else 1,
         per_device_batch_size=training.get("per_device_batch_size", config.per_device_batch_size),
         global_batch_size=gbs,
         steps=n_steps,
@@ -180,7 +181,7 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
                     "peak_memory_method": rank_results[0].get("peak_memory_method")}
     never = "no training step began, so the prepared model was never verified"
     problems = [f"rank {i}: " + "; ".join(v.get("problems") or [never]) for i, v in enumerate(ranks) if not v.get("ok")]
-    if config.strategy in ("ddp", "fsdp") and len(rank_results) != requested:
+    if config.strategy in DISTRIBUTED and len(rank_results) != requested:
         problems.append(f"{requested} ranks were requested, {len(rank_results)} returned a result")
     if config.strategy == "ddp" and len(rank_results) > 1:
         same = compare_digests([r["weight_digests"] for r in rank_results])

@@ -16,6 +16,7 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .launch import launch
 from .results import RunResult, append_result, check_writable, merge
+from .strategy_table import DISTRIBUTED
 from .training import train_rank
 
 
@@ -78,7 +79,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         rank_results = launch(train_rank, config, model_path, t0, ws, build, num_processes=ws,
                               timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                               threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
-                              distributed=config.strategy in ("ddp", "fsdp"), env=env)
+                              distributed=config.strategy in DISTRIBUTED, env=env)
     finally:
         if bars is not None:
             bars.close()

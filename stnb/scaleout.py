@@ -32,6 +32,7 @@ import sys
 import time
 
 from .errors import ConfigError
+from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 __all__ = ["inside_external_launch", "launcher_name", "external_rank", "is_main_process", "run_here"]
 
@@ -108,7 +109,7 @@ def _check_here(config, world: int, local_world: int, launcher: str, recipe: boo
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
     from .hardware import cpu_cores, gpu_count
 
-    if config.strategy in ("single", "dp") and world > 1:
+    if config.strategy in ONE_PROCESS and world > 1:
         raise ConfigError(
             f"strategy {config.strategy!r} runs in one process, but {launcher} started {world} processes "
             f"(WORLD_SIZE={world}); use --strategy ddp or fsdp, or start one process "
@@ -188,11 +189,11 @@ def run_here(config, *, results_file=None, build=None):
     world, rank, local_world = _world(env)
     launcher = launcher_name(env)
     launch_time = _process_start_time()
-    if config.strategy in ("ddp", "fsdp") and config.num_processes not in (None, world):
+    if config.strategy in DISTRIBUTED and config.num_processes not in (None, world):
         if rank == 0:
             print(f"stnb: {launcher} started {world} process(es); using world size {world} "
                   f"instead of num_processes={config.num_processes}", file=sys.stderr, flush=True)
-    if config.strategy in ("ddp", "fsdp"):
+    if config.strategy in DISTRIBUTED:
         config = config.replace(num_processes=world)
     config = config.replace(threads_per_rank=_threads(config, env))
     _check_here(config, world, local_world, launcher, recipe=build is None)
@@ -208,7 +209,7 @@ def run_here(config, *, results_file=None, build=None):
     if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: keep gloo on loopback
 
-    if world == 1 and config.strategy in ("single", "dp"):
+    if world == 1 and config.strategy in ONE_PROCESS:
         # one process: a plain single-process run, as in the notebook (with the launcher's
         # variables in place, accelerate would wrap the model in a 1-rank DDP)
         for k in _LAUNCH_VARS:

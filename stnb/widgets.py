@@ -29,7 +29,8 @@ import ipywidgets as W
 
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
-from .hardware import STRATEGIES, max_processes, strategy_availability
+from .hardware import max_processes, strategy_availability
+from .strategy_table import DISTRIBUTED, STRATEGIES
 from .profiles import current_profile
 from .results import RunResult, load_results, results_frame
 
@@ -145,7 +146,7 @@ class Panel(W.VBox):
         model = (self.model.value or "").strip() or self.base_config.model
         return self.base_config.replace(
             strategy=strategy,
-            num_processes=int(self.processes.value) if strategy in ("ddp", "fsdp") else None,
+            num_processes=int(self.processes.value) if strategy in DISTRIBUTED else None,
             per_device_batch_size=int(self.batch.value), steps=int(self.steps.value), model=model)
 
     def run(self) -> RunResult | None:
@@ -219,7 +220,7 @@ class Panel(W.VBox):
 
     def _on_change(self, _change=None) -> None:
         s = self.strategy.value
-        self.processes.disabled = self._running or s not in ("ddp", "fsdp")
+        self.processes.disabled = self._running or s not in DISTRIBUTED
         problem = self._problem()
         if problem:
             self.validation.value = f'<span style="color:#b00020">&#9888; {escape(problem)}</span>'

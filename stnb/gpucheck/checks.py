@@ -18,6 +18,8 @@ import tempfile
 import time
 import traceback
 
+from ..strategy_table import DISTRIBUTED
+
 from . import planning
 from . import ranks
 from .report import Outcome
@@ -54,7 +56,7 @@ def _judge_training(res, check) -> list:
         problems.append("no measured samples/s")
     if not res.losses or not all(math.isfinite(x) for x in res.losses):
         problems.append(f"losses not finite: {res.losses[-3:] if res.losses else res.losses}")
-    if check.params.get("strategy") in ("ddp", "fsdp"):
+    if check.params.get("strategy") in DISTRIBUTED:
         backends = {r.get("backend") for r in res.verification.get("ranks", [])}
         want = "nccl" if device == "cuda" else "gloo"
         if backends != {want}:

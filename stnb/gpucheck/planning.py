@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..hardware import BF16_MIN_CAPABILITY, arch_supported, torch_arch_list
 from ..hardware import gpus as hardware_gpus
+from ..strategy_table import DISTRIBUTED
 
 
 # one training configuration for every check that trains: the bundled MiniLM, 32 per device
@@ -92,7 +93,7 @@ def plan(machine: Machine) -> list:
         checks.append(Check(f"single {dist_mp}", "train", dict(one, strategy="single", mixed_precision=dist_mp)))
     # one NCCL rank each: TrainConfig refuses these for users (nothing to shard / nothing to average),
     # so they run through stnb.launch + training.train_rank directly: the NCCL path itself
-    for strategy in ("ddp", "fsdp"):
+    for strategy in DISTRIBUTED:
         checks.append(Check(f"{strategy} x1 nccl {dist_mp}", "train_direct",
                             dict(one, strategy=strategy, num_processes=1, mixed_precision=dist_mp)))
     ranks = min(n, 2)
@@ -108,7 +109,7 @@ def plan(machine: Machine) -> list:
     if n >= 2:
         multi = dict(one, mixed_precision=dist_mp)
         checks.append(Check(f"dp x{n} {dist_mp}", "train", dict(multi, strategy="dp"), gpus=n))
-        for strategy in ("ddp", "fsdp"):
+        for strategy in DISTRIBUTED:
             checks.append(Check(f"{strategy} x{n} {dist_mp}", "train",
                                 dict(multi, strategy=strategy, num_processes=n), gpus=n))
         for hook in ("fp16", "bf16", "embedding_rows"):
