@@ -461,11 +461,11 @@ def _tail(path: str, n: int = 25) -> str:
 
 
 def _kill_new_children(before: set) -> None:
-    from .launch import _children_now, _kill_tree
+    from .launch.supervise import children_now, kill_tree
 
-    extra = list(_children_now() - before)
+    extra = list(children_now() - before)
     if extra:
-        _kill_tree(extra)
+        kill_tree(extra)
 
 
 def _run_notebook_launcher(cfg, timeout: float):
@@ -475,7 +475,8 @@ def _run_notebook_launcher(cfg, timeout: float):
     from accelerate import notebook_launcher
 
     from .hardware import gpu_count
-    from .launch import _children_now, check_fork_safe, free_port
+    from .launch import check_fork_safe, free_port
+    from .launch.supervise import children_now
     from .results import merge
 
     cfg.validate()
@@ -484,7 +485,7 @@ def _run_notebook_launcher(cfg, timeout: float):
     ws = cfg.world_size()
     outdir = tempfile.mkdtemp(prefix="stnb-bench-raw-")
     log = os.path.join(outdir, "output.log")
-    before = _children_now()
+    before = children_now()
     timer = threading.Timer(timeout, _kill_new_children, args=(before,))
     timer.daemon = True
     try:

@@ -103,7 +103,7 @@ MUTATIONS = [
     Mutation(
         "cleanup-descendants-only",
         "the launcher finds only processes still below a living rank (no child subreaper)",
-        (("stnb/launch.py", "    was_subreaper = child_subreaper(True)",
+        (("stnb/launch/supervise.py", "    was_subreaper = child_subreaper(True)",
           "    was_subreaper = None  # MUTATION"),),
         ("tests/test_faults.py::test_2c_rank_with_child_and_daemon_sigkilled",)),
     Mutation(
@@ -129,7 +129,7 @@ MUTATIONS = [
     Mutation(
         "launch-on-port-29500",
         "the launcher uses torch's default port 29500 instead of a free one",
-        (("stnb/launch.py", "    port = master_port or free_port(master_addr)\n", "    port = master_port or 29500\n"),),
+        (("stnb/launch/launcher.py", "    port = master_port or free_port(master_addr)\n", "    port = master_port or 29500\n"),),
         ("tests/test_launch.py::test_busy_port_29500_does_not_matter",)),
     Mutation(
         "ranks-see-the-same-data",

@@ -261,7 +261,7 @@ def test_check_fork_safe_sees_a_driver_started_by_is_available(tmp_path):
     script = textwrap.dedent(f"""
         import ctypes, json, torch
         import stnb
-        from stnb import forksafe
+        from stnb.launch import forksafe
         out = {{"before_load": forksafe.cuda_driver_initialised()}}
         def cuda_get_device_count():  # what torch's cudaGetDeviceCount does: load the driver, cuInit
             driver = ctypes.CDLL({str(lib)!r})
@@ -513,7 +513,7 @@ def test_diagnosis_treats_an_nccl_watchdog_timeout_as_a_consequence():
     "Connection closed by remote peer 127.0.0.1:29500",
 ])
 def test_nccl_messages_are_secondary(message):
-    from stnb import peerfail
+    from stnb.launch import peerfail
 
     assert peerfail.is_secondary({"type": "RuntimeError", "message": message})
     assert not peerfail.is_secondary({"type": "ValueError", "message": "bad batch"})
@@ -540,7 +540,7 @@ def test_failing_rank_never_calls_a_blocking_destroy_process_group(monkeypatch):
 
 
 def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
-    from stnb import peerfail
+    from stnb.launch import peerfail
 
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}

@@ -260,3 +260,50 @@ def test_bad_arguments_refused(kwargs, words):
 def test_non_callable_refused(fn):
     msg = _refused(lambda: cpu_launch(fn, num_processes=2, echo=False))
     assert "needs a callable" in msg and type(fn).__name__ in msg
+
+
+# ---- stnb.launch: the package and the function ------------------------------------------------
+
+PACKAGE_AND_FUNCTION = r"""
+import json
+import stnb.launch.supervise            # the package's submodules import before and after `import stnb`
+from stnb.launch import child_subreaper, free_port, last_launch, LaunchInfo, RankState
+from stnb.launch.supervise import kill_tree, children_now
+import stnb
+res = stnb.launch(lambda: 1, num_processes=1, device="cpu", echo=False)
+print(json.dumps({"callable": callable(stnb.launch), "defined_in": stnb.launch.__module__, "res": res,
+                  "info": isinstance(stnb.last_launch(), LaunchInfo), "same": last_launch is stnb.last_launch}))
+"""
+
+
+def test_stnb_launch_is_the_function_and_its_package_stays_importable():
+    """`stnb.launch` is the function (stnb/__init__ imports it over the package's name); the package's
+    public names and submodules stay importable with `from stnb.launch ... import`. Fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", PACKAGE_AND_FUNCTION], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"callable": True, "defined_in": "stnb.launch.launcher", "res": [1], "info": True, "same": True}
+
+
+def test_no_private_name_of_launch_is_imported_elsewhere():
+    """Other stnb modules, and the launch package's own modules among themselves, import only public
+    names from stnb.launch."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(stnb.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        mod = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                target = f"{base}.{node.module}" if node.level and node.module else (node.module or base)
+                if target == "stnb.launch" or target.startswith("stnb.launch."):
+                    bad += [f"{mod}: from {target} import {a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []

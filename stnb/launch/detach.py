@@ -1,0 +1,80 @@
+"""Detaching a forked rank from the Jupyter kernel it was forked from.
+
+A rank is a fork of the notebook's process and inherits its IPython shell, its comm manager and
+tqdm's notebook bars, all of which would send messages on the kernel's ZMQ sockets. From a fork
+ipykernel drops them and logs "attempted to send message from fork". ``detach_from_kernel`` makes
+the rank an ordinary process; the parent relays progress and output to the notebook instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+
+def detach_from_kernel() -> None:
+    """A forked rank must never use the Jupyter kernel's sockets.
+
+    In a kernel, IPython's shell, ipywidgets and tqdm.auto's notebook bar all send messages
+    on the kernel's ZMQ sockets; from a fork ipykernel drops them and logs
+    "attempted to send message from fork". So the rank stops being "in a notebook": the
+    shell singleton is cleared (IPython.get_ipython() -> None), tqdm.auto becomes the text
+    bar, and transformers' notebook progress callback becomes the text one. Progress is
+    relayed to the notebook by the parent instead.
+    """
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        if InteractiveShell.initialized():
+            inst = InteractiveShell.instance()
+            type(inst).clear_instance()
+            InteractiveShell.clear_instance()
+    except Exception:
+        pass
+    comm = sys.modules.get("comm")
+    if comm is not None and hasattr(comm, "_create_comm") and hasattr(comm, "_get_comm_manager"):
+        # ipykernel points comm.create_comm at kernel comms, which send "comm_open" on the
+        # kernel's sockets (an ipywidgets widget does on creation); in a rank they must be inert
+        comm.create_comm = comm._create_comm
+        comm.get_comm_manager = comm._get_comm_manager
+    if "tqdm" in sys.modules:
+        try:
+            import tqdm.std
+
+            # tqdm's monitor thread does not exist in the fork, but the lock it may have held at
+            # fork time was copied locked: give the rank fresh locks.
+            tqdm.std.TqdmDefaultWriteLock.th_lock = threading.RLock()
+            tqdm.std.tqdm.__dict__.get("_lock") is not None and delattr(tqdm.std.tqdm, "_lock")
+            tqdm.std.tqdm.monitor = None
+
+            std, std_range = tqdm.std.tqdm, tqdm.std.trange
+            notebook_classes = []
+            for name in ("tqdm.auto", "tqdm.autonotebook", "tqdm.notebook"):
+                mod = sys.modules.get(name)
+                if mod is not None and getattr(mod, "tqdm", None) is not std:
+                    notebook_classes.append(getattr(mod, "tqdm"))
+            notebook_ranges = [getattr(sys.modules.get(n), "trange", None)
+                               for n in ("tqdm.auto", "tqdm.autonotebook", "tqdm.notebook")]
+            for mod in list(sys.modules.values()):
+                d = getattr(mod, "__dict__", None)
+                if not d:
+                    continue
+                for attr in ("tqdm", "trange"):
+                    val = d.get(attr)
+                    if val is not None and (val in notebook_classes or (attr == "trange" and val in notebook_ranges
+                                                                          and val is not std_range)):
+                        d[attr] = std if attr == "tqdm" else std_range
+            for name in ("tqdm.auto", "tqdm.autonotebook"):
+                mod = sys.modules.get(name)
+                if mod is not None:
+                    mod.tqdm, mod.trange = std, std_range
+        except Exception:
+            pass
+    tr = sys.modules.get("transformers.trainer")
+    if tr is not None:
+        try:
+            from transformers.trainer_callback import ProgressCallback
+
+            tr.DEFAULT_PROGRESS_CALLBACK = ProgressCallback
+        except Exception:
+            pass

@@ -1,0 +1,252 @@
+"""Failure diagnosis: why a launch did not return every rank's result, and which rank to blame.
+
+``diagnose`` gathers the evidence once (the watchdog's findings, the ranks' error records and
+output, the launcher's exit codes) and asks one function per failure kind, in order; the first
+that recognises the launch gives the exception ``launch`` raises. Each names the rank that really
+failed, not the ranks that failed because of it (``peerfail`` tells those apart), and carries that
+rank's traceback, its stack or its last output.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+from ..errors import LaunchError
+from .channel import Channel
+from .peerfail import is_secondary, origin
+from .start import Outcome
+from .watchdog import MIN_START_S, Watchdog
+
+#: error types a rank records when it was stopped rather than failed by itself
+COLLATERAL = ("KeyboardInterrupt", "SystemExit", "SignalException")
+OOM_HINT = " (from outside, or by the out-of-memory killer: try a smaller batch size)"
+
+
+@dataclass
+class Evidence:
+    ch: Channel
+    watchdog: Watchdog
+    outcome: Outcome
+    nproc: int
+    base: int  # global rank of this node's local rank 0
+    logs: dict
+    errors: list  # every error record a rank wrote
+    real: list  # ... less the collateral ones
+    first: dict | None  # the origin among the real ones
+
+    def last_output(self, r: int, lines: int = 20) -> str:
+        return "\n".join(self.logs.get(r, "").splitlines()[-lines:])
+
+    def stacks(self) -> str:
+        return "\n".join(f"--- stack of rank {self.base + r} ---\n{s.strip() or '(no stack captured)'}"
+                         for r, s in sorted(self.watchdog.stacks.items()))
+
+    def error(self, message: str, **kw) -> LaunchError:
+        return LaunchError(message, logs=self.logs, **kw)
+
+
+def diagnose(ch: Channel, watchdog: Watchdog, outcome: Outcome, nproc: int, node_rank: int) -> BaseException | None:
+    """The exception that explains how the launch ended, or None when every rank returned."""
+    errors = [e for e in (ch.read_error(r) for r in range(nproc)) if e is not None]
+    real = [e for e in errors if e["type"] not in COLLATERAL]
+    ev = Evidence(ch, watchdog, outcome, nproc, node_rank * nproc, dict(watchdog.logs), errors, real,
+                  origin(real))  # the earliest error that is not a consequence of another rank's failure
+    for kind in (interrupted, timed_out, not_started, raised_then_peers_stalled, stalled, ended_silently,
+                 never_joined, raised, called_sys_exit, exited_with_code, stopped_only, launcher_failed):
+        err = kind(ev)
+        if err is not None:
+            return err
+    return None
+
+
+def interrupted(ev: Evidence):
+    if ev.outcome.interrupted:
+        return KeyboardInterrupt("stnb.launch interrupted; all ranks were stopped")
+
+
+def timed_out(ev: Evidence):
+    wd = ev.watchdog
+    if wd.reason == "timeout":
+        return ev.error(f"launch timed out after {wd.timeout:g} s; all {ev.nproc} ranks were stopped. "
+                        "Raise timeout=... or make the run shorter.", ranks=[ev.base + r for r in range(ev.nproc)],
+                        kind="timeout", rank_traceback=ev.stacks())
+
+
+def not_started(ev: Evidence):
+    wd = ev.watchdog
+    if wd.reason == "not started":
+        ranks = [ev.base + r for r in wd.stalled]
+        return ev.error(
+            f"rank(s) {', '.join(map(str, ranks))} did not start within {max(wd.stall_timeout, MIN_START_S):g} s "
+            "after the fork; all ranks were stopped. This usually means the process forked while another "
+            "thread held a lock; run the launch again, and report it if it repeats.",
+            ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
+
+
+def raised_then_peers_stalled(ev: Evidence):
+    """The rank that raised never exited (e.g. blocked tearing NCCL down), so its peers waited for it."""
+    wd, first = ev.watchdog, ev.first
+    if wd.reason == "stalled" and first is not None and not is_secondary(first):
+        stalled = [ev.base + r for r in wd.stalled]
+        return ev.error(
+            f"rank {first['rank']} raised {first['type']}: {first['message']} (rank(s) {', '.join(map(str, stalled))} "
+            f"then waited for it with no progress for {wd.stall_timeout:g} s and all ranks were stopped)",
+            rank=first["rank"], ranks=sorted({first["rank"], *stalled}), kind="raised",
+            rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}\n" + ev.stacks())
+
+
+def stalled(ev: Evidence):
+    wd = ev.watchdog
+    if wd.reason == "stalled":
+        ranks = [ev.base + r for r in wd.stalled]
+        return ev.error(
+            f"rank(s) {', '.join(map(str, ranks))} stalled: no progress for {wd.stall_timeout:g} s "
+            "(e.g. waiting in a collective another rank never entered). All ranks were stopped; each "
+            "rank's stack at the time of the stall follows. Raise stall_timeout=... (or None) if the work "
+            "is legitimately long, or call stnb.heartbeat() in long loops.",
+            rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
+
+
+def _silent_ranks(ev: Evidence) -> dict:
+    """{local rank: exit code or None} of the ranks that ended without a result or an error record
+    (SIGKILL, os._exit) and are the cause of what the others then reported ("Connection closed by
+    peer", SignalException)."""
+    wd, ch, first, codes = ev.watchdog, ev.ch, ev.first, ev.outcome.exit_codes
+    returned = wd.returned_at or time.time()
+    silent = {r: code for r, (t, code) in wd.ended.items()
+              if t <= returned and (first is None or t <= first["time"] + 1.0) and ch.is_silent(r)}
+    for r, code in codes.items():
+        # (a rank killed by a signal after another rank's own error is a consequence: NCCL's watchdog
+        # aborts the process of a peer left waiting)
+        if code not in (0, None) and ch.is_silent(r) and (r in silent or first is None
+                                                          or (code < 0 and is_secondary(first))):
+            silent[r] = code if silent.get(r) is None else silent[r]
+    if first is not None and not silent and is_secondary(first):
+        # the rank that raised says its peer went away; the peer that left no trace is the cause
+        silent = {r: codes.get(r) for r in range(ev.nproc) if ch.is_silent(r) and ch.started(r)}
+    return silent
+
+
+def ended_silently(ev: Evidence):
+    """A rank ended without a result or an exception: killed by a signal, or exited."""
+    wd, first = ev.watchdog, ev.first
+    silent = _silent_ranks(ev)
+    if not (wd.reason == "exited" or silent):
+        return None
+    # the watchdog stopped the launch for the ranks it saw end silently; the others it killed itself
+    cause = wd.stalled if wd.reason == "exited" else (silent or wd.stalled)
+    r = min(cause, key=lambda x: (silent.get(x) is None, x))
+    code = silent.get(r, ev.outcome.exit_codes.get(r))
+    if code is None and r in silent:
+        why = ("ended without returning a result or raising an exception (killed from outside, e.g. "
+               "SIGKILL or the out-of-memory killer - try a smaller batch size - or os._exit())")
+        kind = "killed"
+    elif code is None or code >= 0:
+        why = (f"exited (exit code {code if code is not None else 'unknown'}) without returning a result "
+               "or raising an exception (did the function call os._exit()/sys.exit(), or did a library "
+               "end the process?)")
+        kind = "exited"
+    else:
+        why, kind = _killed_by(-code), "killed"
+    also = ""
+    if first is not None:
+        also = f" Rank {first['rank']} then raised {first['type']}: {_first_line(first)} (a consequence)."
+    tail = ev.last_output(r)
+    tb = f"--- last output of rank {ev.base + r} ---\n{tail}" if tail else ""
+    if first is not None:
+        tb += f"\n--- traceback of rank {first['rank']} ---\n{first['traceback']}"
+    ranks = sorted({ev.base + x for x in silent} | {ev.base + x for x in wd.stalled})
+    return ev.error(f"rank {ev.base + r} {why}; the other ranks were stopped.{also}", rank=ev.base + r,
+                    ranks=ranks, kind=kind, rank_traceback=tb.strip())
+
+
+def never_joined(ev: Evidence):
+    """A peer gave up waiting in a collective (gloo / NCCL) for ranks that never joined it."""
+    first, base = ev.first, ev.base
+    if not (ev.real and is_secondary(first)):
+        return None
+    failed = {e["local_rank"] for e in ev.real}
+    absent = [r for r in range(ev.nproc) if r not in failed and not ev.ch.has_result(r)]
+    if not absent:
+        return None
+    tails = "\n".join(f"--- last output of rank {base + r} ---\n{ev.last_output(r)}" for r in absent)
+    names = ", ".join(str(base + r) for r in absent)
+    return ev.error(
+        f"rank(s) {names} never joined the collective rank {first['rank']} waited in: rank {first['rank']} "
+        f"raised {first['type']}: {_first_line(first)} (a consequence). Rank(s) {names} were busy elsewhere "
+        "or hung and were stopped; their last output follows.", rank=base + absent[0] if len(absent) == 1 else None,
+        ranks=sorted({base + r for r in absent} | {first["rank"]}), kind="stalled",
+        rank_traceback=f"{tails}\n--- traceback of rank {first['rank']} ---\n{first['traceback']}")
+
+
+def raised(ev: Evidence):
+    """A rank raised an exception (the origin is named; the others are listed)."""
+    first = ev.first
+    if ev.real:
+        others = sorted({e["rank"] for e in ev.real} - {first["rank"]})
+        also = f" (rank(s) {', '.join(map(str, others))} failed too)" if others else ""
+        return ev.error(f"rank {first['rank']} raised {first['type']}: {first['message']}{also}",
+                        rank=first["rank"], ranks=sorted({e["rank"] for e in ev.real}), kind="raised",
+                        rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}")
+
+
+def _bad_exit_codes(ev: Evidence) -> dict:
+    return {r: c for r, c in ev.outcome.exit_codes.items() if c not in (0, None)}
+
+
+def called_sys_exit(ev: Evidence):
+    """sys.exit() in a rank: it raised SystemExit instead of returning."""
+    failed, bad = ev.outcome.failure is not None, _bad_exit_codes(ev)
+    exits = [e for e in ev.errors if e["type"] == "SystemExit" and (not failed or e["local_rank"] in bad)]
+    if exits:
+        e = min(exits, key=lambda x: x["time"])
+        return ev.error(f"rank {e['rank']} raised SystemExit: {e['message']} (sys.exit() ends a rank without a "
+                        "result; return a value from the function instead)", rank=e["rank"],
+                        ranks=sorted({x["rank"] for x in exits}), kind="exited",
+                        rank_traceback=f"--- traceback of rank {e['rank']} ---\n{e['traceback']}")
+
+
+def exited_with_code(ev: Evidence):
+    """The launcher reports a rank that exited non-zero or was killed, and nothing explains it better."""
+    bad = _bad_exit_codes(ev)
+    if ev.outcome.failure is None or not bad:
+        return None
+    r, code = min(bad.items())
+    why = _killed_by(-code) if code < 0 else f"exited with code {code} without raising a Python exception"
+    tail = ev.last_output(r)
+    return ev.error(f"rank {ev.base + r} {why}; the other ranks were stopped.", rank=ev.base + r,
+                    ranks=[ev.base + x for x in sorted(bad)], kind="killed" if code < 0 else "exited",
+                    rank_traceback=f"--- last output of rank {ev.base + r} ---\n{tail}" if tail else "")
+
+
+def stopped_only(ev: Evidence):
+    """Only KeyboardInterrupt / SystemExit / SignalException were recorded."""
+    if ev.outcome.failure is not None and ev.errors:
+        e = min(ev.errors, key=lambda x: x["time"])
+        return ev.error(f"rank {e['rank']} raised {e['type']}: {e['message']}", rank=e["rank"],
+                        ranks=sorted({x["rank"] for x in ev.errors}), kind="raised",
+                        rank_traceback=f"--- traceback of rank {e['rank']} ---\n{e['traceback']}")
+
+
+def launcher_failed(ev: Evidence):
+    """The launcher itself failed before any rank reported anything."""
+    failure = ev.outcome.failure
+    if failure is not None:
+        msg = "".join(traceback.format_exception_only(type(failure), failure)).strip()
+        return ev.error(f"the launch failed before any rank reported an error: {msg}", kind="exited",
+                        rank_traceback="".join(traceback.format_exception(failure)))
+
+
+def _killed_by(signum: int) -> str:
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"was killed by {name}" + (OOM_HINT if signum == signal.SIGKILL else "")
+
+
+def _first_line(record: dict) -> str:
+    return record["message"].splitlines()[0] if record["message"] else ""

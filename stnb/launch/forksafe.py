@@ -1,0 +1,112 @@
+"""Fork safety: the launching process must be fit to fork ranks, and stay so while they start.
+
+stnb forks its ranks from the notebook's own process. For that to work:
+
+* the notebook process never started the CUDA driver: after ``cuInit`` a forked child cannot use
+  CUDA ("Cannot re-initialize CUDA in forked subprocess"). ``check_fork_safe`` looks at the driver
+  itself, not only at torch's ``torch.cuda.is_initialized()`` (``torch.cuda.is_available()`` starts
+  the driver and leaves that flag False), and refuses a process that already holds accelerate
+  state (an Accelerator or a Trainer), which forked ranks would inherit;
+* what the ranks inherit must not bite them: ``fork_ready`` collects the garbage and freezes the
+  heap while the ranks start (a rank must never run destructors of objects it inherited) and ends
+  GNU OpenMP's thread pool (a rank would wait for the pool's threads forever).
+
+Starting the ranks themselves (torch elastic, as accelerate's ``notebook_launcher`` does) is in
+``start``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+from contextlib import contextmanager
+
+from ..errors import ConfigError
+
+__all__ = ["check_fork_safe", "cuda_driver_initialised", "fork_ready", "release_openmp_threads"]
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_driver_initialised() -> bool:
+    """True when this process has started the CUDA driver (or torch's CUDA state).
+
+    The driver library is looked up only if it is already loaded (RTLD_NOLOAD), and asked for its
+    device count: before ``cuInit`` every driver call but cuInit returns CUDA_ERROR_NOT_INITIALIZED.
+    Nothing here initialises anything."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return True
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:  # never loaded in this process: never initialised
+        return False
+    try:
+        get_count = lib.cuDeviceGetCount
+    except AttributeError:  # pragma: no cover - not a CUDA driver
+        return False
+    count = ctypes.c_int(0)
+    return get_count(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
+
+
+def check_fork_safe() -> None:
+    """Refuse to fork when the parent already holds device or accelerate state ranks can't inherit."""
+    if cuda_driver_initialised():
+        raise ConfigError(
+            "CUDA is already initialised in this process (a tensor was moved to the GPU, a model was loaded on "
+            "'cuda', or torch.cuda.is_available() / torch.cuda.device_count() / torch.cuda.get_device_name() "
+            "was called in an earlier cell), and forked ranks cannot use an initialised CUDA driver. "
+            "Fix: restart the kernel and keep all GPU work inside the launched function / stnb.run; "
+            "stnb.hardware_report() tells what GPUs there are without starting the driver.")
+    try:
+        from accelerate.state import AcceleratorState
+
+        if len(AcceleratorState._shared_state) > 0:
+            raise ConfigError(
+                "An accelerate Accelerator (or a Trainer) was created in this process before launching; "
+                "forked ranks would inherit its single-process state. Fix: restart the kernel and create "
+                "Accelerators/Trainers only inside the launched function.")
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@contextmanager
+def fork_ready():
+    """Keep this process fit to fork while the block runs.
+
+    Collects this process's garbage and freezes the rest until the block ends: a forked rank must
+    never run destructors of objects it inherited (e.g. torchelastic's TCPStore left in a reference
+    cycle by an earlier failed launch); that crashed ranks with SIGSEGV. Also ends the OpenMP pool
+    (``release_openmp_threads``)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        release_openmp_threads()
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def release_openmp_threads() -> None:
+    """End this thread's GNU OpenMP worker pool before forking (the next parallel op restarts it).
+
+    libgomp keeps a pool per thread that ran a parallel region; a forked rank inherits the
+    pool's bookkeeping but not its threads, so the rank's first multi-threaded torch op (e.g.
+    layer_norm) waits for them forever. That hung every rank with more than one thread after
+    the notebook had run any torch code itself. omp_pause_resource_all (OpenMP 5.0) ends the
+    pool cleanly. Intel's and LLVM's OpenMP runtimes handle fork themselves.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return
+    for path in sorted(libs):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        pause(2)  # omp_pause_hard

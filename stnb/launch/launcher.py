@@ -1,0 +1,200 @@
+"""``launch()``: the orchestration, and what it checks before anything starts.
+
+validate the arguments -> check the process is fit to fork -> open the channel and start the
+watchdog -> start the ranks and wait -> diagnose a failure -> collect the results. Each step lives
+in its own module of this package; this one also keeps the record of the last launch
+(``last_launch``) and picks the rendezvous port (``free_port``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, LaunchError
+from .channel import Channel
+from .diagnose import diagnose
+from .forksafe import check_fork_safe, fork_ready
+from .rank import RankOptions
+from .start import LOCALHOST, run_ranks
+from .supervise import tracked_children
+from .watchdog import Watchdog
+
+_LOCK = threading.Lock()
+_LAST: "LaunchInfo | None" = None
+
+
+@dataclass
+class LaunchInfo:
+    """Details of the last launch in this process: ``stnb.last_launch()``."""
+
+    num_processes: int
+    port: int
+    device: str
+    backend: str
+    logs: dict = field(default_factory=dict)
+    wall_time_s: float = 0.0
+    start_time: float = 0.0
+    error: str | None = None
+
+
+def last_launch() -> LaunchInfo | None:
+    return _LAST
+
+
+def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stall_timeout: float | None = 30.0,
+           device: str = "auto", threads_per_rank: int | None = None, num_nodes: int = 1, node_rank: int = 0,
+           master_addr: str = "127.0.0.1", master_port: int | None = None, mixed_precision: str = "no",
+           on_progress=None, echo: bool = True, distributed: bool = True, env: dict | None = None,
+           **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` in ``num_processes`` ranks; return their results ordered by rank.
+
+    Every rank starts with torch.distributed initialised (gloo on CPU, NCCL on GPU) with
+    world size ``num_processes * num_nodes``. Inside a rank, ``stnb.rank_context()`` tells its
+    rank. Output of each rank is printed with a ``[rank N]`` prefix.
+
+    timeout: seconds for the whole launch (None: no limit).
+    stall_timeout: stop when no running rank made progress (its Python stack did not move and
+        it called no ``stnb.heartbeat``) for this many seconds; the error carries each rank's stack.
+    num_nodes / node_rank / master_addr / master_port: multi-node; every node runs the same call.
+        On one node stnb binds to 127.0.0.1 and picks a free port.
+    on_progress: called in the parent, about twice a second, with a list of ``RankState``.
+    distributed: with num_processes=1, False runs the rank without a process group (stnb's
+        'single' and 'dp' strategies: the child keeps CUDA out of the kernel).
+    env: environment variables set in every rank before anything else runs there.
+
+    Raises ConfigError before anything starts for bad arguments; LaunchError when a rank
+    fails, stalls or the timeout passes (other ranks are stopped, no process is left).
+    """
+    from ..hardware import backend_for, cpu_cores
+
+    device = check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes,
+                             node_rank, master_addr, master_port)
+    check_fork_safe()
+    nproc, world_size = num_processes, num_processes * num_nodes
+    port = master_port or free_port(master_addr)
+    with _one_launch_at_a_time(), Channel(nproc) as ch:
+        opts = RankOptions(fn=fn, args=args, kwargs=kwargs, device=device, backend=backend_for(device),
+                           threads=threads_per_rank or max(1, cpu_cores() // nproc), nproc=nproc,
+                           world_size=world_size, launch_time=time.time(),
+                           init_distributed=distributed or world_size > 1, env=dict(env or {}),
+                           stall_timeout=stall_timeout)
+        info = _record(LaunchInfo(num_processes=nproc, port=port, device=device, backend=opts.backend,
+                                  start_time=opts.launch_time))
+        watchdog = Watchdog(ch, nproc, timeout, stall_timeout, on_progress, echo, rank_offset=node_rank * nproc)
+        with watchdog, tracked_children(), fork_ready():
+            outcome = run_ranks(ch, opts, master_addr=master_addr, port=port, node_rank=node_rank,
+                                num_nodes=num_nodes, mixed_precision=mixed_precision, echo=echo)
+            watchdog.launcher_returned()
+        info.logs, info.wall_time_s = dict(watchdog.logs), time.time() - opts.launch_time
+        error = diagnose(ch, watchdog, outcome, nproc, node_rank)
+        if error is not None:
+            info.error = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error)
+            raise error
+        return collect_results(ch, nproc, node_rank, info.logs)
+
+
+def collect_results(ch: Channel, nproc: int, node_rank: int, logs: dict) -> list:
+    """Every local rank's returned value, in rank order."""
+    results = []
+    for r in range(nproc):
+        try:
+            results.append(ch.read_result(r))
+        except FileNotFoundError:
+            rank = node_rank * nproc + r
+            raise LaunchError(
+                f"rank {rank} exited without returning a result (did the function call sys.exit()/os._exit(), "
+                "or was the process ended from outside?)", rank=rank, ranks=[rank], kind="exited",
+                logs=logs) from None
+    return results
+
+
+@contextmanager
+def _one_launch_at_a_time():
+    if not _LOCK.acquire(blocking=False):
+        raise LaunchError("another stnb.launch is already running in this process; wait for it to finish "
+                          "(one launch at a time per kernel)", kind="busy")
+    try:
+        yield
+    finally:
+        _LOCK.release()
+
+
+def _record(info: LaunchInfo) -> LaunchInfo:
+    global _LAST
+    _LAST = info
+    return info
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when binding host:port fails the way the rendezvous store's bind would (SO_REUSEADDR
+    set, so a port merely in TIME_WAIT after an earlier launch counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes, node_rank,
+                    master_addr, master_port) -> str:
+    """Refuse bad arguments before anything starts; return the device ('cpu' or 'cuda') to use."""
+    from ..hardware import cpu_cores, gpu_count
+
+    if not callable(fn):
+        raise ConfigError(f"launch needs a callable as its first argument, got {type(fn).__name__}")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ConfigError(f"num_processes must be an integer >= 1, got {num_processes!r}")
+    for name, v in (("timeout", timeout), ("stall_timeout", stall_timeout)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{name} must be a positive number of seconds or None, got {v!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if threads_per_rank is not None and (not isinstance(threads_per_rank, int) or threads_per_rank < 1):
+        raise ConfigError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
+    if not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
+        raise ConfigError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
+    n_gpu = gpu_count()
+    if device == "auto":
+        device = "cuda" if n_gpu else "cpu"
+    if device == "cuda":
+        if n_gpu == 0:
+            raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
+        if num_processes > n_gpu:
+            raise ConfigError(
+                f"num_processes={num_processes} but NCCL needs one GPU per rank and this machine has {n_gpu}; "
+                f"use num_processes <= {n_gpu}, or device='cpu' to run gloo ranks on CPU cores")
+    else:
+        cores = cpu_cores()
+        if num_processes > cores:
+            raise ConfigError(
+                f"num_processes={num_processes} but this machine has {cores} CPU core(s) and each gloo rank "
+                f"needs one; use num_processes <= {cores}")
+    _check_rendezvous(num_nodes, master_addr, master_port)
+    return device
+
+
+def _check_rendezvous(num_nodes: int, master_addr: str, master_port: int | None) -> None:
+    if num_nodes == 1 and master_port is None and master_addr not in LOCALHOST:
+        raise ConfigError("master_addr other than localhost only makes sense with num_nodes > 1")
+    if num_nodes > 1 and master_port is None:
+        raise ConfigError("multi-node launches need an agreed master_port on every node; pass master_port=...")
+    if master_port is not None and num_nodes == 1 and port_in_use(master_addr, master_port):
+        raise ConfigError(f"master_port={master_port} is already in use on {master_addr} (another launch, a "
+                          "Jupyter server or some other program holds it); leave master_port=None and stnb "
+                          "picks a free port, or choose another port")

@@ -1,0 +1,248 @@
+"""The rank side: what runs in every forked rank, from the fork to its exit.
+
+``rank_entry`` builds the function each rank starts in. The rank checks in on the channel, sends
+its output to its own log (``output``), leaves the notebook kernel behind (``detach``), joins the
+process group and checks the world it finds there (``checks``), runs the user's function and
+leaves its result or its error record on the channel. Inside the function, ``rank_context()``,
+``heartbeat()`` and ``report_progress()`` tell the parent's watchdog how the rank is doing; a
+thread in the rank counts a moving Python stack as progress too.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ..errors import LaunchError
+from .channel import DONE, FAILED, Channel
+from .detach import detach_from_kernel
+from .output import redirect_output
+from .peerfail import collective_timeout, nccl_env
+
+_CTX: "RankContext | None" = None  # set inside a rank
+
+#: seconds a failing rank waits for ``destroy_process_group`` before it leaves without it
+DESTROY_GRACE_S = 2.0
+
+
+@dataclass
+class RankContext:
+    """What a rank knows about its launch. ``stnb.rank_context()`` returns it inside a rank."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: str
+    backend: str
+    launch_time: float
+    channel: Channel
+    threads: int
+    peak_rss: int = 0
+    start_rss: int = 0
+
+    def peak_rss_growth(self) -> int:
+        return max(0, self.peak_rss - self.start_rss)
+
+
+def rank_context() -> RankContext | None:
+    """The current rank's context, or None outside an stnb launch."""
+    return _CTX
+
+
+def heartbeat() -> None:
+    """Tell the stall watchdog this rank is making progress (cheap; no-op outside a launch)."""
+    ctx = _CTX
+    if ctx is not None:
+        ctx.channel.bump(ctx.local_rank)
+
+
+def report_progress(step: int, total: int | None = None, loss: float | None = None) -> None:
+    """Publish training progress for the parent's per-rank display (and count as a heartbeat)."""
+    ctx = _CTX
+    if ctx is not None:
+        ctx.channel.report(ctx.local_rank, step, total, loss)
+
+
+@dataclass
+class RankOptions:
+    """Everything a rank needs from ``launch``, inherited through fork."""
+
+    fn: object
+    args: tuple
+    kwargs: dict
+    device: str
+    backend: str
+    threads: int
+    nproc: int
+    world_size: int
+    launch_time: float
+    init_distributed: bool = True
+    env: dict = field(default_factory=dict)
+    stall_timeout: float | None = None
+
+
+def rank_entry(ch: Channel, opts: RankOptions):
+    """The function a rank starts in (torch elastic calls it with no arguments)."""
+
+    def stnb_rank(*_ignored):
+        rank_main(ch, opts)
+
+    stnb_rank.__name__ = f"stnb_rank[{getattr(opts.fn, '__name__', 'fn')}]"
+    return stnb_rank
+
+
+def rank_main(ch: Channel, opts: RankOptions) -> None:
+    """Entry point of every rank (runs in the forked child)."""
+    global _CTX
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ.get("RANK", str(local_rank)))
+    ch.check_in(local_rank)
+    os.environ.update(opts.env)
+    redirect_output(ch.path("log", local_rank))
+    stack_file = open(ch.path("stack", local_rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    detach_from_kernel()
+    if opts.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    import torch
+
+    if opts.device == "cpu":
+        torch.set_num_threads(opts.threads)
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)
+    ctx = RankContext(rank=rank, local_rank=local_rank, world_size=opts.world_size,
+                      local_world_size=opts.nproc, device=opts.device, backend=opts.backend,
+                      launch_time=opts.launch_time, channel=ch, threads=opts.threads)
+    ctx.start_rss = ctx.peak_rss = _rss_bytes()
+    _CTX = ctx
+    stop = threading.Event()
+    watcher = threading.Thread(target=_progress_thread, args=(ctx, threading.get_ident(), stop),
+                               name="stnb-progress", daemon=True)
+    watcher.start()
+    import torch.distributed as dist
+
+    try:
+        if opts.init_distributed and not dist.is_initialized():
+            _join_world(opts, rank, local_rank)
+        result = opts.fn(*opts.args, **opts.kwargs)
+        try:
+            data = pickle.dumps(result)
+        except Exception as e:
+            raise LaunchError(f"rank {rank} returned a value that cannot be pickled ({type(result).__name__}: {e}); "
+                              "return plain data (numbers, lists, dicts, tensors moved to CPU)") from e
+        ch.write_result(local_rank, data)
+        ch.set_state(local_rank, DONE)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # leave together: tearing gloo connections down while a peer is still finishing the
+            # last collective can make that peer abort. If a peer failed instead, the barrier
+            # fails too; this rank's result stands and the peer's own error is what is reported.
+            try:
+                dist.barrier()
+            except Exception:
+                pass
+    except BaseException as e:
+        ch.set_state(local_rank, FAILED)
+        ch.write_error(local_rank, {"rank": rank, "local_rank": local_rank, "type": type(e).__name__,
+                                    "message": str(e), "traceback": traceback.format_exc(), "time": time.time()})
+        # the full traceback travels in the error record (LaunchError shows it once)
+        print(f"[stnb] rank {rank} stopped by {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise
+    finally:
+        stop.set()
+        try:
+            if dist.is_initialized() and ch.state(local_rank) != FAILED:
+                dist.destroy_process_group()
+            elif dist.is_initialized():
+                _leave_group_failing()
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _join_world(opts: RankOptions, rank: int, local_rank: int) -> None:
+    """Initialise torch.distributed and check the world against the one the caller asked for."""
+    import torch
+    import torch.distributed as dist
+
+    from ..checks import observe_world, world_problems
+
+    kw = {}
+    if opts.backend == "nccl":  # a peer that fails ends NCCL collectives instead of hanging them
+        os.environ.update(nccl_env())
+        kw["timeout"] = collective_timeout(opts.stall_timeout)
+    if opts.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=opts.backend, **kw)
+    # the world the caller asked for (opts, not the environment the group was built from)
+    # against the processes that answer in the group
+    problems = world_problems(opts.world_size, observe_world())
+    if problems:
+        raise LaunchError(f"rank {rank}: " + "; ".join(problems))
+    if opts.backend == "gloo":
+        # gloo connects every pair inside init_process_group; a rank that finished a short
+        # function and destroyed its group while a slower peer was still connecting made
+        # that peer fail with "connectFullMesh failed ... Connection closed by peer".
+        # Nobody leaves before everybody is connected.
+        dist.barrier()
+
+
+def _leave_group_failing() -> None:
+    """Tear the process group down in a failing rank without ever blocking there.
+
+    Destroying it closes the connections, so gloo peers fail at once instead of waiting; but under
+    NCCL destroy_process_group can block (it waits for collectives the peers never finish), and a
+    rank that never exits leaves its peers hanging. So it runs in a thread, given a moment; if it is
+    still blocked, the rank leaves without it (its error record is written; exit code 1)."""
+    import torch.distributed as dist
+
+    t = threading.Thread(target=dist.destroy_process_group, name="stnb-destroy-group", daemon=True)
+    t.start()
+    t.join(DESTROY_GRACE_S)
+    if t.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _progress_thread(ctx: RankContext, main_ident: int, stop: threading.Event) -> None:
+    """Marks progress when the main thread's Python stack moves or a heartbeat arrives."""
+    ch, r = ctx.channel, ctx.local_rank
+    last_sig, last_beats = None, -1.0
+    while not stop.wait(0.25):
+        frame = sys._current_frames().get(main_ident)
+        sig = _frame_signature(frame)
+        beats = ch.heartbeats(r)
+        if sig != last_sig or beats != last_beats:
+            ch.mark_progress(r, time.time())
+            last_sig, last_beats = sig, beats
+        ctx.peak_rss = max(ctx.peak_rss, _rss_bytes())
+        del frame
+
+
+def _frame_signature(frame) -> tuple:
+    sig = []
+    depth = 0
+    while frame is not None and depth < 64:
+        sig.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+        depth += 1
+    return tuple(sig)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

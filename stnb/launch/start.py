@@ -1,0 +1,195 @@
+"""Starting the ranks and waiting for them to end.
+
+Several ranks start the way accelerate's ``notebook_launcher`` starts them on any Jupyter: torch
+elastic's launcher with a static rendezvous and the fork start method (``start_ranks``); elastic
+waits for them and stops the others when one fails. stnb never calls ``notebook_launcher`` itself,
+which in Colab (and for one process anywhere) runs the function inside the kernel: a single rank
+is forked here (``start_one``), with no rendezvous to set up. ``run_ranks`` does either, with the
+ranks' environment set and torch elastic's logging and signal handlers kept out of the notebook,
+and returns an ``Outcome``: how the launcher call ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .channel import Channel
+from .rank import RankOptions, rank_entry
+
+LOCALHOST = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class Outcome:
+    """How the launcher call ended: cleanly, with an exception, or interrupted (Ctrl-C / SIGINT)."""
+
+    failure: BaseException | None = None
+    interrupted: bool = False
+    exit_codes: dict = field(default_factory=dict)  # {local rank: exit code} of the failed launch
+
+
+def run_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, node_rank: int, num_nodes: int,
+              mixed_precision: str, echo: bool) -> Outcome:
+    """Start this node's ranks, wait until they end; never raises what the launcher raises."""
+    entry = rank_entry(ch, opts)
+    try:
+        with rank_environment(num_nodes, master_addr), quiet_elastic_logs(), kept_signal_handlers():
+            if opts.nproc == 1:
+                # notebook_launcher runs a 1-process "launch" inside this process (the kernel) even
+                # with num_nodes > 1; fork the rank here instead, as global rank node_rank
+                start_one(entry, opts, master_addr, port, rank=node_rank)
+            else:
+                if echo:
+                    print(f"stnb: launching {opts.nproc} rank(s) on {opts.device} ({opts.backend}), "
+                          f"{master_addr}:{port}", flush=True)
+                start_ranks(entry, opts.nproc, master_addr=master_addr, port=port, node_rank=node_rank,
+                            num_nodes=num_nodes, mixed_precision=mixed_precision)
+    except KeyboardInterrupt:
+        return Outcome(interrupted=True)
+    except Exception as e:  # ChildFailedError, SignalException, RuntimeError from the launcher...
+        if getattr(e, "sigval", None) in (signal.SIGINT, int(signal.SIGINT)):  # elastic's SignalException
+            return Outcome(interrupted=True)
+        return Outcome(failure=e, exit_codes=exit_codes(e))
+    return Outcome()
+
+
+def start_ranks(entry, nproc: int, *, master_addr: str, port: int, node_rank: int = 0, num_nodes: int = 1,
+                mixed_precision: str = "no") -> None:
+    """Fork ``nproc`` ranks running ``entry()`` and wait for them: accelerate ``notebook_launcher``'s
+    multi-process branch (torch elastic, static rendezvous, fork), without its in-kernel branch.
+
+    Raises what torch's elastic launcher raises (ChildFailedError, SignalException...)."""
+    from accelerate.utils import check_cuda_p2p_ib_support, patch_environment
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    env = dict(nproc=nproc, node_rank=node_rank, world_size=num_nodes * nproc, master_addr=master_addr,
+               master_port=str(port), mixed_precision=mixed_precision)
+    if not check_cuda_p2p_ib_support():  # nvidia-smi only; consumer GPUs without P2P/IB support
+        env["nccl_p2p_disable"] = "1"
+        env["nccl_ib_disable"] = "1"
+    with patch_environment(**env):
+        config = LaunchConfig(
+            min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id="none",
+            rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend="static", rdzv_configs={"rank": node_rank},
+            max_restarts=0, monitor_interval=0.1, start_method="fork",
+            # LaunchConfig picks NUMA options itself when numa_options is None, asking
+            # torch.cuda.is_available(), which starts the driver in this process; as notebook_launcher
+            # does, give it a value and take it back (no NUMA binding)
+            numa_options=NumaOptions(AffinityMode.NODE))
+        config.numa_options = None
+        elastic_launch(config=config, entrypoint=entry)()
+
+
+class SingleRankFailed(Exception):
+    """The one rank ``start_one`` forked ended with a non-zero exit code."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+        super().__init__(f"rank 0 exited with code {exitcode}")
+
+
+def start_one(entry, opts: RankOptions, master_addr: str, port: int, rank: int = 0) -> None:
+    """Fork one rank running ``entry()`` and wait for it; raise SingleRankFailed if it fails.
+
+    With several nodes (one process each) it is global rank ``rank`` (= node_rank) of
+    ``opts.world_size``."""
+    env = {}
+    if opts.init_distributed:
+        env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(opts.world_size),
+               "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+               "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
+
+    def target():
+        os.environ.update(env)
+        try:
+            entry()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+
+    proc = multiprocessing.get_context("fork").Process(target=target, name="stnb-rank-0")
+    proc.start()
+    while proc.is_alive():
+        proc.join(0.1)
+    if proc.exitcode != 0:
+        raise SingleRankFailed(proc.exitcode)
+
+
+def exit_codes(failure: BaseException) -> dict:
+    """{local_rank: exitcode} from torchelastic's ChildFailedError or ``SingleRankFailed``."""
+    if isinstance(failure, SingleRankFailed):
+        return {0: failure.exitcode}
+    cause = failure
+    while cause is not None:
+        failures = getattr(cause, "failures", None)
+        if isinstance(failures, dict):
+            return {f.local_rank: getattr(f, "exitcode", None) for f in failures.values()
+                    if getattr(f, "local_rank", None) is not None}
+        cause = cause.__cause__ or cause.__context__
+    return {}
+
+
+@contextmanager
+def rank_environment(num_nodes: int, master_addr: str):
+    """What the ranks inherit from this process's environment while they start: STNB_LAUNCH (a rank
+    knows it runs under stnb.launch, not an outside launcher) and gloo on loopback when every rank
+    is on this machine (one node, or "nodes" on localhost)."""
+    local_only = num_nodes == 1 or master_addr in LOCALHOST
+    env = {"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo" if local_only else "")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def kept_signal_handlers():
+    """torch elastic installs its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers; give this process its
+    own back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            try:
+                signal.signal(s, h)
+            except (ValueError, TypeError):  # not main thread / None handler
+                pass
+
+
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
+
+
+@contextmanager
+def quiet_elastic_logs():
+    """torchelastic logs each rank failure at length in the parent; stnb reports it once, as
+    LaunchError with the failing rank's traceback, so its loggers are muted during a launch."""
+    try:  # create the loggers now, so the ones below exist before they are muted
+        import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+        import torch.distributed.launcher.api  # noqa: F401
+    except Exception:  # pragma: no cover
+        pass
+    # torchelastic gives every module its own logger with its own level (LOGLEVEL), so
+    # muting the parent is not enough: mute every existing logger below these names
+    names = [n for n in list(logging.Logger.manager.loggerDict)
+             if any(n == p or n.startswith(p + ".") for p in _ELASTIC_LOGGERS)]
+    levels = {n: logging.getLogger(n).level for n in sorted(set(names) | set(_ELASTIC_LOGGERS))}
+    for n in levels:
+        logging.getLogger(n).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for n, lvl in levels.items():
+            logging.getLogger(n).setLevel(lvl)
