@@ -211,7 +211,7 @@ def _notes(summary, section) -> list:
                  "launchers": lambda n: "at once" in n,
                  "knobs": lambda n: n.startswith("time to first step")}[section]
     notes = [n for n in summary.get("notes", []) if not elsewhere(n)]
-    return ["", *(f"Note: {n}" for n in notes)] if notes else []
+    return ["", "Notes:", "", *(f"- {n}" for n in notes)] if notes else []
 
 
 def _table(head: list, body: list) -> list:
