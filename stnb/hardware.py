@@ -267,6 +267,18 @@ def versions() -> dict:
     return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def strategy_availability(device: str | None = None) -> dict:
     """{strategy: {"runnable": bool, "reason": str}} for this machine."""
     import torch.distributed as dist

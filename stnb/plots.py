@@ -15,7 +15,7 @@ text gives the reason.
     knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnb.bench`` summary
 
 ``reference_frame()`` holds the numbers published in the sentence-transformers documentation
-(4x V100, microsoft/mpnet-base). ``throughput(df, reference=True)``, ``speedup(..., reference=True)``
+(``stnb.reference``: 4x V100, microsoft/mpnet-base). ``throughput(df, reference=True)``, ``speedup(..., reference=True)``
 and ``with_reference(df_or_fig)`` show them beside ours, labelled as theirs.
 """
 
@@ -24,11 +24,12 @@ from __future__ import annotations
 from html import escape as _escape
 import math
 
+from . import reference
 from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 OURS = "this machine"
-REFERENCE_SOURCE = "sentence-transformers docs (4x V100)"
-REFERENCE_URL = "https://sbert.net/docs/sentence_transformer/training/distributed.html"
+REFERENCE_SOURCE = reference.SOURCE
+REFERENCE_URL = reference.URL
 
 STRATEGY_COLORS = {"single": "#7f7f7f", "dp": "#ff7f0e", "ddp": "#1f77b4", "fsdp": "#2ca02c"}
 PART_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer_state": "#54a24b"}
@@ -50,26 +51,24 @@ _META_COLUMNS = (
 # ---- the published reference ----------------------------------------------------------------
 
 def reference_frame():
-    """Throughput published in the sentence-transformers documentation ("Distributed Training").
-
-    Their setup: an AWS p3.8xlarge (4x V100), microsoft/mpnet-base (about 110M parameters), maximum
-    sequence length 384, batch size 32 per device, MultiNLI + SNLI + STSB. These are *their*
-    numbers on *their* hardware (source column), shown for comparison, never as ours.
+    """Throughput published in the sentence-transformers documentation ("Distributed Training"),
+    from ``stnb.reference``: their setup (``reference.CONDITIONS``), *their* numbers on *their*
+    hardware (source column), shown for comparison, never as ours.
     """
     import pandas as pd
 
-    sps = {"single": 2724.0, "dp": 3675.0, "ddp": 6980.0, "fsdp": 5782.0}
-    published = {"single": 1.0, "dp": 1.349, "ddp": 2.562, "fsdp": 2.122}  # as printed in the docs
     rows = []
-    for strategy, value in sps.items():
-        devices = 1 if strategy == "single" else 4
+    for r in reference.rows():
+        strategy, devices = r["strategy"], r["devices"]
+        batch = reference.PER_DEVICE_BATCH_SIZE
         rows.append(dict(
-            strategy=strategy, world_size=4 if strategy in DISTRIBUTED else 1, devices=devices,
-            per_device_batch_size=32, global_batch_size=32 * devices, gradient_accumulation_steps=1,
-            samples_per_second=value, published_speedup=published[strategy],
-            model="microsoft/mpnet-base", device="cuda (4x V100, p3.8xlarge)", max_seq_length=384,
+            strategy=strategy, world_size=reference.world_size(strategy), devices=devices,
+            per_device_batch_size=batch, global_batch_size=batch * devices, gradient_accumulation_steps=1,
+            samples_per_second=r["samples_per_second"], published_speedup=r["published_speedup"],
+            model=reference.MODEL, device=f"cuda ({reference.GPUS}x V100, p3.8xlarge)",
+            max_seq_length=reference.MAX_SEQ_LENGTH,
             status="ok", reason="", verified=None, steps=None, losses=[], peak_memory_bytes=[],
-            memory_breakdown=[], local_param_count=[], total_param_count=109_486_464, run_id="",
+            memory_breakdown=[], local_param_count=[], total_param_count=reference.MODEL_PARAMETERS, run_id="",
             launcher="published", loss="as in the sentence-transformers docs",
             source=REFERENCE_SOURCE, url=REFERENCE_URL))
     return pd.DataFrame(rows)

@@ -177,11 +177,11 @@ def test_plan_is_interleaved_and_keys_are_stable():
 
 
 def test_targets_verdicts():
-    assert bench._target("stnb_vs_raw", 0.99)["verdict"] == "PASS"
-    assert bench._target("stnb_vs_raw", 0.97)["verdict"] == "BELOW"
-    assert bench._target("overhead", 0.01)["verdict"] == "PASS"
-    assert bench._target("overhead", 0.03)["verdict"] == "BELOW"
-    assert bench._target("efficiency_best", None)["verdict"] == "n/a"
+    assert bench.target_verdict("stnb_vs_raw", 0.99)["verdict"] == "PASS"
+    assert bench.target_verdict("stnb_vs_raw", 0.97)["verdict"] == "BELOW"
+    assert bench.target_verdict("overhead", 0.01)["verdict"] == "PASS"
+    assert bench.target_verdict("overhead", 0.03)["verdict"] == "BELOW"
+    assert bench.target_verdict("efficiency_best", None)["verdict"] == "n/a"
 
 
 def test_ddp_knob_combinations_refused_before_any_process_starts():

@@ -10,7 +10,7 @@ import pytest
 
 import stnb
 from stnb import RunResult, TrainConfig
-from stnb import plots
+from stnb import plots, reference
 
 DP_REASON = "DataParallel needs at least 2 CUDA GPUs in one process; this machine has 0"
 
@@ -104,7 +104,7 @@ def test_reference_is_shown_beside_ours_and_labelled_as_theirs(df):
     fig = plots.throughput(df, reference=True)
     theirs = _trace(fig, "published: sentence-transformers docs (4x V100)")
     assert theirs.xaxis == "x2"  # its own panel: V100 numbers would dwarf ours
-    assert list(theirs.y) == [2724.0, 3675.0, 6980.0, 5782.0]
+    assert list(theirs.y) == list(reference.SAMPLES_PER_SECOND.values())
     assert "published, not measured here" in theirs.hovertext[0]
     titles = [a.text for a in fig.layout.annotations]
     assert any("theirs" in t for t in titles) and any("ours" in t for t in titles)
@@ -112,7 +112,7 @@ def test_reference_is_shown_beside_ours_and_labelled_as_theirs(df):
     sp = plots.speedup(df, reference=True)
     ref_bars = _trace(sp, "speedup (published")
     assert list(ref_bars.x) == ["single (docs)", "dp ×4 (docs)", "ddp ×4 (docs)", "fsdp ×4 (docs)"]
-    assert list(ref_bars.y) == pytest.approx([1.0, 1.349, 2.562, 2.122], abs=1e-3)
+    assert list(ref_bars.y) == pytest.approx(list(reference.PUBLISHED_SPEEDUP.values()), abs=1e-3)
     assert ref_bars.marker.pattern.shape == "/"
     ideal = dict(zip(_trace(sp, "ideal").x, _trace(sp, "ideal").y))
     assert ideal["ddp ×4 (docs)"] == 4.0
@@ -216,3 +216,15 @@ def test_knobs_figure_from_a_bench_summary():
     assert lines == [0.95, 1.0]
     with pytest.raises(ValueError, match="no 'knobs' section"):
         stnb.plots.knobs({"sections": {}})
+
+
+def test_reference_numbers_agree_with_each_other():
+    """stnb.reference holds the docs' table: each published speed-up is its samples/s over single's
+    (the docs print them rounded), and the DDP/FSDP rows ran on every GPU."""
+    single = reference.SAMPLES_PER_SECOND["single"]
+    for strategy, sps in reference.SAMPLES_PER_SECOND.items():
+        assert sps / single == pytest.approx(reference.PUBLISHED_SPEEDUP[strategy], abs=1e-3), strategy
+    assert [r["devices"] for r in reference.rows()] == [1, reference.GPUS, reference.GPUS, reference.GPUS]
+    frame = plots.reference_frame()
+    assert list(frame.samples_per_second) == list(reference.SAMPLES_PER_SECOND.values())
+    assert set(frame.source) == {reference.SOURCE}
