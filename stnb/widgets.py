@@ -336,7 +336,7 @@ class Panel(W.VBox):
             return "<i>no runs yet: press Run</i>"
         from . import plots
 
-        data = plots._prepare(self.results)
+        data = plots.comparison_table(self.results)
         rows = []
         for _, r in data.iterrows():
             ok = r["status"] == "ok"
