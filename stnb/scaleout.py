@@ -107,7 +107,7 @@ def _world(env) -> tuple[int, int, int]:
 def _check_here(config, world: int, local_world: int, launcher: str, recipe: bool = True) -> None:
     """Validation for ranks started from outside: the world comes from the launcher, and the
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
-    from .hardware import cpu_cores, gpu_count
+    from .hardware import capacity_problem
 
     if config.strategy in ONE_PROCESS and world > 1:
         raise ConfigError(
@@ -123,22 +123,11 @@ def _check_here(config, world: int, local_world: int, launcher: str, recipe: boo
         avail = strategy_availability(device)["dp"]
         if not avail["runnable"]:
             raise StrategyUnavailable("dp", avail["reason"])
-    if device == "cuda":
-        n_gpu = gpu_count()
-        if n_gpu == 0:
-            raise ConfigError("device='cuda' but no CUDA GPU is visible on this node; use --device cpu or auto")
-        if local_world > n_gpu:
-            raise ConfigError(
-                f"{launcher} started {local_world} processes on this node but it has {n_gpu} GPU(s) and NCCL "
-                f"needs one per rank; use --nproc_per_node <= {n_gpu}, or --device cpu")
-    else:
-        if config.mixed_precision == "fp16":
-            raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-        cores = cpu_cores()
-        if local_world > cores:
-            raise ConfigError(
-                f"{launcher} started {local_world} processes on this node but it has {cores} CPU core(s) and "
-                f"each gloo rank needs one; use --nproc_per_node <= {cores}")
+    if device == "cpu" and config.mixed_precision == "fp16":
+        raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
+    problem = capacity_problem(device, local_world, option="--nproc_per_node")
+    if problem:  # per node: this node's ranks on this node's cores or GPUs
+        raise ConfigError(f"{launcher} started {local_world} processes on this node: {problem}")
     if not recipe:  # a user's build function: its model and data are its own
         return
     from .data import check_data

@@ -29,7 +29,7 @@ import ipywidgets as W
 
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
-from .hardware import max_processes, strategy_availability
+from .hardware import capacity_problem, max_processes, strategy_availability
 from .strategy_table import DISTRIBUTED, STRATEGIES
 from .profiles import current_profile
 from .results import RunResult, load_results, results_frame
@@ -211,12 +211,7 @@ class Panel(W.VBox):
             config.validate(check_resources=False)
         except (ConfigError, StrategyUnavailable) as e:
             return str(e)
-        ws = config.world_size()
-        if ws > self.max_processes:
-            unit = "GPUs" if self.device == "cuda" else "CPU cores"
-            return (f"processes={ws} is more than this machine supports ({self.max_processes} {unit}, one rank "
-                    f"each); use processes <= {self.max_processes}")
-        return ""
+        return capacity_problem(self.device, config.world_size(), option="processes") or ""
 
     def _on_change(self, _change=None) -> None:
         s = self.strategy.value
