@@ -30,11 +30,11 @@ import ipywidgets as W
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
 from .hardware import capacity_problem, max_processes, strategy_availability
+from .models import MINILM, TINY
 from .strategy_table import DISTRIBUTED, STRATEGIES
 from .profiles import current_profile
 from .results import RunResult, load_results, results_frame
 
-MODEL_PRESETS = ("tiny", "minilm")
 _WIDE = {"description_width": "initial"}
 
 _CSS = """<style>
@@ -91,7 +91,7 @@ class Panel(W.VBox):
         self.steps = W.BoundedIntText(value=self.base_config.steps, min=1, max=10_000_000, description="steps",
                                       style=_WIDE, layout=W.Layout(width="150px"))
         self.steps.add_class("stnb-steps")
-        self.model = W.Combobox(value=self.base_config.model, options=list(MODEL_PRESETS), ensure_option=False,
+        self.model = W.Combobox(value=self.base_config.model, options=[TINY, MINILM], ensure_option=False,
                                 description="model", placeholder="tiny, minilm, a hub id or a folder",
                                 style=_WIDE, layout=W.Layout(width="360px"))
         self.model.add_class("stnb-model")
