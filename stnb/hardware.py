@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import warnings
 
-from .strategy_table import DISTRIBUTED, STRATEGIES, TABLE
+from .strategy_table import DISTRIBUTED, TABLE
 from dataclasses import asdict, dataclass, field
 
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: native bf16 matmuls; below it torch emulates bf16, slowly

@@ -32,6 +32,7 @@ import sys
 import time
 
 from .errors import ConfigError
+from .saving import check_target
 from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 __all__ = ["inside_external_launch", "launcher_name", "external_rank", "is_main_process", "run_here"]
@@ -188,11 +189,8 @@ def run_here(config, *, results_file=None, build=None):
     _check_here(config, world, local_world, launcher, recipe=build is None)
     if results_file is not None and rank == 0:
         check_writable(results_file)
-    if config.save_to and rank == 0:
-        target = os.path.abspath(os.path.expanduser(config.save_to))
-        if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-            raise ConfigError(f"save_to={config.save_to!r} already exists and is not empty; stnb never "
-                              "overwrites a saved model. Choose a new folder or remove the old one.")
+    if rank == 0:
+        check_target(config.save_to)
     if config.threads_per_rank and config.resolved_device() == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))  # accelerate reads it too
     if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
