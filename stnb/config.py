@@ -252,7 +252,7 @@ class TrainConfig:
 
     def check_hardware(self) -> None:
         """This machine can run the strategy with this many processes (ConfigError / StrategyUnavailable)."""
-        from .hardware import gpu_count, gpu_problems, max_processes, strategy_availability
+        from .hardware import capacity_problem, gpu_count, gpu_problems, strategy_availability
 
         device = self.resolved_device()
         if device == "cuda" and gpu_count() == 0:
@@ -269,13 +269,10 @@ class TrainConfig:
         avail = strategy_availability(device)[self.strategy]
         if not avail["runnable"]:
             raise StrategyUnavailable(self.strategy, avail["reason"])
-        nmax = max_processes(device)
         ws = self.world_size()
-        if ws > nmax:
-            unit = "GPUs" if device == "cuda" else "CPU cores"
-            raise ConfigError(
-                f"num_processes={ws} is more than this machine supports for {device} "
-                f"({nmax} {unit}, one rank each); use num_processes <= {nmax}")
+        problem = capacity_problem(device, ws)
+        if problem:
+            raise ConfigError(problem)
         if self.strategy == "fsdp" and ws < 2:
             raise ConfigError("fsdp needs at least 2 ranks to shard over; use num_processes >= 2")
 

@@ -28,7 +28,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from .config import TrainConfig
-from ._files import write_atomic
+from .files import write_atomic
 from .errors import ConfigError
 
 __all__ = ["export_script", "ExportedScript", "render_script", "add_cli"]

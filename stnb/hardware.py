@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import warnings
 
-from .strategy_table import DISTRIBUTED, STRATEGIES, TABLE
+from .strategy_table import DISTRIBUTED, TABLE
 from dataclasses import asdict, dataclass, field
 
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: native bf16 matmuls; below it torch emulates bf16, slowly
@@ -207,6 +207,21 @@ def device_for_ranks(n: int = 2) -> str:
     else 'cpu' (one GPU: DDP/FSDP compare on CPU ranks, as the notebooks do)."""
     device = default_device()
     return device if max_processes(device) >= n else "cpu"
+
+
+def capacity_problem(device: str, processes: int, option: str = "num_processes") -> str | None:
+    """Why ``processes`` ranks cannot run on this machine's ``device`` (NCCL: one GPU per rank; gloo:
+    one CPU core per rank), with the fix naming ``option`` (how the caller set the number); None when
+    they can. The one capacity check: TrainConfig, stnb.launch, torchrun ranks and the Panel ask it."""
+    if device == "cuda" and gpu_count() == 0:
+        return "device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'"
+    most = max_processes(device)
+    if processes <= most:
+        return None
+    unit = "GPU(s)" if device == "cuda" else "CPU cores"
+    fix = f"use {option} <= {most}" + (", or device='cpu' to run gloo ranks on CPU cores" if device == "cuda" else "")
+    return (f"{option}={processes} is more than this machine supports for {device} ({most} {unit}; "
+            f"{backend_for(device)} needs one per rank); {fix}")
 
 
 def backend_for(device: str) -> str:

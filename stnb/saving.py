@@ -16,6 +16,19 @@ import tempfile
 from .checks import saved_model_problems, state_of
 
 
+def check_target(save_to: str | None) -> None:
+    """Refuse a ``save_to`` that already holds something, before any process starts (stnb never
+    overwrites a saved model)."""
+    if not save_to:
+        return
+    from .errors import ConfigError
+
+    target = os.path.abspath(os.path.expanduser(save_to))
+    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+        raise ConfigError(f"save_to={save_to!r} already exists and is not empty; stnb never "
+                          "overwrites a saved model. Choose a new folder or remove the old one.")
+
+
 def save_checked(model, target: str, device: str, trained: dict, initial: dict) -> dict:
     """Save ``model`` to ``target`` if it reloads as the trained model. Returns the check:
 

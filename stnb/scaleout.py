@@ -32,6 +32,7 @@ import sys
 import time
 
 from .errors import ConfigError
+from .saving import check_target
 from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 __all__ = ["inside_external_launch", "launcher_name", "external_rank", "is_main_process", "run_here"]
@@ -107,7 +108,7 @@ def _world(env) -> tuple[int, int, int]:
 def _check_here(config, world: int, local_world: int, launcher: str, recipe: bool = True) -> None:
     """Validation for ranks started from outside: the world comes from the launcher, and the
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
-    from .hardware import cpu_cores, gpu_count
+    from .hardware import capacity_problem
 
     if config.strategy in ONE_PROCESS and world > 1:
         raise ConfigError(
@@ -123,22 +124,11 @@ def _check_here(config, world: int, local_world: int, launcher: str, recipe: boo
         avail = strategy_availability(device)["dp"]
         if not avail["runnable"]:
             raise StrategyUnavailable("dp", avail["reason"])
-    if device == "cuda":
-        n_gpu = gpu_count()
-        if n_gpu == 0:
-            raise ConfigError("device='cuda' but no CUDA GPU is visible on this node; use --device cpu or auto")
-        if local_world > n_gpu:
-            raise ConfigError(
-                f"{launcher} started {local_world} processes on this node but it has {n_gpu} GPU(s) and NCCL "
-                f"needs one per rank; use --nproc_per_node <= {n_gpu}, or --device cpu")
-    else:
-        if config.mixed_precision == "fp16":
-            raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-        cores = cpu_cores()
-        if local_world > cores:
-            raise ConfigError(
-                f"{launcher} started {local_world} processes on this node but it has {cores} CPU core(s) and "
-                f"each gloo rank needs one; use --nproc_per_node <= {cores}")
+    if device == "cpu" and config.mixed_precision == "fp16":
+        raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
+    problem = capacity_problem(device, local_world, option="--nproc_per_node")
+    if problem:  # per node: this node's ranks on this node's cores or GPUs
+        raise ConfigError(f"{launcher} started {local_world} processes on this node: {problem}")
     if not recipe:  # a user's build function: its model and data are its own
         return
     from .data import check_data
@@ -199,11 +189,8 @@ def run_here(config, *, results_file=None, build=None):
     _check_here(config, world, local_world, launcher, recipe=build is None)
     if results_file is not None and rank == 0:
         check_writable(results_file)
-    if config.save_to and rank == 0:
-        target = os.path.abspath(os.path.expanduser(config.save_to))
-        if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-            raise ConfigError(f"save_to={config.save_to!r} already exists and is not empty; stnb never "
-                              "overwrites a saved model. Choose a new folder or remove the old one.")
+    if rank == 0:
+        check_target(config.save_to)
     if config.threads_per_rank and config.resolved_device() == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))  # accelerate reads it too
     if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:

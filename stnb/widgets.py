@@ -29,12 +29,12 @@ import ipywidgets as W
 
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
-from .hardware import max_processes, strategy_availability
+from .hardware import capacity_problem, max_processes, strategy_availability
+from .models import MINILM, TINY
 from .strategy_table import DISTRIBUTED, STRATEGIES
 from .profiles import current_profile
 from .results import RunResult, load_results, results_frame
 
-MODEL_PRESETS = ("tiny", "minilm")
 _WIDE = {"description_width": "initial"}
 
 _CSS = """<style>
@@ -91,7 +91,7 @@ class Panel(W.VBox):
         self.steps = W.BoundedIntText(value=self.base_config.steps, min=1, max=10_000_000, description="steps",
                                       style=_WIDE, layout=W.Layout(width="150px"))
         self.steps.add_class("stnb-steps")
-        self.model = W.Combobox(value=self.base_config.model, options=list(MODEL_PRESETS), ensure_option=False,
+        self.model = W.Combobox(value=self.base_config.model, options=[TINY, MINILM], ensure_option=False,
                                 description="model", placeholder="tiny, minilm, a hub id or a folder",
                                 style=_WIDE, layout=W.Layout(width="360px"))
         self.model.add_class("stnb-model")
@@ -211,12 +211,7 @@ class Panel(W.VBox):
             config.validate(check_resources=False)
         except (ConfigError, StrategyUnavailable) as e:
             return str(e)
-        ws = config.world_size()
-        if ws > self.max_processes:
-            unit = "GPUs" if self.device == "cuda" else "CPU cores"
-            return (f"processes={ws} is more than this machine supports ({self.max_processes} {unit}, one rank "
-                    f"each); use processes <= {self.max_processes}")
-        return ""
+        return capacity_problem(self.device, config.world_size(), option="processes") or ""
 
     def _on_change(self, _change=None) -> None:
         s = self.strategy.value
@@ -336,7 +331,7 @@ class Panel(W.VBox):
             return "<i>no runs yet: press Run</i>"
         from . import plots
 
-        data = plots._prepare(self.results)
+        data = plots.comparison_table(self.results)
         rows = []
         for _, r in data.iterrows():
             ok = r["status"] == "ok"

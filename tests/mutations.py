@@ -96,7 +96,7 @@ MUTATIONS = [
     Mutation(
         "write-in-place",
         "the atomic write truncates and rewrites the file in place",
-        (("stnb/_files.py",
+        (("stnb/files.py",
           '        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=os.path.dirname(target) or ".")\n',
           "        tmp = target\n        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"),),
         ("tests/test_results.py::test_a_reader_never_sees_a_partial_file",)),

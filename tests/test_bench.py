@@ -131,8 +131,8 @@ def test_st_docs_preset_is_the_docs_setting_offline():
     opts = bench.BenchOptions.from_preset("st-docs")
     assert (opts.model, opts.max_seq_length, opts.batch_sizes, opts.data) == \
         ("mpnet-base-random", 384, (32,), "synthetic")
-    from stnb.models import PRESETS
-    assert opts.model in PRESETS
+    from stnb.models import BUNDLED
+    assert opts.model in BUNDLED
 
 
 def test_st_docs_runs_offline_on_cpu_at_reduced_size(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .. import reference
-from .._files import write_atomic
+from ..files import write_atomic
 from ..errors import ConfigError
 from .options import BenchOptions, bench_device
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._files import write_atomic
+from ..files import write_atomic
 from .options import ST_DOCS_NOTE, BenchOptions
 from .summary import TARGETS, bench_tag, format_summary
 

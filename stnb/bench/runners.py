@@ -23,6 +23,7 @@ import time
 
 from ..errors import ConfigError, ResultsFileError, StrategyUnavailable
 from ..launch.supervise import children_now, kill_tree
+from ..files import write_atomic
 from .options import BenchOptions
 from .planning import Item
 
@@ -77,10 +78,7 @@ def _raw_rank(cfg, model_path: str, launch_time: float, outdir: str) -> None:
 
     res = train_rank(cfg, model_path, launch_time)
     rank = int(os.environ.get("RANK", "0"))
-    tmp = os.path.join(outdir, f".rank-{rank}.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(res, f)
-    os.replace(tmp, os.path.join(outdir, f"rank-{rank}.pkl"))
+    write_atomic(os.path.join(outdir, f"rank-{rank}.pkl"), pickle.dumps(res))
 
 
 @contextlib.contextmanager
@@ -246,9 +244,7 @@ def torchrun_worker(argv) -> int:
         result = merge(config, gathered, device=config.resolved_device(), n_gpu=gpu_count(),
                        wall_time_s=time.time() - launch_time, launcher="torchrun")
         data = json.dumps(result.to_dict())
-        with open(out_path + ".tmp", "w") as f:
-            f.write(data)
-        os.replace(out_path + ".tmp", out_path)
+        write_atomic(out_path, data)
         print(data, flush=True)
     if dist.is_initialized():  # (a failing rank exits instead; torchrun then stops the others)
         dist.barrier()  # leave together: no rank tears down its connections while rank 0 merges

@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+from ..files import write_atomic
+
 
 def _device():
     import torch
@@ -27,10 +29,7 @@ def _device():
 
 
 def _mark(mark: str) -> None:
-    tmp = f"{mark}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(repr(time.time()))
-    os.replace(tmp, mark)
+    write_atomic(mark, repr(time.time()))
 
 
 def _start(mark: str):

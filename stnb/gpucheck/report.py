@@ -114,7 +114,7 @@ def table(report: dict) -> str:
 
 def write(report: dict, path) -> str:
     """Write the report as JSON, atomically; returns the path."""
-    from .._files import write_atomic
+    from ..files import write_atomic
 
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -18,6 +18,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from ..files import write_atomic
+
 # one row of the shared array per rank
 _BEAT, _STEP, _TOTAL, _LOSS, _STATE, _PID, _BEATS = range(7)
 _SLOTS = 7
@@ -98,16 +100,10 @@ class Channel:
         self.bump(rank)
 
     def write_result(self, rank: int, data: bytes) -> None:
-        self._write_atomic("result", rank, data)
+        write_atomic(self.path("result", rank), data, 0o600)
 
     def write_error(self, rank: int, record: dict) -> None:
-        self._write_atomic("error", rank, json.dumps(record).encode())
-
-    def _write_atomic(self, kind: str, rank: int, data: bytes) -> None:
-        tmp = self.path(kind, rank) + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, self.path(kind, rank))
+        write_atomic(self.path("error", rank), json.dumps(record).encode(), 0o600)
 
     # parent side -------------------------------------------------------------------------
     def state(self, rank: int) -> float:

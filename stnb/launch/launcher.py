@@ -152,7 +152,7 @@ def port_in_use(host: str, port: int) -> bool:
 def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes, node_rank,
                     master_addr, master_port) -> str:
     """Refuse bad arguments before anything starts; return the device ('cpu' or 'cuda') to use."""
-    from ..hardware import cpu_cores, gpu_count
+    from ..hardware import capacity_problem, gpu_count
 
     if not callable(fn):
         raise ConfigError(f"launch needs a callable as its first argument, got {type(fn).__name__}")
@@ -169,22 +169,11 @@ def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_p
         raise ConfigError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
     if not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
         raise ConfigError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
-    n_gpu = gpu_count()
     if device == "auto":
-        device = "cuda" if n_gpu else "cpu"
-    if device == "cuda":
-        if n_gpu == 0:
-            raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
-        if num_processes > n_gpu:
-            raise ConfigError(
-                f"num_processes={num_processes} but NCCL needs one GPU per rank and this machine has {n_gpu}; "
-                f"use num_processes <= {n_gpu}, or device='cpu' to run gloo ranks on CPU cores")
-    else:
-        cores = cpu_cores()
-        if num_processes > cores:
-            raise ConfigError(
-                f"num_processes={num_processes} but this machine has {cores} CPU core(s) and each gloo rank "
-                f"needs one; use num_processes <= {cores}")
+        device = "cuda" if gpu_count() else "cpu"
+    problem = capacity_problem(device, num_processes)
+    if problem:
+        raise ConfigError(problem)
     _check_rendezvous(num_nodes, master_addr, master_port)
     return device
 

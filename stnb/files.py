@@ -6,8 +6,8 @@ import os
 import tempfile
 
 
-def write_atomic(target, text: str, mode: int, on_open_error=None) -> None:
-    """Write ``text`` to a temporary file beside ``target``, fsync it, give it ``mode`` and
+def write_atomic(target, text: str | bytes, mode: int = 0o644, on_open_error=None) -> None:
+    """Write ``text`` (str or bytes) to a temporary file beside ``target``, fsync it, give it ``mode`` and
     rename it over ``target``. On any failure the temporary file is removed and ``target`` is
     untouched. ``on_open_error(OSError) -> Exception`` turns a failure to create the temporary
     file (a read-only or missing folder) into the caller's own error type."""
@@ -20,7 +20,7 @@ def write_atomic(target, text: str, mode: int, on_open_error=None) -> None:
             raise
         raise on_open_error(e) from e
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
