@@ -23,6 +23,7 @@ import dis
 import functools
 import importlib
 import inspect
+import pprint
 import textwrap
 import types
 from dataclasses import dataclass, field
@@ -167,6 +168,7 @@ class _State:
         if isinstance(module, str) and isinstance(qualname, str) and _importable(module, qualname, obj):
             if "." in qualname or "<" in qualname:
                 return f"{name} ({module}.{qualname}: nested; import it at the top level of a module)"
+            module = _public_module(module, qualname, obj)
             line = f"from {module} import {qualname}" + ("" if name == qualname else f" as {name}")
             if self.bind(name, ("import", f"{module}.{qualname}")):
                 self.imports.add(line)
@@ -181,7 +183,7 @@ class _State:
             if len(text) > LITERAL_MAX_CHARS:
                 return f"{name} (a {type(obj).__name__} of {len(text):,} characters: too large to copy into a script)"
             if self.bind(name, ("literal", text)):
-                self.literals.append(f"{name} = {text}")
+                self.literals.append(f"{name} = {pprint.pformat(obj, width=110, sort_dicts=False)}")
             return ""
         kind = type(obj)
         where = "defined in a cell; move it to a .py module and import it" if inspect.isclass(obj) else \
@@ -233,6 +235,17 @@ def _importable(module: str, qualname: str | None, obj) -> bool:
     except Exception:
         return False
     return found is obj
+
+
+def _public_module(module: str, qualname: str, obj) -> str:
+    """The shortest parent package that exports ``obj`` under its name (``sentence_transformers``
+    rather than ``sentence_transformers.sentence_transformer.model``), else ``module``."""
+    parts = module.split(".")
+    for i in range(1, len(parts)):
+        parent = ".".join(parts[:i])
+        if _importable(parent, qualname, obj):
+            return parent
+    return module
 
 
 def _is_literal(obj, depth: int = 0) -> bool:

@@ -84,7 +84,7 @@ def test_exported_build_function_runs_under_torchrun_and_returns_a_verified_resu
     # the function's own source, the imports and literals it reads, and main() under the guard
     defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert defs == ["build_for_script", "main"]
-    assert "from stnb.models import tiny_path" in text and "from datasets.arrow_dataset import Dataset" in text
+    assert "from stnb.models import tiny_path" in text and "from datasets import Dataset" in text
     assert "from sentence_transformers.sentence_transformer import losses" in text
     consts = {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
               if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
