@@ -167,7 +167,9 @@ def apply_overrides(trainer, config: TrainConfig) -> dict:
             overridden[name] = {"from": theirs, "to": value, "why": why}
             setattr(trainer.args, name, value)
     if "per_device_train_batch_size" in overridden:
-        # the Trainer copies the batch at construction and train() reads the copy
+        # the Trainer copies the batch at construction; train() passes the copy to its inner loop, which
+        # computes the total batch and the state's train_batch_size from it (as transformers does itself
+        # when a hyperparameter search changes the batch)
         trainer._train_batch_size = trainer.args.train_batch_size
     return overridden
 

@@ -118,7 +118,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
             if state.get("rowsync") is not None:
                 state["verification"]["embedding_rows"] = state["rowsync"].stats()
             if "per_device_train_batch_size" in overridden:
-                _check_batch_override(state, trainer)
+                _check_batch_override(state, trainer, config)
 
         digests = checks.tensor_digests(trainer.model)
         saved = dev_after = None
@@ -290,11 +290,12 @@ def _record_loss_inputs(loss, state: dict) -> None:
         one.register_forward_pre_hook(hook)
 
 
-def _check_batch_override(state: dict, trainer) -> None:
-    """An overridden per-device batch: the loss's first batch must have had that many rows (observed
-    by the loss's hook), unless the data has fewer rows than one batch."""
+def _check_batch_override(state: dict, trainer, config: TrainConfig) -> None:
+    """An overridden per-device batch: the loss's first batch must have had the rows asked for
+    (observed by the loss's hook), unless the data has fewer rows than one batch."""
     v = state["verification"]
-    asked = trainer.args.train_batch_size  # per device (x GPUs under dp: the loss sees the whole batch)
+    # per device, times the GPUs under dp (where the loss sees the whole batch)
+    asked = config.arg_overrides()["per_device_train_batch_size"][0] * max(1, trainer.args.n_gpu)
     seen = state.get("first_batch_rows")
     rows = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else None
     ok = seen == asked or (rows is not None and seen == rows < asked)
