@@ -166,3 +166,15 @@ def test_a_lambda_and_a_function_without_source_are_refused(tmp_path):
     with pytest.raises(stnb.ConfigError, match="override_args cannot set 'learning_rate'"):
         stnb.export_script(build_for_script, tmp_path / "z.py", echo=False, override_args={"learning_rate": 1})
     assert _written(tmp_path) == []
+
+
+def test_override_args_is_checked_before_anything_starts(tmp_path):
+    with pytest.raises(stnb.ConfigError, match="stnb's recipe takes per_device_batch_size"):
+        stnb.run(stnb.TrainConfig(model="tiny", override_args={"per_device_train_batch_size": 2}), echo=False)
+    with pytest.raises(stnb.ConfigError, match="stnb's recipe takes per_device_batch_size"):
+        stnb.export_script(stnb.TrainConfig(override_args={"per_device_train_batch_size": 2}), tmp_path / "r.py")
+    with pytest.raises(stnb.ConfigError, match=r"override_args\['per_device_train_batch_size'\] must be >= 1"):
+        stnb.run(build_for_script, override_args={"per_device_train_batch_size": 0}, echo=False)
+    with pytest.raises(stnb.ConfigError, match="must be a value or \\(value, why\\)"):
+        stnb.run(build_for_script, override_args={"per_device_train_batch_size": (2, 3, 4)}, echo=False)
+    assert _written(tmp_path) == []
