@@ -18,7 +18,12 @@ DEVICES = ("auto", "cpu", "cuda")
 # for a user's trainer they live in the user's code, here is where (refused with this hint).
 LAUNCH_FIELDS = ("strategy", "num_processes", "device", "timeout", "stall_timeout", "threads_per_rank",
                  "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
-                 "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls")
+                 "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "override_args")
+# Training arguments of a user's trainer that ``override_args`` may replace in every rank (read when
+# train() starts, so setting them on the built trainer takes effect), and what each changes.
+OVERRIDABLE_ARGS = {
+    "per_device_train_batch_size": "the per-device batch (the train dataloader and the global batch follow it)",
+}
 _ARGS = "your SentenceTransformerTrainingArguments"
 RECIPE_FIELDS = {
     "model": "build your SentenceTransformer in the function",
@@ -62,6 +67,11 @@ class TrainConfig:
         gradient_accumulation_steps (all-reduce once per optimizer step, under no_sync) and comm_hook:
         'none', 'fp16', 'bf16' (NCCL only) or 'embedding_rows' (stnb.embedding_rows_hook: all-reduce only the
         embedding rows some rank used; exact).
+    override_args: only with your own build function (``stnb.run(build, override_args=...)``):
+        training arguments of your trainer stnb replaces in every rank, ``{name: value}`` or
+        ``{name: (value, why)}``; the names in ``OVERRIDABLE_ARGS`` (per_device_train_batch_size).
+        Each one that changes a value is listed in RunResult.overridden_args with its reason
+        (the Panel's batch widget sets it, "set in the Panel").
     """
 
     strategy: str = "ddp"
@@ -98,6 +108,8 @@ class TrainConfig:
     # process control
     timeout: float | None = None
     stall_timeout: float | None = 60.0
+    # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
+    override_args: dict | None = None
     extra: dict = field(default_factory=dict)
 
     # ---- derived -----------------------------------------------------------------
@@ -161,6 +173,33 @@ class TrainConfig:
                               + f"; it takes {', '.join(LAUNCH_FIELDS)}")
         return cls(**options)
 
+    def arg_overrides(self) -> dict:
+        """``override_args`` checked and normalised: {name: (value, why)} (ConfigError naming the fix)."""
+        if self.override_args is None:
+            return {}
+        if not isinstance(self.override_args, dict):
+            raise ConfigError(f"override_args must be a dict like {{'per_device_train_batch_size': 8}}, "
+                              f"got {type(self.override_args).__name__}")
+        out = {}
+        for name, given in self.override_args.items():
+            if name not in OVERRIDABLE_ARGS:
+                raise ConfigError(f"override_args cannot set {name!r}: stnb overrides only "
+                                  f"{', '.join(OVERRIDABLE_ARGS)}; set {name} in your training arguments")
+            value, why = given, "given to stnb.run(build, override_args=...)"
+            if isinstance(given, (tuple, list)):
+                if len(given) != 2 or not isinstance(given[1], str):
+                    raise ConfigError(f"override_args[{name!r}] must be a value or (value, why), got {given!r}")
+                value, why = given
+            _check_int(f"override_args[{name!r}]", value, 1)
+            out[name] = (value, why)
+        return out
+
+    def check_recipe_options(self) -> None:
+        """Options that only a user's build function takes are refused for stnb's recipe."""
+        if self.override_args:
+            raise ConfigError("override_args replaces training arguments of your own trainer "
+                              "(stnb.run(build, override_args=...)); stnb's recipe takes per_device_batch_size")
+
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -206,6 +245,7 @@ class TrainConfig:
         from .columns import check_mapping
 
         check_mapping(self.columns)
+        self.arg_overrides()
         if self.steps <= self.warmup_steps_excluded:
             raise ConfigError(
                 f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "

@@ -1,4 +1,5 @@
-"""Export a notebook's training configuration as a standalone script for torchrun / accelerate.
+"""Export a notebook's training (a configuration, or your build function) as a standalone script
+for torchrun / accelerate.
 
     >>> cfg = stnb.TrainConfig(strategy="ddp", model="minilm", steps=50)
     >>> script = stnb.export_script(cfg, "train.py")      # prints how to run it
@@ -6,6 +7,10 @@
     'torchrun --standalone --nproc_per_node=2 train.py'
     >>> script.node_commands("torchrun")                  # several nodes: one line per node
     ['torchrun --nnodes=2 --nproc_per_node=2 --node_rank=0 ...', '... --node_rank=1 ...']
+
+Your own training: ``stnb.export_script(build, "train.py", strategy="ddp", num_processes=2)`` writes
+the build function's source and what it needs into the script (``stnb.buildsource``), or refuses
+naming what exists only in this kernel.
 
 From a shell: ``python -m stnb export --strategy ddp --model minilm --steps 50 --out train.py``
 takes the same options as ``python -m stnb run``.
@@ -28,8 +33,9 @@ import shlex
 from dataclasses import dataclass, field
 
 from .config import TrainConfig
-from .files import write_atomic
 from .errors import ConfigError
+from .files import write_atomic
+from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 __all__ = ["export_script", "ExportedScript", "render_script", "add_cli"]
 
@@ -100,13 +106,11 @@ def _commands(script: str, nproc: int, num_nodes: int, master_addr: str, master_
     return one, multi
 
 
-_TEMPLATE = '''\
+_HEADER = '''\
 #!/usr/bin/env python
-"""Standalone training script exported by stnb {version} from a notebook configuration.
+"""Standalone training script exported by stnb {version} from {source}.
 
-Needs stnb installed where it runs (pip install stnb, or pip install -e <stnb checkout>):
-main() calls stnb's runner, which builds the model, data, loss and sentence-transformers
-trainer exactly as the notebook did, verifies the strategy and measures the run.
+{needs}
 
 Run it on one node:
 {one_node}
@@ -121,7 +125,19 @@ each rank uses one thread unless threads_per_rank or OMP_NUM_THREADS says otherw
 Rank 0 prints the RunResult as one JSON object on the last line of its output, the same form
 as a notebook run: stnb.RunResult.from_dict(json.loads(line)).
 """
+'''
 
+_RECIPE_NEEDS = """\
+Needs stnb installed where it runs (pip install stnb, or pip install -e <stnb checkout>):
+main() calls stnb's runner, which builds the model, data, loss and sentence-transformers
+trainer exactly as the notebook did, verifies the strategy and measures the run."""
+
+_BUILD_NEEDS = """\
+Needs stnb, and every package {name}() imports, installed where it runs. Every rank calls
+{name}() and stnb applies the strategy to the SentenceTransformerTrainer it returns, verifies
+it and measures the run, exactly as stnb.run({name}, ...) did in the notebook."""
+
+_RECIPE_BODY = """
 import json
 
 CONFIG = {config}
@@ -141,20 +157,55 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
+
+_BUILD_MAIN = """
+
+# the options given to stnb.run({name}, ...) in the notebook
+STNB_OPTIONS = {options}
+
+# a JSONL file rank 0 appends the RunResult to (stnb.load_results reads it), or None
+STNB_RESULTS_FILE = {results_file!r}
 
 
-def render_script(config: TrainConfig | dict, *, script_name: str = "train.py", results_file=None,
+def main():
+    import json
+
+    import stnb
+    from stnb.scaleout import is_main_process
+
+    result = stnb.run({name}, results_file=STNB_RESULTS_FILE, **STNB_OPTIONS)
+    if is_main_process():
+        print(json.dumps(result.to_dict()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def render_script(config, *, script_name: str = "train.py", results_file=None,
                   nproc_per_node: int | None = None, num_nodes: int = 2, master_addr: str = "$MASTER_ADDR",
-                  master_port: int = 29500) -> tuple[str, dict, dict, int]:
-    """(script text, one-node commands, multi-node commands, nproc per node) for ``config``;
-    writes nothing."""
+                  master_port: int = 29500, **options) -> tuple[str, dict, dict, int]:
+    """(script text, one-node commands, multi-node commands, nproc per node) for ``config`` (a
+    TrainConfig, a dict of its fields, or a build function with ``stnb.run``'s options); writes nothing."""
     from . import __version__
 
-    if isinstance(config, dict):
-        config = TrainConfig.from_dict(config)
-    if not isinstance(config, TrainConfig):
-        raise ConfigError(f"export_script needs a TrainConfig or a dict of its fields, got {type(config).__name__}")
+    build = None
+    if callable(config) and not isinstance(config, (TrainConfig, dict)):
+        from .buildsource import build_source
+        from .runner import check_build
+
+        build = build_source(check_build(config))  # ConfigError naming what stays in this kernel
+        config = TrainConfig.for_build(**options)
+    else:
+        if isinstance(config, dict):
+            config = TrainConfig.from_dict(config)
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"export_script needs a TrainConfig, a dict of its fields or a build function, "
+                              f"got {type(config).__name__}")
+        config = config.replace(**options) if options else config
+        config.check_recipe_options()
     # the script may run on another machine: check the config itself, not this machine's hardware
     config.validate(check_resources=False)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
@@ -162,14 +213,13 @@ def render_script(config: TrainConfig | dict, *, script_name: str = "train.py", 
     if nproc_per_node is not None and (isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int)
                                        or nproc_per_node < 1):
         raise ConfigError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
-    if config.strategy in ("single", "dp"):
+    if config.strategy in ONE_PROCESS:
         if nproc_per_node not in (None, 1):
             raise ConfigError(f"strategy {config.strategy!r} runs in one process; nproc_per_node must be 1")
         nproc = 1
     else:
         nproc = nproc_per_node or config.world_size()
-    cfg = config.to_dict()
-    distributed = config.strategy in ("ddp", "fsdp")
+    distributed = config.strategy in DISTRIBUTED
     one, multi = _commands(script_name, nproc, num_nodes, master_addr, int(master_port),
                            config.resolved_device(), multi_node=distributed)
     if distributed:
@@ -178,13 +228,20 @@ def render_script(config: TrainConfig | dict, *, script_name: str = "train.py", 
                                                    for name, cmds in multi.items()))
     else:
         multi_text = f"strategy {config.strategy!r} runs in one process: export strategy 'ddp' or 'fsdp' for several nodes."
-    text = _TEMPLATE.format(
+    results_file = None if results_file is None else os.fspath(results_file)
+    header = _HEADER.format(
         version=__version__,
+        source="a notebook configuration" if build is None else f"the build function {build.name}() of a notebook",
+        needs=_RECIPE_NEEDS if build is None else _BUILD_NEEDS.format(name=build.name),
         one_node="\n".join(f"    {c}" for c in one.values()),
         multi_node=multi_text,
-        config=_dict_literal(cfg),
-        results_file=None if results_file is None else os.fspath(results_file),
     )
+    if build is None:
+        text = header + _RECIPE_BODY.format(config=_dict_literal(config.to_dict()), results_file=results_file)
+    else:  # the user's source goes in as it is (never through str.format: it has braces of its own)
+        text = (header + "\nfrom __future__ import annotations\n\n" + build.text
+                + _BUILD_MAIN.format(name=build.name, options=_dict_literal(options) if options else "{}",
+                                     results_file=results_file))
     return text, one, multi, nproc
 
 
@@ -193,15 +250,20 @@ def _dict_literal(d: dict) -> str:
     return "{\n" + "".join(f"    {k!r}: {pprint.pformat(v, width=90)},\n" for k, v in d.items()) + "}"
 
 
-def export_script(config: TrainConfig | dict, path, *, results_file=None, nproc_per_node: int | None = None,
+def export_script(config, path, *, results_file=None, nproc_per_node: int | None = None,
                   num_nodes: int = 2, master_addr: str = "$MASTER_ADDR", master_port: int = 29500,
-                  overwrite: bool = False, echo: bool = True) -> ExportedScript:
+                  overwrite: bool = False, echo: bool = True, **options) -> ExportedScript:
     """Write a standalone training script for ``config`` to ``path`` and print how to run it.
 
-    The script embeds ``config`` as a dict and calls ``stnb.run`` in ``main()`` under
-    ``if __name__ == "__main__":`` (stnb must be installed where it runs). Under torchrun or
-    accelerate launch each process trains as one rank; rank 0 prints the RunResult JSON on its
-    last line (and appends it to ``results_file`` when given).
+    config: a TrainConfig (or a dict of its fields): the script embeds it as a dict. Or your build
+        function with the options you give ``stnb.run``:
+        ``export_script(build, "train.py", strategy="fsdp", num_processes=2)``: the script holds the
+        function's source and what it reads (imports, literals, helper functions from the notebook;
+        ``stnb.buildsource``), or ConfigError names what exists only in this kernel (a closure over a
+        local, a dataset or model built in the notebook, a lambda, a function made by exec) and the fix.
+    The script calls ``stnb.run`` in ``main()`` under ``if __name__ == "__main__":`` (stnb must be
+    installed where it runs). Under torchrun or accelerate launch each process trains as one rank;
+    rank 0 prints the RunResult JSON on its last line (and appends it to ``results_file`` when given).
 
     nproc_per_node: processes per node in the printed commands (default: the config's world size).
     num_nodes / master_addr / master_port: for the multi-node commands (one line per node;
@@ -216,8 +278,8 @@ def export_script(config: TrainConfig | dict, path, *, results_file=None, nproc_
     if os.path.exists(target) and not overwrite:
         raise ConfigError(f"{path!r} already exists; choose another name or pass overwrite=True (--force)")
     text, one, multi, nproc = render_script(config, script_name=path, results_file=results_file,
-                                     nproc_per_node=nproc_per_node, num_nodes=num_nodes,
-                                     master_addr=master_addr, master_port=master_port)
+                                            nproc_per_node=nproc_per_node, num_nodes=num_nodes,
+                                            master_addr=master_addr, master_port=master_port, **options)
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
     except OSError as e:

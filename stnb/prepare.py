@@ -11,6 +11,10 @@ ddp_bucket_cap_mb, ddp_broadcast_buffers, ddp_static_graph
     argument: they come from ``stnb.run``. ddp_find_unused_parameters is the trainer's own rule
     (the user's value, else True for a SentenceTransformer); stnb's recipe sets False and freezes
     the unused pooler. These reach accelerate as the accelerator's DistributedDataParallelKwargs.
+per_device_train_batch_size
+    Only when asked: ``stnb.run(build, override_args={"per_device_train_batch_size": 8})``, or the
+    Panel's batch widget (why: "set in the Panel"). The first batch the loss receives is checked
+    against it (``batch_override`` in the verification).
 disable_tqdm
     stnb shows every rank's progress in the notebook; the trainer's tqdm bar (ProgressCallback) and
     log printer (PrinterCallback) inside the ranks are removed.
@@ -151,6 +155,23 @@ def own_display(trainer) -> tuple[dict, list]:
         if trainer.pop_callback(cls) is not None:
             removed.append(cls.__name__)
     return overridden, removed
+
+
+def apply_overrides(trainer, config: TrainConfig) -> dict:
+    """The training arguments ``config.override_args`` replaces (the Panel's batch, or given to
+    ``stnb.run``). Returns {argument: {"from", "to", "why"}} for each value that changed."""
+    overridden = {}
+    for name, (value, why) in config.arg_overrides().items():
+        theirs = getattr(trainer.args, name)
+        if theirs != value:
+            overridden[name] = {"from": theirs, "to": value, "why": why}
+            setattr(trainer.args, name, value)
+    if "per_device_train_batch_size" in overridden:
+        # the Trainer copies the batch at construction; train() passes the copy to its inner loop, which
+        # computes the total batch and the state's train_batch_size from it (as transformers does itself
+        # when a hyperparameter search changes the batch)
+        trainer._train_batch_size = trainer.args.train_batch_size
+    return overridden
 
 
 def apply_ddp(trainer, config: TrainConfig) -> tuple[dict, dict]:

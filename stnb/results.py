@@ -81,17 +81,26 @@ class RunResult:
         return d
 
     @classmethod
-    def unavailable(cls, config, reason: str) -> "RunResult":
-        """A 'not runnable here' row: the comparison shows it with its reason."""
+    def unavailable(cls, config, reason: str, build: str | None = None) -> "RunResult":
+        """A 'not runnable here' row: the comparison shows it with its reason.
+
+        build: the name of a user's build function (``stnb.prepare.describe(build)``) when the run
+        was ``stnb.run(build, ...)``: the row names it instead of the recipe's model, and its batch is
+        the override's when one was given (else unknown, 0)."""
         from .hardware import versions
 
+        batch, gbs, model, cfg = config.per_device_batch_size, config.global_batch_size(), config.model, \
+            config.to_dict()
+        if build is not None:
+            batch = config.arg_overrides().get("per_device_train_batch_size", (0, ""))[0]
+            gbs, model, cfg = batch * config.world_size(), build, _own_config(config, build, {})
         return cls(strategy=config.strategy, world_size=config.world_size(),
-                   per_device_batch_size=config.per_device_batch_size,
-                   global_batch_size=config.global_batch_size(), steps=0, samples_per_second=None,
+                   per_device_batch_size=batch,
+                   global_batch_size=gbs, steps=0, samples_per_second=None,
                    step_times=[], losses=[], peak_memory_bytes=[], local_param_count=[],
-                   total_param_count=0, verified=False, verification={}, model=config.model,
+                   total_param_count=0, verified=False, verification={}, model=model,
                    device=config.resolved_device(), versions=versions(), status="not runnable here",
-                   reason=reason, config=config.to_dict())
+                   reason=reason, config=cfg, build=build)
 
 
 # ---- merging the ranks' measurements -----------------------------------------------------

@@ -28,10 +28,11 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         SentenceTransformerTrainer (``run(build, strategy="fsdp", num_processes=2)``). stnb calls it
         with no arguments in every rank, applies the strategy to the trainer and trains it. With a
         function, only the options in ``config.LAUNCH_FIELDS`` apply (strategy, num_processes,
-        device, timeout, stall_timeout, threads_per_rank, save_to, the DDP / FSDP knobs); the
-        recipe's (model, data, loss, steps, batch size...) belong in your function and are refused,
-        naming where they go. RunResult.overridden_args lists the training arguments the strategy
-        had to own.
+        device, timeout, stall_timeout, threads_per_rank, save_to, the DDP / FSDP knobs,
+        override_args); the recipe's (model, data, loss, steps, batch size...) belong in your
+        function and are refused, naming where they go. RunResult.overridden_args lists the training
+        arguments stnb replaced, and why: those the strategy must own, and those you asked it to
+        replace with ``override_args={"per_device_train_batch_size": 8}``.
     results_file: a JSONL file the result is appended to (atomically) as soon as it exists.
     on_progress: callback receiving per-rank progress (see ``stnb.launch``).
     """
@@ -49,6 +50,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
     if scaleout.inside_external_launch():  # a rank of torchrun / accelerate launch: don't launch again
         return scaleout.run_here(config, results_file=results_file, build=build)
     if build is None:
+        config.check_recipe_options()
         config.validate()
     else:  # the model and data are the function's: check the options and this machine
         config.validate(check_resources=False)

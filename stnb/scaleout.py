@@ -186,6 +186,8 @@ def run_here(config, *, results_file=None, build=None):
     if config.strategy in DISTRIBUTED:
         config = config.replace(num_processes=world)
     config = config.replace(threads_per_rank=_threads(config, env))
+    if build is None:
+        config.check_recipe_options()
     _check_here(config, world, local_world, launcher, recipe=build is None)
     if results_file is not None and rank == 0:
         check_writable(results_file)
@@ -193,6 +195,10 @@ def run_here(config, *, results_file=None, build=None):
         check_target(config.save_to)
     if config.threads_per_rank and config.resolved_device() == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))  # accelerate reads it too
+    if config.resolved_device() == "cpu":
+        # a user's TrainingArguments without use_cpu=True would set up accelerate for no distribution on a
+        # CPU-only node (each rank training alone); stnb.launch's CPU ranks set the same
+        env["ACCELERATE_USE_CPU"] = "true"
     if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: keep gloo on loopback
 

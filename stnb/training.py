@@ -44,7 +44,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         # accelerate initialises the process group from its environment (gloo on CPU, NCCL on GPU)
         from accelerate import PartialState
 
-        PartialState(cpu=config.device == "cpu")
+        PartialState(cpu=config.resolved_device() == "cpu")  # "auto" on a CPU-only node: gloo too
     use_cuda = torch.cuda.is_available() and config.device != "cpu"
     if config.threads_per_rank and not use_cuda:
         torch.set_num_threads(config.threads_per_rank)
@@ -72,6 +72,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     prepare.refusals(trainer, config, use_cuda)
     model, evaluator = trainer.model, trainer.evaluator
     overridden, removed = prepare.own_display(trainer)
+    overridden.update(prepare.apply_overrides(trainer, config))
     kept = [type(c).__name__ for c in trainer.callback_handler.callbacks]
 
     state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
@@ -116,6 +117,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
             state["verification"]["reuse_freed_memory"] = allocator
             if state.get("embedding_rows") is not None:
                 state["verification"]["embedding_rows"] = state["embedding_rows"].stats()
+            if "per_device_train_batch_size" in overridden:
+                _check_batch_override(state, trainer, config)
 
         digests = checks.tensor_digests(trainer.model)
         saved = dev_after = None
@@ -272,15 +275,35 @@ def _dev_metric(evaluator, model) -> tuple:
 
 
 def _record_loss_inputs(loss, state: dict) -> None:
-    """Note what the loss really receives at its first call: how many text inputs, and a label or not."""
+    """Note what the loss really receives at its first call: how many text inputs, and a label or not
+    (and, in ``first_batch_rows``, how many rows its first input has)."""
     def hook(module, args):
         if state.get("loss_inputs") is None and args:
             features = list(args[0])
             labels = args[1] if len(args) > 1 else None
             state["loss_inputs"] = {"texts": len(features), "label": labels is not None}
+            tensors = [v for v in (features[0].values() if features and isinstance(features[0], dict) else [])
+                       if hasattr(v, "shape") and len(v.shape) >= 1]
+            state["first_batch_rows"] = int(tensors[0].shape[0]) if tensors else None
 
     for one in (loss.values() if isinstance(loss, dict) else [loss]):
         one.register_forward_pre_hook(hook)
+
+
+def _check_batch_override(state: dict, trainer, config: TrainConfig) -> None:
+    """An overridden per-device batch: the loss's first batch must have had the rows asked for
+    (observed by the loss's hook), unless the data has fewer rows than one batch."""
+    v = state["verification"]
+    # per device, times the GPUs under dp (where the loss sees the whole batch)
+    asked = config.arg_overrides()["per_device_train_batch_size"][0] * max(1, trainer.args.n_gpu)
+    seen = state.get("first_batch_rows")
+    rows = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else None
+    ok = seen == asked or (rows is not None and seen == rows < asked)
+    v["batch_override"] = {"asked": asked, "first_batch_rows": seen, "ok": ok}
+    if not ok:
+        v["problems"].append(f"per_device_train_batch_size was overridden to {asked}, but the loss's first batch "
+                             f"had {seen} rows")
+        v["ok"] = False
 
 
 def _full_model_on_rank0(config, model, initial_path, device, rank, max_seq_length):

@@ -3,6 +3,14 @@
     panel = stnb.widgets.Panel()        # defaults from the current profile (STNB_PROFILE)
     panel                               # show it (last line of a cell)
 
+    panel = stnb.widgets.Panel(build=build)   # your own training: build() returns a trainer
+
+With ``build``, Run calls ``stnb.run(build, strategy=..., num_processes=...)``: the strategy and
+processes widgets apply to it, the recipe's widgets (model, steps) are hidden (they are in your
+function), and the per-device batch is your ``per_device_train_batch_size`` unless you tick
+"override": then the batch widget replaces it in every rank, and the result lists it in
+``overridden_args`` with the reason "set in the Panel".
+
 Strategies that cannot run on this machine stay in the list, marked "not runnable here" with
 the reason; choosing one disables Run and says why. Pressing Run calls ``stnb.run`` in the
 button's callback: the kernel is busy until the run ends, and the per-rank progress bars are
@@ -13,7 +21,7 @@ LaunchError, ...) are shown in the panel, which stays usable.
 For code and tests: ``panel.run_config()`` is the TrainConfig the widgets describe,
 ``panel.run()`` does what the button does, ``panel.results`` is the table of runs so far.
 CSS classes for tests and styling: stnb-panel, stnb-strategy, stnb-processes, stnb-batch,
-stnb-model, stnb-steps, stnb-run, stnb-validation, stnb-status, stnb-progress,
+stnb-batch-override, stnb-build, stnb-model, stnb-steps, stnb-run, stnb-validation, stnb-status, stnb-progress,
 stnb-progress-rank, stnb-error, stnb-results, stnb-plot, stnb-log.
 """
 
@@ -27,7 +35,7 @@ from html import escape
 
 import ipywidgets as W
 
-from .config import TrainConfig
+from .config import LAUNCH_FIELDS, TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
 from .hardware import capacity_problem, max_processes, strategy_availability
 from .models import MINILM, TINY
@@ -53,12 +61,22 @@ class Panel(W.VBox):
     results_file: a JSONL file; runs already in it are shown, and every new run is appended.
     profile: a stnb Profile (default: ``stnb.current_profile()``) giving the default sizes.
     plot: the stnb.plots function shown under the table ('dashboard', 'throughput', 'speedup', ...).
+    build: your function returning a SentenceTransformerTrainer: Run trains it (``stnb.run(build, ...)``)
+        instead of stnb's recipe; config_overrides then take only ``config.LAUNCH_FIELDS``.
     config_overrides: TrainConfig fields for every run of this panel (e.g. train_size=200).
     """
 
-    def __init__(self, results_file=None, profile=None, plot: str = "dashboard", **config_overrides):
+    def __init__(self, results_file=None, profile=None, plot: str = "dashboard", build=None, **config_overrides):
         self.profile = profile or current_profile()
-        self.base_config = self.profile.config(**config_overrides)
+        self.build = self.build_name = None
+        if build is not None:
+            from .prepare import describe
+            from .runner import check_build
+
+            self.build, self.build_name = check_build(build), describe(build)
+            self.base_config = TrainConfig.for_build(**config_overrides)
+        else:
+            self.base_config = self.profile.config(**config_overrides)
         self.results_file = results_file
         self.plot_kind = plot
         self.device = self.base_config.resolved_device()
@@ -85,9 +103,19 @@ class Panel(W.VBox):
                                           min=1, max=1024, description="processes", style=_WIDE,
                                           layout=W.Layout(width="170px"))
         self.processes.add_class("stnb-processes")
-        self.batch = W.BoundedIntText(value=self.base_config.per_device_batch_size, min=1, max=1_000_000,
-                                      description="per-device batch", style=_WIDE, layout=W.Layout(width="210px"))
+        own_batch = self.base_config.arg_overrides().get("per_device_train_batch_size")
+        self.batch = W.BoundedIntText(value=own_batch[0] if own_batch else (self.base_config.per_device_batch_size
+                                                                            if build is None else
+                                                                            self.profile.per_device_batch_size),
+                                      min=1, max=1_000_000, description="per-device batch", style=_WIDE,
+                                      layout=W.Layout(width="210px"))
         self.batch.add_class("stnb-batch")
+        # a build function: its own per_device_train_batch_size, unless this box is ticked
+        self.batch_override = W.Checkbox(value=bool(own_batch), description="override", indent=False,
+                                         tooltip="replace per_device_train_batch_size in your training arguments "
+                                                 "(reported in RunResult.overridden_args)",
+                                         layout=W.Layout(width="100px", display=None if build else "none"))
+        self.batch_override.add_class("stnb-batch-override")
         self.steps = W.BoundedIntText(value=self.base_config.steps, min=1, max=10_000_000, description="steps",
                                       style=_WIDE, layout=W.Layout(width="150px"))
         self.steps.add_class("stnb-steps")
@@ -120,11 +148,19 @@ class Panel(W.VBox):
 
         header = W.HTML(value=(f"<b>stnb</b> · profile <code>{escape(self.profile.name)}</code> · device "
                                f"<code>{escape(self.device)}</code> · up to {self.max_processes} rank(s) here"))
-        for w in (self.strategy, self.processes, self.batch, self.steps, self.model):
+        self.build_info = W.HTML(value="" if build is None else (
+            f"training: your build function <code>{escape(self.build_name)}</code> (model, data, loss, steps and "
+            "training arguments are in it)"))
+        self.build_info.add_class("stnb-build")
+        if build is not None:  # the recipe's widgets do not apply to a build function
+            for w in (self.steps, self.model):
+                w.layout.display = "none"
+                w.disabled = True
+        for w in (self.strategy, self.processes, self.batch, self.batch_override, self.steps, self.model):
             w.observe(self._on_change, names="value")
         super().__init__(children=[
-            header, self.strategy,
-            W.HBox([self.processes, self.batch, self.steps]),
+            header, self.build_info, self.strategy,
+            W.HBox([self.processes, self.batch, self.batch_override, self.steps]),
             W.HBox([self.model, self.run_button]),
             self.validation, self.status, self.progress, self.error, self.table, self.plot, self.log_view,
         ])
@@ -141,8 +177,17 @@ class Panel(W.VBox):
         return results_frame(self._results)
 
     def run_config(self) -> TrainConfig:
-        """The TrainConfig the widgets describe (not validated against the hardware yet)."""
+        """The TrainConfig the widgets describe (not validated against the hardware yet). With a build
+        function: only launch fields, and override_args when the batch override is ticked."""
         strategy = self.strategy.value
+        if self.build is not None:
+            overrides = dict(self.base_config.override_args or {})
+            overrides.pop("per_device_train_batch_size", None)
+            if self.batch_override.value:
+                overrides["per_device_train_batch_size"] = (int(self.batch.value), "set in the Panel")
+            return self.base_config.replace(
+                strategy=strategy, num_processes=int(self.processes.value) if strategy in DISTRIBUTED else None,
+                override_args=overrides or None)
         model = (self.model.value or "").strip() or self.base_config.model
         return self.base_config.replace(
             strategy=strategy,
@@ -165,12 +210,16 @@ class Panel(W.VBox):
             config = self.run_config()
             self._busy(True, config)
             t0 = time.time()
-            result = stnb_run(config, results_file=self.results_file, on_progress=self._on_progress, echo=False)
+            if self.build is None:
+                result = stnb_run(config, results_file=self.results_file, on_progress=self._on_progress, echo=False)
+            else:
+                result = stnb_run(self.build, results_file=self.results_file, on_progress=self._on_progress,
+                                  echo=False, **{k: getattr(config, k) for k in LAUNCH_FIELDS})
             self.status.value = (f"<b>done</b> in {time.time() - t0:.1f} s: {escape(config.strategy)}, "
                                  f"{result.samples_per_second or 0:,.1f} samples/s, verified {result.verified}")
         except StrategyUnavailable as e:
             self._show_error(e)
-            result = RunResult.unavailable(config, e.reason)  # the comparison keeps it, marked
+            result = RunResult.unavailable(config, e.reason, build=self.build_name)  # the comparison keeps it
             if self.results_file is not None:
                 from .results import append_result
 
@@ -216,9 +265,22 @@ class Panel(W.VBox):
     def _on_change(self, _change=None) -> None:
         s = self.strategy.value
         self.processes.disabled = self._running or s not in DISTRIBUTED
+        if self.build is not None:
+            self.batch.disabled = self._running or not self.batch_override.value
+            self.batch.tooltip = ("replaces per_device_train_batch_size in your training arguments for this run"
+                                  if self.batch_override.value else
+                                  "your build function's per_device_train_batch_size applies (change it in "
+                                  "your SentenceTransformerTrainingArguments, or tick override)")
         problem = self._problem()
         if problem:
             self.validation.value = f'<span style="color:#b00020">&#9888; {escape(problem)}</span>'
+        elif self.build is not None:
+            c = self.run_config()
+            ws = c.world_size()
+            batch = (f"{int(self.batch.value)} per device (override) = global batch {int(self.batch.value) * ws}"
+                     if self.batch_override.value else "your per_device_train_batch_size per device")
+            self.validation.value = (f'<span style="color:#2e7d32">{escape(s)} on {ws} rank(s) × {batch} · '
+                                     f"{escape(self.build_name)}()</span>")
         else:
             c = self.run_config()
             ws = c.world_size()
@@ -228,7 +290,7 @@ class Panel(W.VBox):
         self.run_button.disabled = self._running or bool(problem)
 
     def _busy(self, running: bool, config: TrainConfig | None = None) -> None:
-        for w in (self.strategy, self.batch, self.steps, self.model):
+        for w in (self.strategy, self.batch, self.batch_override) + (() if self.build else (self.steps, self.model)):
             w.disabled = running
         if running:
             self.run_button.disabled = True
@@ -248,7 +310,7 @@ class Panel(W.VBox):
         self.progress_threads = set()
         self.progress_bars, self.progress_labels, rows = [], [], []
         for r in range(n):
-            bar = W.IntProgress(value=0, min=0, max=max(1, self.steps.value), description=f"rank {r}",
+            bar = W.IntProgress(value=0, min=0, max=self._expected_steps(), description=f"rank {r}",
                                 style=_WIDE, layout=W.Layout(width="320px"))
             label = W.Label(value=f"rank {r}: starting")
             row = W.HBox([bar, label])
@@ -266,7 +328,7 @@ class Panel(W.VBox):
             if st.rank >= len(self.progress_bars):
                 continue
             bar, label = self.progress_bars[st.rank], self.progress_labels[st.rank]
-            total = max(1, int(st.total or self.steps.value or 1))
+            total = max(1, int(st.total or self._expected_steps()))
             if bar.max != total:
                 bar.max = total
             bar.value = max(0, min(int(st.step), total))
@@ -274,6 +336,10 @@ class Panel(W.VBox):
             loss = f" · loss {st.loss:.4f}" if st.loss is not None else ""
             wait = f" · quiet {st.seconds_since_progress:.0f} s" if st.seconds_since_progress > 10 else ""
             label.value = f"rank {st.rank}: {st.state} · step {int(st.step)}/{total}{loss}{wait}"
+
+    def _expected_steps(self) -> int:
+        """The progress bars' length until the ranks report theirs (a build function's is its max_steps)."""
+        return 1 if self.build is not None else max(1, int(self.steps.value or 1))
 
     def _clear_error(self) -> None:
         self.error.value = ""

@@ -256,3 +256,41 @@ def test_lab_dry_run_keeps_token_auth():
     assert "--ip=127.0.0.1" in line and "--no-browser" in line
     assert "token" not in line.lower() and "password" not in line.lower()
     assert ("--allow-root" in line) == (os.geteuid() == 0)
+
+
+# ------------------------------------------------------------ (d) notebooks --
+
+# The syllabus, in reading order: a new notebook is added here (and to the README's table).
+NOTEBOOKS = (
+    "00_setup_and_hardware.ipynb",
+    "01_single_device_baseline.ipynb",
+    "02_data_parallel.ipynb",
+    "03_ddp_from_a_notebook.ipynb",
+    "04_fsdp_sharding.ipynb",
+    "05_compare_strategies.ipynb",
+    "06_scaling_out.ipynb",
+    "07_bring_your_own_training.ipynb",
+)
+
+
+def test_the_notebook_list_is_the_notebooks_folder():
+    assert sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")) == list(NOTEBOOKS)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_follows_the_conventions(name):
+    """CONVENTIONS.md: the same first cell, the opening and closing sections, numbered exercises,
+    and no committed outputs except those nbval compares (# NBVAL_CHECK_OUTPUT)."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    first = "".join(code[0]["source"])
+    assert first.startswith("import stnb\n") and "stnb.setup()" in first, first
+    text = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    for heading in ("What you will learn", "What you need", "Summary", "Exercises"):
+        assert re.search(rf"^## {heading}\s*$", text, re.M), f"{name}: no '## {heading}'"
+    assert re.search(r"^## Exercises\s*\n+1\. ", text, re.M), f"{name}: exercises are not numbered"
+    for c in code:
+        if c.get("outputs"):
+            assert "# NBVAL_CHECK_OUTPUT" in "".join(c["source"]), f"{name}: outputs committed in a cell nbval ignores"

@@ -154,3 +154,104 @@ def test_a_second_run_while_one_is_running_is_refused():
     panel._running = True
     assert panel.run() is None
     assert "already in progress" in panel.error.value
+
+
+# ---- the Panel with a user's build function ------------------------------------------------------
+
+
+def build_small(outdir: str):
+    """A user's own training, as written in a notebook cell: MNRL on pairs, the user's IR evaluator,
+    per_device_train_batch_size=4, 3 steps."""
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers.sentence_transformer import evaluation, losses
+
+    from stnb.models import tiny_path
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    topics = ["cats purr", "rockets fly", "bread rises", "rivers flow", "bees hum", "chess waits"]
+    n = 36
+    train = Dataset.from_dict({"anchor": [f"about {topics[i % 6]} {i}" for i in range(n)],
+                               "positive": [f"{topics[i % 6]} {i}" for i in range(n)]})
+    ir = evaluation.InformationRetrievalEvaluator(
+        {f"q{i}": f"about {topics[i]} {i}" for i in range(6)}, {f"d{i}": f"{topics[i]} {i}" for i in range(6)},
+        {f"q{i}": {f"d{i}"} for i in range(6)}, name="own", show_progress_bar=False, write_csv=False)
+    args = SentenceTransformerTrainingArguments(output_dir=outdir, per_device_train_batch_size=4, max_steps=3,
+                                                learning_rate=1e-3, logging_steps=1, report_to="none",
+                                                save_strategy="no", seed=3)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
+                                      loss=losses.MultipleNegativesRankingLoss(model), evaluator=ir)
+
+
+def test_build_panel_hides_the_recipe_widgets_and_the_batch_is_the_users_unless_overridden(tmp_path):
+    import functools
+
+    build = functools.partial(build_small, str(tmp_path))
+    panel = widgets.Panel(build=build, threads_per_rank=1)
+    assert panel.steps.layout.display == "none" and panel.model.layout.display == "none"
+    assert "build_small" in panel.build_info.value and "stnb-build" in panel.build_info._dom_classes
+    # the batch is the function's own until "override" is ticked, and says where to change it
+    assert panel.batch.disabled and not panel.batch_override.value
+    assert "SentenceTransformerTrainingArguments" in panel.batch.tooltip
+    assert panel.run_config().override_args is None and "your per_device_train_batch_size" in panel.validation.value
+    panel.batch_override.value = True
+    panel.batch.value = 2
+    assert not panel.batch.disabled
+    assert panel.run_config().override_args == {"per_device_train_batch_size": (2, "set in the Panel")}
+    assert "2 per device (override) = global batch 4" in panel.validation.value
+    panel.strategy.value = "single"
+    assert panel.run_config().num_processes is None and panel.processes.disabled
+    # recipe options have no place next to a build function
+    with pytest.raises(stnb.ConfigError, match="steps: max_steps in your SentenceTransformerTrainingArguments"):
+        widgets.Panel(build=build, steps=5)
+    with pytest.raises(stnb.ConfigError, match="requires outdir; give them defaults"):
+        widgets.Panel(build=build_small)
+
+
+def test_build_panel_trains_the_users_trainer_with_the_panels_batch_and_reports_it(tmp_path, no_dp):
+    import functools
+
+    results_file = tmp_path / "runs.jsonl"
+    panel = widgets.Panel(build=functools.partial(build_small, str(tmp_path / "out")), results_file=str(results_file),
+                          threads_per_rank=1)
+    panel.strategy.value = "ddp"
+    panel.processes.value = 2
+    panel.batch_override.value = True
+    panel.batch.value = 2
+    assert not panel.run_button.disabled, panel.validation.value
+    panel.run_button.click()
+    assert panel.error.value == "", panel.error.value
+    res = panel.last_result
+    assert res.verified, res.reason
+    assert res.build == "test_widgets.build_small" and res.world_size == 2
+    # the Panel's batch replaced the function's 4 in both ranks: reported, and observed by the loss
+    assert res.overridden_args["per_device_train_batch_size"] == {"from": 4, "to": 2, "why": "set in the Panel"}
+    assert res.per_device_batch_size == 2 and res.global_batch_size == 4
+    assert [r["batch_override"] for r in res.verification["ranks"]] == [
+        {"asked": 2, "first_batch_rows": 2, "ok": True}] * 2
+    assert res.dev_metric == "own_cosine_ndcg@10" and res.dev_metric_after is not None
+    # progress bars take the length from the trainer's max_steps
+    assert [b.value for b in panel.progress_bars] == [3, 3] and [b.max for b in panel.progress_bars] == [3, 3]
+    # the same table and plot as stnb's recipe
+    row = panel.results.iloc[0]
+    assert (row["strategy"], row["world_size"], row["per_device_batch_size"], row["status"]) == ("ddp", 2, 2, "ok")
+    assert "<td>ddp ×2</td>" in panel.table.value and panel.plot.outputs
+    # a strategy that cannot run here: a "not runnable here" row that names the function
+    panel.strategy.value = "dp"
+    panel.run()
+    assert "StrategyUnavailable" in panel.error.value
+    last = panel.results.iloc[-1]
+    assert last["status"] == "not runnable here" and last["build"] == "test_widgets.build_small"
+    assert last["per_device_batch_size"] == 2
+    assert len(stnb.load_results(results_file)) == 2
+    # without the override the function's own batch applies, and nothing is reported overridden
+    panel.strategy.value = "single"
+    panel.batch_override.value = False
+    panel.run_button.click()
+    assert panel.error.value == "", panel.error.value
+    res = panel.last_result
+    assert res.verified and res.per_device_batch_size == 4 and res.world_size == 1
+    assert "per_device_train_batch_size" not in res.overridden_args
+    assert "batch_override" not in res.verification["ranks"][0]
+    assert len(panel.results) == 3
