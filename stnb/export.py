@@ -189,7 +189,7 @@ def render_script(config, *, script_name: str = "train.py", results_file=None,
                   master_port: int = 29500, **options) -> tuple[str, dict, dict, int]:
     """(script text, one-node commands, multi-node commands, nproc per node) for ``config`` (a
     TrainConfig, a dict of its fields, or a build function with ``stnb.run``'s options); writes nothing."""
-    from . import __version__
+    from .hardware import versions
 
     build = None
     if callable(config) and not isinstance(config, (TrainConfig, dict)):
@@ -230,7 +230,7 @@ def render_script(config, *, script_name: str = "train.py", results_file=None,
         multi_text = f"strategy {config.strategy!r} runs in one process: export strategy 'ddp' or 'fsdp' for several nodes."
     results_file = None if results_file is None else os.fspath(results_file)
     header = _HEADER.format(
-        version=__version__,
+        version=versions()["stnb"],
         source="a notebook configuration" if build is None else f"the build function {build.name}() of a notebook",
         needs=_RECIPE_NEEDS if build is None else _BUILD_NEEDS.format(name=build.name),
         one_node="\n".join(f"    {c}" for c in one.values()),
