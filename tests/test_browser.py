@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -82,6 +83,18 @@ class Lab:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=root_dir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        # every process the server ever had below it (kernels, and the ranks they fork), sampled from
+        # the start, so that the check after stop() covers processes that were re-parented or ended early
+        self.seen = {}
+        self._sampling = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._sampling.is_set():
+            for p in _descendants(self.proc.pid):
+                self.seen.setdefault(p.pid, p)
+            self._sampling.wait(0.2)
 
     def api(self, path: str, method: str = "GET"):
         req = urllib.request.Request(f"{self.url}{path}", method=method,
@@ -107,13 +120,12 @@ class Lab:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def stop(self) -> None:
-        procs = []
-        try:
-            import psutil
-
-            procs = [psutil.Process(self.proc.pid)] + _descendants(self.proc.pid)
-        except Exception:
-            pass
+        """Shut the server down the way a user does (kernels deleted, then the server): nothing is
+        killed by pid here, so processes that outlive a normal shutdown show up in ``leftovers``."""
+        self._sampling.set()
+        self._sampler.join(timeout=5)
+        for p in _descendants(self.proc.pid):  # a last sample: everything below the server right now
+            self.seen.setdefault(p.pid, p)
         try:
             for k in self.api("/api/kernels") or []:
                 self.api(f"/api/kernels/{k['id']}", method="DELETE")
@@ -129,12 +141,22 @@ class Lab:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        for p in procs:  # kernels run in sessions of their own: end each one we started, by pid
+        self._log.close()
+
+    def leftovers(self, grace_s: float = 5.0) -> list:
+        """Processes seen below the server at any time that are still alive after stop(); they are
+        killed afterwards (so a failing run leaves nothing either) and returned for the assertion."""
+        deadline = time.time() + grace_s
+        left = Lab.alive(self.seen.values())
+        while left and time.time() < deadline:
+            time.sleep(0.2)
+            left = Lab.alive(left)
+        for p in left:
             try:
                 p.kill()
             except Exception:
                 pass
-        self._log.close()
+        return left
 
     @staticmethod
     def alive(procs) -> list:
@@ -169,15 +191,10 @@ def lab(tmp_path):
         server.wait_until_up(SERVER_START_S)
         yield server
     finally:
-        tracked = []
-        try:
-            tracked = _descendants(server.proc.pid)
-        except Exception:
-            pass
         server.stop()
-        time.sleep(1)
-        left = Lab.alive(tracked)
-        assert not left, f"processes left behind by jupyter lab: {[p.pid for p in left]}"
+        left = server.leftovers()
+        assert not left, (f"processes left behind after a normal shutdown (of {len(server.seen)} seen below "
+                          f"the server during the test): {[(p.pid, p.name()) for p in left]}")
 
 
 def _chromium_or_fail() -> str:
@@ -289,6 +306,8 @@ def test_ddp_panel_in_jupyterlab(lab):
                           f"{seen_labels}")
             assert any("done" in t for t in seen_labels), seen_labels
             assert len(seen_widths) >= 2, f"the progress bars never moved: {seen_widths}"
+            # the cleanup check at teardown covers the ranks: the sampler saw them below the kernel
+            assert len(lab.seen) >= 3, f"only {len(lab.seen)} process(es) seen below the server (kernel + ranks)"
 
             page.wait_for_timeout(1000)  # let plotly finish drawing
             panel.screenshot(path=str(SCREENSHOT))
