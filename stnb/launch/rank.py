@@ -45,11 +45,6 @@ class RankContext:
     launch_time: float
     channel: Channel
     threads: int
-    peak_rss: int = 0
-    start_rss: int = 0
-
-    def peak_rss_growth(self) -> int:
-        return max(0, self.peak_rss - self.start_rss)
 
 
 def rank_context() -> RankContext | None:
@@ -121,7 +116,6 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     ctx = RankContext(rank=rank, local_rank=local_rank, world_size=opts.world_size,
                       local_world_size=opts.nproc, device=opts.device, backend=opts.backend,
                       launch_time=opts.launch_time, channel=ch, threads=opts.threads)
-    ctx.start_rss = ctx.peak_rss = _rss_bytes()
     _CTX = ctx
     stop = threading.Event()
     watcher = threading.Thread(target=_progress_thread, args=(ctx, threading.get_ident(), stop),
@@ -226,7 +220,6 @@ def _progress_thread(ctx: RankContext, main_ident: int, stop: threading.Event) -
         if sig != last_sig or beats != last_beats:
             ch.mark_progress(r, time.time())
             last_sig, last_beats = sig, beats
-        ctx.peak_rss = max(ctx.peak_rss, _rss_bytes())
         del frame
 
 
@@ -239,10 +232,3 @@ def _frame_signature(frame) -> tuple:
         depth += 1
     return tuple(sig)
 
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
