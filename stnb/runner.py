@@ -59,7 +59,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         check_writable(results_file)
     check_target(config.save_to)
     model_path = resolve_model(config.model) if build is None else None  # builds 'tiny' once, here
-    _preimport()
+    preimport_training_stack()
     device = config.resolved_device()
     ws = config.world_size()
     env = {}
@@ -118,7 +118,7 @@ def check_build(build):
     return build
 
 
-def _preimport() -> None:
+def preimport_training_stack() -> None:
     """Import the training stack once in this process: forked ranks inherit it instead of each
     importing it again (6-8 CPU seconds per rank). None of it initialises CUDA."""
     import sentence_transformers  # noqa: F401

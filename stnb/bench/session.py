@@ -116,9 +116,12 @@ def _run_items(todo: list, opts: BenchOptions, path) -> tuple:
     """Run each item, appending its result (with the machine's other load meanwhile) to ``path`` as
     soon as it finishes. Returns (runs done, [(label, reason)] of the failed ones)."""
     from ..results import append_result
+    from ..runner import preimport_training_stack
 
     if todo:
-        _warm_parent()
+        # forked ranks (stnb.launch, notebook_launcher) inherit the imported stack, as in a notebook
+        # kernel that has trained before; torchrun ranks are new interpreters and import it themselves
+        preimport_training_stack()
     echo, ran, failed_runs = opts.echo, 0, []
     try:
         for i, it in enumerate(todo, 1):
@@ -142,14 +145,6 @@ def _run_items(todo: list, opts: BenchOptions, path) -> tuple:
             print(f"interrupted: {ran} run(s) saved in {path}; run the same command again to resume", flush=True)
         raise
     return ran, failed_runs
-
-
-def _warm_parent() -> None:
-    """Import the training stack once in this process: forked ranks (stnb.launch, notebook_launcher)
-    inherit it, as they do in a notebook kernel that has trained before. torchrun ranks are new
-    interpreters and import it themselves (that is part of their time to the first step)."""
-    import sentence_transformers  # noqa: F401
-    import transformers.trainer  # noqa: F401
 
 
 def _html_report(opts: BenchOptions, summary: dict, frame) -> str | None:
