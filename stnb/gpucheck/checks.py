@@ -20,8 +20,8 @@ import traceback
 
 from ..strategy_table import DISTRIBUTED
 
-from . import planning
-from . import ranks
+from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
+from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
 from .report import Outcome
 
 
@@ -144,8 +144,8 @@ def check_train_direct(check, machine) -> Outcome:
                    error="; ".join(problems))
 
 
-_FAULTS = {"raise": (ranks.raise_after_collective, "raised"), "kill": (ranks.sigkill_after_collective, "killed"),
-           "stall": (ranks.stall_in_collective, "stalled")}
+_FAULTS = {"raise": (raise_after_collective, "raised"), "kill": (sigkill_after_collective, "killed"),
+           "stall": (stall_in_collective, "stalled")}
 
 
 def _descendants() -> set:
@@ -164,7 +164,7 @@ def check_fault(check, machine) -> Outcome:
     fn, kind = _FAULTS[check.params["fault"]]
     n = check.params["nproc"]
     bad = min(1, n - 1)
-    limit = planning.FAULT_STALL_S if kind == "stalled" else 0.0
+    limit = FAULT_STALL_S if kind == "stalled" else 0.0
     with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-") as tmp:
         mark = os.path.join(tmp, "fault.mark")
         before = _descendants()
@@ -172,7 +172,7 @@ def check_fault(check, machine) -> Outcome:
         error = None
         try:
             launch(fn, mark, num_processes=n, device=_dev(check), echo=False, timeout=120,
-                   stall_timeout=planning.FAULT_STALL_S if kind == "stalled" else 60.0)
+                   stall_timeout=FAULT_STALL_S if kind == "stalled" else 60.0)
         except BaseException as e:  # noqa: BLE001 - the error is what is measured
             error = e
         t_err = time.time()
@@ -182,7 +182,7 @@ def check_fault(check, machine) -> Outcome:
         except (OSError, ValueError):
             t_fault = None
         left = sorted(_descendants() - before)
-        pids = ranks.rank_pids(mark)
+        pids = rank_pids(mark)
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     problems = []
     if error is None:
@@ -197,9 +197,9 @@ def check_fault(check, machine) -> Outcome:
     to_error = None if t_fault is None else round(t_err - t_fault - limit, 2)
     if t_fault is None:
         problems.append("the faulting rank never reached its fault (no mark)")
-    elif to_error > planning.FAULT_TO_ERROR_S:
+    elif to_error > FAULT_TO_ERROR_S:
         problems.append(f"the error came {to_error} s after the fault{' and the stall limit' if limit else ''} "
-                        f"(limit {planning.FAULT_TO_ERROR_S:g} s)")
+                        f"(limit {FAULT_TO_ERROR_S:g} s)")
     if left or alive:
         problems.append(f"processes left behind: descendants {left}, rank pids alive {alive}")
     if len(pids) != n:
