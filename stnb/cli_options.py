@@ -43,6 +43,7 @@ HELP = {
     "evaluate": "skip the dev evaluation before and after training",
     "save_to": "folder for the trained model (must not exist)",
     "device": "auto, cpu or cuda",
+    "start_method": "auto, fork (Linux) or spawn (fresh processes; the macOS / Windows default)",
     "mixed_precision": "no, bf16 or fp16",
     "reuse_freed_memory": "CPU: keep glibc's default allocator in the training processes",
     "gradient_accumulation_steps": "micro-batches per optimizer step; one all-reduce per step (no_sync)",

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, StrategyUnavailable
+from .hardware import START_METHODS, start_method as resolve_start_method
 from .strategy_table import DISTRIBUTED, ONE_PROCESS, STRATEGIES
 
 LOSSES = ("cosine", "mnrl")
@@ -16,8 +17,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # The fields that apply to any training, stnb's recipe or a user's own trainer (``stnb.run(build, ...)``):
 # where and how the ranks run, and the strategy's knobs. The other fields describe stnb's recipe;
 # for a user's trainer they live in the user's code, here is where (refused with this hint).
-LAUNCH_FIELDS = ("strategy", "num_processes", "device", "timeout", "stall_timeout", "threads_per_rank",
-                 "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
+LAUNCH_FIELDS = ("strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout",
+                 "threads_per_rank", "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
                  "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "override_args")
 # Training arguments of a user's trainer that ``override_args`` may replace in every rank (read when
 # train() starts, so setting them on the built trainer takes effect), and what each changes.
@@ -59,6 +60,10 @@ class TrainConfig:
         'answer': 'positive', 'hard': 'negative'}; {'id': None} drops a column explicitly. Every other
         column must be one the loss reads (stnb.columns), else the run is refused before it starts.
     per_device_batch_size: samples per device per step; global = per_device * processes * accumulation.
+    start_method: how the processes start: 'fork' (copies of the notebook's process; Linux), 'spawn'
+        (fresh interpreters, the default on macOS / Windows: a build function defined in a cell is
+        sent by value) or 'auto' ($STNB_START_METHOD, else the platform's). RunResult.start_method
+        records the one the ranks observed.
     threads_per_rank: torch threads in each process (CPU default: cores / processes).
     reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
         fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory.
@@ -92,6 +97,7 @@ class TrainConfig:
     evaluate: bool = True
     save_to: str | None = None
     device: str = "auto"
+    start_method: str = "auto"
     mixed_precision: str = "no"
     threads_per_rank: int | None = None
     reuse_freed_memory: bool = True  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
@@ -220,6 +226,8 @@ class TrainConfig:
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("start_method", self.start_method, START_METHODS)
+        resolve_start_method(self.start_method)  # one this platform has
         _check_int("per_device_batch_size", self.per_device_batch_size, 1)
         _check_int("steps", self.steps, 1)
         _check_int("train_size", self.train_size, 2)

@@ -1,6 +1,6 @@
 """What this machine has, and which strategies can run here (with reasons).
 
-Nothing here initialises the CUDA driver: ranks are forked from this process, and a forked
+Nothing here initialises the CUDA driver: ranks are forked from this process (on Linux), and a forked
 child cannot use a driver its parent initialised ("Cannot re-initialize CUDA in forked
 subprocess"). ``torch.cuda.is_available()`` and ``torch.cuda.device_count()`` may call
 ``cudaGetDeviceCount`` (which runs ``cuInit``), so GPUs are counted and described from NVML
@@ -228,6 +228,35 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+#: how ranks start: "fork" copies the launching process (the notebook), "spawn" starts fresh interpreters
+START_METHODS = ("auto", "fork", "spawn")
+
+
+def start_method(requested: str = "auto") -> str:
+    """The start method a launch uses here: 'fork' or 'spawn' (ConfigError for one this platform lacks).
+
+    'auto' is $STNB_START_METHOD when set, else fork on Linux (ranks inherit the notebook: a function
+    defined in a cell, its data and the imported training stack, nothing pickled) and spawn elsewhere:
+    macOS, where a forked process that used Apple's system frameworks can crash (Python's own default
+    there since 3.8), and Windows, which has no fork. Spawned ranks receive the function by value."""
+    import multiprocessing
+    import sys
+
+    from .errors import ConfigError
+
+    asked = requested
+    if requested == "auto":
+        requested = os.environ.get("STNB_START_METHOD", "").strip().lower() or (
+            "fork" if sys.platform.startswith("linux") else "spawn")
+        asked = f"STNB_START_METHOD={requested!r}" if os.environ.get("STNB_START_METHOD", "").strip() else requested
+    if requested not in START_METHODS[1:]:
+        raise ConfigError(f"unknown start method {asked!r}; choose 'fork' (Linux) or 'spawn' (any platform), "
+                          "or 'auto'")
+    if requested not in multiprocessing.get_all_start_methods():
+        raise ConfigError(f"start_method={asked!r} is not available on {sys.platform}; use 'spawn' (or 'auto')")
+    return requested
+
+
 def max_processes(device: str) -> int:
     """Most ranks one node supports for this device: one per GPU (NCCL), one per core (gloo)."""
     return gpu_count() if device == "cuda" else cpu_cores()
@@ -244,6 +273,7 @@ class HardwareReport:
     versions: dict = field(default_factory=dict)
     gpu_details: list = field(default_factory=list)  # gpus(): index, name, memory_bytes, compute_capability
     warnings: list = field(default_factory=list)     # GPUs this torch build cannot use, with the fix
+    start_method: str = "fork"                       # how stnb.launch starts ranks here (start_method())
 
     def runnable(self, strategy: str) -> bool:
         return self.strategies[strategy]["runnable"]
@@ -255,7 +285,8 @@ class HardwareReport:
         lines = [
             f"CPU cores: {self.cpu_cores}",
             f"GPUs: {len(self.gpus)}" + (" (" + ", ".join(self.gpus) + ")" if self.gpus else ""),
-            f"default device: {self.device}  backend: {self.backend}  max processes: {self.max_processes}",
+            f"default device: {self.device}  backend: {self.backend}  max processes: {self.max_processes}  "
+            f"ranks start by: {self.start_method}",
             "strategies:",
         ]
         for name, info in self.strategies.items():
@@ -338,4 +369,5 @@ def report(device: str | None = None) -> HardwareReport:
         versions=versions(),
         gpu_details=details,
         warnings=gpu_problems(),
+        start_method=start_method(),
     )

@@ -97,11 +97,13 @@ def refusals(trainer, config: TrainConfig, use_cuda: bool) -> None:
     if use_cuda and args.use_cpu:
         problems.append("use_cpu=True in your arguments, but this run is on CUDA; remove use_cpu, or run on CPU "
                         "with stnb.run(build, device='cpu')")
-    if config.strategy == "fsdp" and str(args.save_strategy) not in ("no", "SaveStrategy.NO") \
-            and not args.save_only_model:
-        problems.append(f"save_strategy={str(args.save_strategy)!r} with FSDP: the trainer cannot checkpoint the "
-                        "optimizer of a model sharded before training; set save_only_model=True or "
-                        "save_strategy='no' (stnb.run(build, save_to=...) saves the trained model)")
+    save = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if config.strategy == "fsdp" and save != "no":
+        # the trainer saves at the end of training too, and its save_pretrained (save_only_model
+        # included) cannot write the sharded model stnb's FSDP trains
+        problems.append(f"save_strategy={save!r} with FSDP: the trainer's checkpoints (at least one, at the end of "
+                        "training) cannot save a model sharded before training; set save_strategy='no' in your "
+                        "arguments, and stnb.run(build, save_to=...) saves the trained model, gathered and checked")
     static = config.static_graph or (args.ddp_static_graph and config.static_graph == _default("static_graph"))
     if config.strategy == "ddp" and static and args.gradient_accumulation_steps > 1:
         problems.append("DDP's static_graph cannot be combined with gradient_accumulation_steps > 1 "

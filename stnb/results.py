@@ -43,6 +43,7 @@ class RunResult:
     time_to_first_step_s: float | None = None
     wall_time_s: float | None = None
     launcher: str = "stnb"
+    start_method: str | None = None    # how stnb started the ranks, as they observed it: fork | spawn
     mfu: dict | None = None            # model FLOPs utilisation and its inputs (stnb.mfu.summarize)
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
@@ -160,6 +161,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
                                   if r["time_to_first_step_s"] is not None), default=None),
         wall_time_s=wall_time_s,
         launcher=launcher,
+        start_method=verification.get("start_method", {}).get("seen"),
         mfu=mfu,
         saved_to=(r0.get("saved_model") or {}).get("saved_to"),
         build=r0.get("build"),
@@ -207,6 +209,14 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
         verification["shards_add_up"] = held == total
         if held != total:
             problems.append(f"the ranks' local shards hold {held} parameter values, the model has {total}")
+    started = [r.get("start_method") for r in rank_results]
+    asked = rank_results[0].get("start_method_requested")
+    if asked is not None:  # stnb started the ranks: each saw how it was started
+        same = len(set(started)) == 1
+        verification["start_method"] = {"requested": asked, "seen": started[0] if same else None,
+                                        "per_rank": started}
+        if not same or started[0] != asked:
+            problems.append(f"start method {asked!r} was requested, the ranks were started by {started}")
     saved = rank_results[0].get("saved_model")
     if saved is not None:
         verification["saved_model"] = saved

@@ -2,7 +2,7 @@
 
 ``run(config)`` validates the config in the notebook process, then starts the ranks through
 ``stnb.launch`` (ddp/fsdp: N ranks; single/dp: one child process, so CUDA never touches the
-kernel). Every rank runs ``training.train_rank`` and returns its measurements; ``run`` merges them
+kernel), forked or spawned (``config.start_method``). Every rank runs ``training.train_rank`` and returns its measurements; ``run`` merges them
 (``results.merge``). ``run(build, strategy=...)`` does the same with the SentenceTransformerTrainer
 your function ``build()`` returns in each rank.
 """
@@ -36,7 +36,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
     results_file: a JSONL file the result is appended to (atomically) as soon as it exists.
     on_progress: callback receiving per-rank progress (see ``stnb.launch``).
     """
-    from .hardware import gpu_count
+    from .hardware import gpu_count, start_method as resolve_start_method
     from .models import resolve_model
 
     build = None
@@ -59,7 +59,9 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         check_writable(results_file)
     check_target(config.save_to)
     model_path = resolve_model(config.model) if build is None else None  # builds 'tiny' once, here
-    preimport_training_stack()
+    method = resolve_start_method(config.start_method)
+    if method == "fork":
+        preimport_training_stack()
     device = config.resolved_device()
     ws = config.world_size()
     env = {}
@@ -77,7 +79,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         rank_results = launch(train_rank, config, model_path, t0, ws, build, num_processes=ws,
                               timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                               threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
-                              distributed=config.strategy in DISTRIBUTED, env=env)
+                              distributed=config.strategy in DISTRIBUTED, env=env, start_method=method)
     finally:
         if bars is not None:
             bars.close()

@@ -21,8 +21,9 @@ one machine, the same training is started by an outside launcher instead, and st
 The launcher decides the number of processes: ``config.num_processes`` is replaced by the
 launch's WORLD_SIZE (rank 0 prints a note when they differ), and hardware is checked per
 node (LOCAL_WORLD_SIZE ranks on this node's cores or GPUs). On CPU each rank uses one thread
-unless ``threads_per_rank`` or OMP_NUM_THREADS says otherwise. stnb's stall watchdog and
-``timeout`` belong to ``stnb.launch``; under torchrun, torchrun supervises the ranks.
+unless ``threads_per_rank`` or OMP_NUM_THREADS says otherwise. stnb's stall watchdog,
+``timeout`` and ``start_method`` belong to ``stnb.launch``; under torchrun, torchrun starts and
+supervises the ranks.
 """
 
 from __future__ import annotations

@@ -172,6 +172,9 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         "peak": device_peak(device, precision),
         "overridden_args": overridden,
         "build": None if build is None else prepare.describe(build),
+        # how this rank was started, observed in it (None under torchrun / accelerate launch)
+        "start_method": ctx.start_method if ctx else None,
+        "start_method_requested": ctx.start_method_requested if ctx else None,
         "training": _training_facts(trainer, precision) if build is not None else None,
     }
 

@@ -137,6 +137,18 @@ MUTATIONS = [
         (("stnb/recipe.py", "        data_seed=config.seed,\n",
           '        data_seed=config.seed + int(__import__("os").environ.get("RANK", "0")),\n'),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
+    Mutation(
+        "spawn-by-reference",
+        "spawned ranks get the launched function by reference (plain pickle), as multiprocessing sends it",
+        (("stnb/launch/byvalue.py", "        return cloudpickle.dumps((fn, args, kwargs))\n",
+          "        return pickle.dumps((fn, args, kwargs))  # MUTATION\n"),),
+        ("tests/test_spawn.py::test_cell_function_runs_in_spawned_ranks",)),
+    Mutation(
+        "spawn-asked-fork-used",
+        "the ranks are forked whatever start method the launch asked for",
+        (("stnb/launch/start.py", "monitor_interval=0.1, start_method=opts.start_method,",
+          'monitor_interval=0.1, start_method="fork",'),),
+        ("tests/test_spawn.py::test_own_training_under_spawn_verified",)),
 ]
 
 

@@ -327,6 +327,19 @@ def test_fsdp_arguments_of_accelerate_are_refused_with_the_fix(tmp_path):
     assert not _no_children_left()
 
 
+def test_fsdp_refuses_checkpoints_even_of_the_model_alone(tmp_path):
+    """The trainer saves a checkpoint at the end of training whatever save_steps says, and its
+    save_pretrained cannot write the sharded model (save_only_model=True included): refused with the fix."""
+    def build():
+        trainer = build_matryoshka_and_triplet(str(tmp_path), "triplet")
+        trainer.args.save_strategy, trainer.args.save_steps, trainer.args.save_only_model = "steps", 500, True
+        return trainer
+
+    with pytest.raises(stnb.LaunchError, match="save_strategy='steps' with FSDP.*set save_strategy='no'"):
+        stnb.run(build, strategy="fsdp", echo=False, **FAST)
+    assert not _no_children_left()
+
+
 def build_cached_mnrl_with_prompts(outdir: str):
     """CachedMultipleNegativesRankingLoss gathering in-batch negatives from every rank, with prompts."""
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer

@@ -1,9 +1,10 @@
 """The result channel between the launching process and its ranks.
 
 Per rank, a temporary folder holds its output log, its result (pickled), its error record (JSON)
-and its stack dump; a shared-memory array the ranks inherit through fork holds its live numbers
-(pid, state, time of last progress, heartbeat count, step, total, loss), which the parent's
-watchdog reads without any message passing. The rank side writes, the parent side reads;
+and its stack dump; a shared-memory array holds its live numbers (pid, state, time of last progress,
+heartbeat count, step, total, loss), which the parent's watchdog reads without any message passing.
+Forked ranks inherit the array; spawned ranks receive it (the channel is pickled while they start),
+so it is made in the launch's start-method context. The rank side writes, the parent side reads;
 ``RankState`` is one rank's row as the parent reports it to ``on_progress``.
 """
 
@@ -45,10 +46,10 @@ class Channel:
 
     A context manager: the temporary folder is removed on exit."""
 
-    def __init__(self, nproc: int):
+    def __init__(self, nproc: int, start_method: str = "fork"):
         self.nproc = nproc
         self.dir = tempfile.mkdtemp(prefix="stnb-launch-")
-        self.shm = multiprocessing.get_context("fork").Array("d", nproc * _SLOTS, lock=False)
+        self.shm = multiprocessing.get_context(start_method).Array("d", nproc * _SLOTS, lock=False)
         for r in range(nproc):
             self._set(r, _LOSS, float("nan"))
 

@@ -12,7 +12,8 @@ stnb forks its ranks from the notebook's own process. For that to work:
   GNU OpenMP's thread pool (a rank would wait for the pool's threads forever).
 
 Starting the ranks themselves (torch elastic, as accelerate's ``notebook_launcher`` does) is in
-``start``.
+``start``. None of this applies to spawned ranks (``start_method='spawn'``): fresh interpreters
+inherit no driver, no accelerate state and no heap.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def check_fork_safe() -> None:
             "CUDA is already initialised in this process (a tensor was moved to the GPU, a model was loaded on "
             "'cuda', or torch.cuda.is_available() / torch.cuda.device_count() / torch.cuda.get_device_name() "
             "was called in an earlier cell), and forked ranks cannot use an initialised CUDA driver. "
-            "Fix: restart the kernel and keep all GPU work inside the launched function / stnb.run; "
-            "stnb.hardware_report() tells what GPUs there are without starting the driver.")
+            "Fix: restart the kernel and keep all GPU work inside the launched function / stnb.run "
+            "(stnb.hardware_report() tells what GPUs there are without starting the driver), or launch "
+            "with start_method='spawn': spawned ranks are fresh processes and inherit no driver.")
     try:
         from accelerate.state import AcceleratorState
 

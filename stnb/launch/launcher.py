@@ -1,7 +1,8 @@
 """``launch()``: the orchestration, and what it checks before anything starts.
 
-validate the arguments -> check the process is fit to fork -> open the channel and start the
-watchdog -> start the ranks and wait -> diagnose a failure -> collect the results. Each step lives
+validate the arguments -> pick the start method; fork: check the process is fit to fork, spawn:
+pack the function by value -> open the channel and start the watchdog -> start the ranks and wait
+-> diagnose a failure -> collect the results. Each step lives
 in its own module of this package; this one also keeps the record of the last launch
 (``last_launch``) and picks the rendezvous port (``free_port``).
 """
@@ -11,15 +12,16 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, LaunchError
+from .byvalue import pack
 from .channel import Channel
 from .diagnose import diagnose
 from .forksafe import check_fork_safe, fork_ready
-from .rank import RankOptions
-from .start import LOCALHOST, run_ranks
+from .rank import RankOptions, launcher_token
+from .start import LOCALHOST, keep_spawn_helper, run_ranks
 from .supervise import tracked_children
 from .watchdog import Watchdog
 
@@ -39,6 +41,7 @@ class LaunchInfo:
     wall_time_s: float = 0.0
     start_time: float = 0.0
     error: str | None = None
+    start_method: str = "fork"
 
 
 def last_launch() -> LaunchInfo | None:
@@ -49,7 +52,7 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
            device: str = "auto", threads_per_rank: int | None = None, num_nodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, mixed_precision: str = "no",
            on_progress=None, echo: bool = True, distributed: bool = True, env: dict | None = None,
-           **kwargs) -> list:
+           start_method: str = "auto", **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` in ``num_processes`` ranks; return their results ordered by rank.
 
     Every rank starts with torch.distributed initialised (gloo on CPU, NCCL on GPU) with
@@ -65,27 +68,36 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
     distributed: with num_processes=1, False runs the rank without a process group (stnb's
         'single' and 'dp' strategies: the child keeps CUDA out of the kernel).
     env: environment variables set in every rank before anything else runs there.
+    start_method: 'fork' (ranks are copies of this process: Linux), 'spawn' (fresh interpreters: the
+        function and its arguments are pickled, by value when defined in a notebook cell; the
+        default on macOS / Windows) or 'auto' ($STNB_START_METHOD, else the platform's).
 
     Raises ConfigError before anything starts for bad arguments; LaunchError when a rank
     fails, stalls or the timeout passes (other ranks are stopped, no process is left).
     """
-    from ..hardware import backend_for, cpu_cores
+    from ..hardware import backend_for, cpu_cores, start_method as resolve_start_method
 
     device = check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes,
                              node_rank, master_addr, master_port)
-    check_fork_safe()
+    method = resolve_start_method(start_method)
+    if method == "fork":
+        call = dict(fn=fn, args=args, kwargs=kwargs)
+        check_fork_safe()
+    else:  # a fresh interpreter: the function travels by value, checked here before anything starts
+        call = dict(fn=None, args=(), kwargs={}, packed=pack(fn, args, kwargs))
+        keep_spawn_helper()
     nproc, world_size = num_processes, num_processes * num_nodes
     port = master_port or free_port(master_addr)
-    with _one_launch_at_a_time(), Channel(nproc) as ch:
-        opts = RankOptions(fn=fn, args=args, kwargs=kwargs, device=device, backend=backend_for(device),
+    with _one_launch_at_a_time(), Channel(nproc, method) as ch:
+        opts = RankOptions(**call, device=device, backend=backend_for(device),
                            threads=threads_per_rank or max(1, cpu_cores() // nproc), nproc=nproc,
                            world_size=world_size, launch_time=time.time(),
                            init_distributed=distributed or world_size > 1, env=dict(env or {}),
-                           stall_timeout=stall_timeout)
+                           stall_timeout=stall_timeout, start_method=method, launcher_token=launcher_token())
         info = _record(LaunchInfo(num_processes=nproc, port=port, device=device, backend=opts.backend,
-                                  start_time=opts.launch_time))
+                                  start_time=opts.launch_time, start_method=method))
         watchdog = Watchdog(ch, nproc, timeout, stall_timeout, on_progress, echo, rank_offset=node_rank * nproc)
-        with watchdog, tracked_children(), fork_ready():
+        with watchdog, tracked_children(), (fork_ready() if method == "fork" else nullcontext()):
             outcome = run_ranks(ch, opts, master_addr=master_addr, port=port, node_rank=node_rank,
                                 num_nodes=num_nodes, mixed_precision=mixed_precision, echo=echo)
             watchdog.launcher_returned()

@@ -1,11 +1,13 @@
-"""The rank side: what runs in every forked rank, from the fork to its exit.
+"""The rank side: what runs in every rank, from its start to its exit.
 
-``rank_entry`` builds the function each rank starts in. The rank checks in on the channel, sends
-its output to its own log (``output``), leaves the notebook kernel behind (``detach``), joins the
-process group and checks the world it finds there (``checks``), runs the user's function and
-leaves its result or its error record on the channel. Inside the function, ``rank_context()``,
-``heartbeat()`` and ``report_progress()`` tell the parent's watchdog how the rank is doing; a
-thread in the rank counts a moving Python stack as progress too.
+``rank_main`` is the function every rank starts in (torch elastic calls it with the channel and the
+``RankOptions``; forked ranks inherit both, spawned ranks receive them pickled, the user's function
+by value: ``byvalue``). The rank checks in on the channel, sends its output to its own log
+(``output``), leaves the notebook kernel behind (``detach``), joins the process group and checks the
+world it finds there (``checks``), runs the user's function and leaves its result or its error
+record on the channel. Inside the function, ``rank_context()``, ``heartbeat()`` and
+``report_progress()`` tell the parent's watchdog how the rank is doing; a thread in the rank counts
+a moving Python stack as progress too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import secrets
 import signal
 import sys
 import threading
@@ -21,12 +24,14 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..errors import LaunchError
+from .byvalue import unpack
 from .channel import DONE, FAILED, Channel
 from .detach import detach_from_kernel
 from .output import redirect_output
 from .peerfail import collective_timeout, nccl_env
 
 _CTX: "RankContext | None" = None  # set inside a rank
+_LAUNCHER_TOKEN: "str | None" = None  # made in the launching process; a forked rank inherits it
 
 #: seconds a failing rank waits for ``destroy_process_group`` before it leaves without it
 DESTROY_GRACE_S = 2.0
@@ -45,6 +50,8 @@ class RankContext:
     launch_time: float
     channel: Channel
     threads: int
+    start_method: str = "fork"            # how this rank was started, as observed inside it
+    start_method_requested: str = "fork"  # what the launch asked for
 
 
 def rank_context() -> RankContext | None:
@@ -66,9 +73,24 @@ def report_progress(step: int, total: int | None = None, loss: float | None = No
         ctx.channel.report(ctx.local_rank, step, total, loss)
 
 
+def launcher_token() -> str:
+    """A token of the launching process: a rank holding it is a fork of that process (``started_as``)."""
+    global _LAUNCHER_TOKEN
+    if _LAUNCHER_TOKEN is None:
+        _LAUNCHER_TOKEN = secrets.token_hex(8)
+    return _LAUNCHER_TOKEN
+
+
+def started_as(opts: "RankOptions") -> str:
+    """'fork' when this process's memory is a copy of the launching process (it holds that process's
+    token), 'spawn' when it is a fresh interpreter: observed, not read from the options."""
+    return "fork" if _LAUNCHER_TOKEN is not None and _LAUNCHER_TOKEN == opts.launcher_token else "spawn"
+
+
 @dataclass
 class RankOptions:
-    """Everything a rank needs from ``launch``, inherited through fork."""
+    """Everything a rank needs from ``launch``: inherited through fork, pickled for spawn (then the
+    function and its arguments travel in ``packed``, by value, and ``fn`` is None)."""
 
     fn: object
     args: tuple
@@ -82,20 +104,18 @@ class RankOptions:
     init_distributed: bool = True
     env: dict = field(default_factory=dict)
     stall_timeout: float | None = None
+    start_method: str = "fork"
+    packed: bytes | None = None  # spawn: byvalue.pack(fn, args, kwargs)
+    launcher_token: str = ""
 
-
-def rank_entry(ch: Channel, opts: RankOptions):
-    """The function a rank starts in (torch elastic calls it with no arguments)."""
-
-    def stnb_rank(*_ignored):
-        rank_main(ch, opts)
-
-    stnb_rank.__name__ = f"stnb_rank[{getattr(opts.fn, '__name__', 'fn')}]"
-    return stnb_rank
+    def call(self):
+        """The user's ``fn(*args, **kwargs)``, unpacked first when it travelled by value."""
+        fn, args, kwargs = unpack(self.packed) if self.packed is not None else (self.fn, self.args, self.kwargs)
+        return fn(*args, **kwargs)
 
 
 def rank_main(ch: Channel, opts: RankOptions) -> None:
-    """Entry point of every rank (runs in the forked child)."""
+    """Entry point of every rank (torch elastic, or ``start.one_rank``, calls it in the child)."""
     global _CTX
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", str(local_rank)))
@@ -103,7 +123,8 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     os.environ.update(opts.env)
     redirect_output(ch.path("log", local_rank))
     stack_file = open(ch.path("stack", local_rank), "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    if hasattr(faulthandler, "register"):  # POSIX: the watchdog asks for every thread's stack
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     detach_from_kernel()
     if opts.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -115,7 +136,8 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
         os.environ["OMP_NUM_THREADS"] = str(opts.threads)
     ctx = RankContext(rank=rank, local_rank=local_rank, world_size=opts.world_size,
                       local_world_size=opts.nproc, device=opts.device, backend=opts.backend,
-                      launch_time=opts.launch_time, channel=ch, threads=opts.threads)
+                      launch_time=opts.launch_time, channel=ch, threads=opts.threads,
+                      start_method=started_as(opts), start_method_requested=opts.start_method)
     _CTX = ctx
     stop = threading.Event()
     watcher = threading.Thread(target=_progress_thread, args=(ctx, threading.get_ident(), stop),
@@ -126,7 +148,7 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     try:
         if opts.init_distributed and not dist.is_initialized():
             _join_world(opts, rank, local_rank)
-        result = opts.fn(*opts.args, **opts.kwargs)
+        result = opts.call()
         try:
             data = pickle.dumps(result)
         except Exception as e:

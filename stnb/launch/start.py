@@ -1,12 +1,16 @@
 """Starting the ranks and waiting for them to end.
 
 Several ranks start the way accelerate's ``notebook_launcher`` starts them on any Jupyter: torch
-elastic's launcher with a static rendezvous and the fork start method (``start_ranks``); elastic
-waits for them and stops the others when one fails. stnb never calls ``notebook_launcher`` itself,
-which in Colab (and for one process anywhere) runs the function inside the kernel: a single rank
-is forked here (``start_one``), with no rendezvous to set up. ``run_ranks`` does either, with the
-ranks' environment set and torch elastic's logging and signal handlers kept out of the notebook,
-and returns an ``Outcome``: how the launcher call ended.
+elastic's launcher with a static rendezvous (``start_ranks``); elastic waits for them and stops the
+others when one fails. stnb never calls ``notebook_launcher`` itself, which in Colab (and for one
+process anywhere) runs the function inside the kernel: a single rank is started here
+(``start_one``), with no rendezvous to set up. ``run_ranks`` does either, with the ranks'
+environment set and torch elastic's logging and signal handlers kept out of the notebook, and
+returns an ``Outcome``: how the launcher call ended.
+
+Both start the ranks with the launch's start method (``hardware.start_method``): fork on Linux, as
+notebook_launcher does, spawn on macOS / Windows or when asked. Either way every rank begins in
+``rank.rank_main(channel, options)``, a module-level function a spawned rank can import.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .channel import Channel
-from .rank import RankOptions, rank_entry
+from .rank import RankOptions, rank_main
 
 LOCALHOST = ("127.0.0.1", "localhost", "::1")
 
@@ -36,18 +40,17 @@ class Outcome:
 def run_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, node_rank: int, num_nodes: int,
               mixed_precision: str, echo: bool) -> Outcome:
     """Start this node's ranks, wait until they end; never raises what the launcher raises."""
-    entry = rank_entry(ch, opts)
     try:
         with rank_environment(num_nodes, master_addr), quiet_elastic_logs(), kept_signal_handlers():
             if opts.nproc == 1:
                 # notebook_launcher runs a 1-process "launch" inside this process (the kernel) even
                 # with num_nodes > 1; fork the rank here instead, as global rank node_rank
-                start_one(entry, opts, master_addr, port, rank=node_rank)
+                start_one(ch, opts, master_addr, port, rank=node_rank)
             else:
                 if echo:
                     print(f"stnb: launching {opts.nproc} rank(s) on {opts.device} ({opts.backend}), "
-                          f"{master_addr}:{port}", flush=True)
-                start_ranks(entry, opts.nproc, master_addr=master_addr, port=port, node_rank=node_rank,
+                          f"{master_addr}:{port}" + (", spawn" if opts.start_method == "spawn" else ""), flush=True)
+                start_ranks(ch, opts, master_addr=master_addr, port=port, node_rank=node_rank,
                             num_nodes=num_nodes, mixed_precision=mixed_precision)
     except KeyboardInterrupt:
         return Outcome(interrupted=True)
@@ -58,16 +61,18 @@ def run_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, no
     return Outcome()
 
 
-def start_ranks(entry, nproc: int, *, master_addr: str, port: int, node_rank: int = 0, num_nodes: int = 1,
-                mixed_precision: str = "no") -> None:
-    """Fork ``nproc`` ranks running ``entry()`` and wait for them: accelerate ``notebook_launcher``'s
-    multi-process branch (torch elastic, static rendezvous, fork), without its in-kernel branch.
+def start_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, node_rank: int = 0,
+                num_nodes: int = 1, mixed_precision: str = "no") -> None:
+    """Start ``opts.nproc`` ranks running ``rank_main(ch, opts)`` and wait for them: accelerate
+    ``notebook_launcher``'s multi-process branch (torch elastic, static rendezvous), without its
+    in-kernel branch, with ``opts.start_method``.
 
     Raises what torch's elastic launcher raises (ChildFailedError, SignalException...)."""
     from accelerate.utils import check_cuda_p2p_ib_support, patch_environment
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from torch.numa.binding import AffinityMode, NumaOptions
 
+    nproc = opts.nproc
     env = dict(nproc=nproc, node_rank=node_rank, world_size=num_nodes * nproc, master_addr=master_addr,
                master_port=str(port), mixed_precision=mixed_precision)
     if not check_cuda_p2p_ib_support():  # nvidia-smi only; consumer GPUs without P2P/IB support
@@ -77,13 +82,13 @@ def start_ranks(entry, nproc: int, *, master_addr: str, port: int, node_rank: in
         config = LaunchConfig(
             min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id="none",
             rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend="static", rdzv_configs={"rank": node_rank},
-            max_restarts=0, monitor_interval=0.1, start_method="fork",
+            max_restarts=0, monitor_interval=0.1, start_method=opts.start_method,
             # LaunchConfig picks NUMA options itself when numa_options is None, asking
             # torch.cuda.is_available(), which starts the driver in this process; as notebook_launcher
             # does, give it a value and take it back (no NUMA binding)
             numa_options=NumaOptions(AffinityMode.NODE))
         config.numa_options = None
-        elastic_launch(config=config, entrypoint=entry)()
+        elastic_launch(config=config, entrypoint=rank_main)(ch, opts)
 
 
 class SingleRankFailed(Exception):
@@ -94,8 +99,8 @@ class SingleRankFailed(Exception):
         super().__init__(f"rank 0 exited with code {exitcode}")
 
 
-def start_one(entry, opts: RankOptions, master_addr: str, port: int, rank: int = 0) -> None:
-    """Fork one rank running ``entry()`` and wait for it; raise SingleRankFailed if it fails.
+def start_one(ch: Channel, opts: RankOptions, master_addr: str, port: int, rank: int = 0) -> None:
+    """Start one rank running ``rank_main(ch, opts)`` and wait for it; raise SingleRankFailed if it fails.
 
     With several nodes (one process each) it is global rank ``rank`` (= node_rank) of
     ``opts.world_size``."""
@@ -104,21 +109,32 @@ def start_one(entry, opts: RankOptions, master_addr: str, port: int, rank: int =
         env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(opts.world_size),
                "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
                "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
-
-    def target():
-        os.environ.update(env)
-        try:
-            entry()
-        except BaseException:
-            os._exit(1)
-        os._exit(0)
-
-    proc = multiprocessing.get_context("fork").Process(target=target, name="stnb-rank-0")
+    proc = multiprocessing.get_context(opts.start_method).Process(target=one_rank, args=(ch, opts, env),
+                                                                  name="stnb-rank-0")
     proc.start()
     while proc.is_alive():
         proc.join(0.1)
     if proc.exitcode != 0:
         raise SingleRankFailed(proc.exitcode)
+
+
+def one_rank(ch: Channel, opts: RankOptions, env: dict) -> None:
+    """The process ``start_one`` starts: the rank, then an exit code (0 ok, 1 failed), nothing else."""
+    os.environ.update(env)
+    try:
+        rank_main(ch, opts)
+    except BaseException:
+        os._exit(1)
+    os._exit(0)
+
+
+def keep_spawn_helper() -> None:
+    """Start multiprocessing's resource tracker now, before the launch notes which processes are its
+    own: spawning starts it once per process, it lives as long as this one (its own cleanup), and
+    the launch's cleanup must not take it for a rank's leftover."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
 
 
 def exit_codes(failure: BaseException) -> dict:

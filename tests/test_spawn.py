@@ -1,0 +1,242 @@
+"""The spawn start method (macOS / Windows, or asked for): ranks are fresh interpreters, so what a
+notebook cell defined reaches them by value.
+
+The kernel test runs a real Jupyter kernel (nbclient) with ``STNB_START_METHOD=spawn`` in its
+environment, as on a Mac where stnb picks spawn without being told; the cells never mention the
+start method until the last launch, which asks for fork explicitly. In the notebook:
+
+  0. setup; the hardware report says how ranks start here
+  1. a function defined in the cell, reading a global of the cell, launched on 2 ranks
+  2. a build function, its dataset and a loss class defined in cells, trained under ddp and fsdp
+  3. a function that reads an unpicklable global (a lock): refused before any process starts
+  4. a spawned rank that raises: LaunchError with the rank and its traceback
+  5. the same kernel launches with start_method="fork" afterwards
+  6. psutil: the kernel's child processes at the end
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from stnb.config import TrainConfig
+from stnb.errors import ConfigError
+from stnb.hardware import start_method
+
+nbformat = pytest.importorskip("nbformat")
+pytest.importorskip("nbclient")
+
+CELLS = [
+    # 0
+    """
+    import json, os, sys, threading
+    import psutil
+    import stnb
+    from stnb.models import built_path
+    stnb.setup(show=False)
+    TINY = built_path("tiny")
+    print("METHOD " + stnb.hardware_report().start_method)
+    print("KERNEL " + str(os.getpid()))
+    """,
+    # 1
+    """
+    OFFSET = 40
+
+    def where_am_i(x):
+        ctx = stnb.rank_context()
+        return {"rank": ctx.rank, "pid": os.getpid(), "value": x + OFFSET, "start_method": ctx.start_method,
+                # a forked rank shares the notebook's __main__ (and its OFFSET); a spawned one does not
+                "main_has_offset": hasattr(sys.modules["__main__"], "OFFSET")}
+
+    print("LAUNCH " + json.dumps(stnb.launch(where_am_i, 2, num_processes=2, device="cpu")))
+    """,
+    # 2
+    """
+    from datasets import Dataset
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    class SharperMNRL(MultipleNegativesRankingLoss):  # a loss class defined in the notebook
+        def __init__(self, model):
+            super().__init__(model, scale=30.0)
+
+    triplets = Dataset.from_list([{"anchor": f"question {i}", "positive": f"answer {i}",
+                                   "negative": f"unrelated {i}"} for i in range(64)])
+
+    def build():
+        from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                           SentenceTransformerTrainingArguments)
+        model = SentenceTransformer(TINY)
+        args = SentenceTransformerTrainingArguments(output_dir=os.path.join(os.getcwd(), "out"), max_steps=4,
+                                                    per_device_train_batch_size=8, report_to=[],
+                                                    save_strategy="no")
+        return SentenceTransformerTrainer(model=model, args=args, train_dataset=triplets,
+                                          loss=SharperMNRL(model))
+
+    runs = {s: stnb.run(build, strategy=s, num_processes=2, device="cpu") for s in ("ddp", "fsdp")}
+    print("RUNS " + json.dumps({s: {"verified": r.verified, "reason": r.reason, "start_method": r.start_method,
+                                    "steps": r.steps, "columns": r.verification.get("data_columns"),
+                                    "checked": r.verification.get("start_method"), "loss": r.config.get("loss")}
+                       for s, r in runs.items()}))
+    """,
+    # 3
+    """
+    lock = threading.Lock()
+
+    def holds_lock():
+        with lock:
+            return 1
+
+    kids = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        stnb.launch(holds_lock, num_processes=2, device="cpu")
+        print("REFUSED " + json.dumps(None))
+    except stnb.ConfigError as e:
+        print("REFUSED " + json.dumps(str(e)))
+    print("NEW_KIDS " + json.dumps(sorted({p.pid for p in psutil.Process().children(recursive=True)} - kids)))
+    """,
+    # 4
+    """
+    def fails_on_rank_1():
+        if stnb.rank_context().rank == 1:
+            raise ValueError("deliberate failure in a spawned rank")
+        return "ok"
+
+    try:
+        stnb.launch(fails_on_rank_1, num_processes=2, device="cpu", echo=False)
+        print("FAILED " + json.dumps(None))
+    except stnb.LaunchError as e:
+        print("FAILED " + json.dumps({"rank": e.rank, "traceback": e.rank_traceback}))
+    """,
+    # 5
+    """
+    print("FORK " + json.dumps(stnb.launch(where_am_i, 1, num_processes=2, device="cpu", start_method="fork")))
+    """,
+    # 6
+    """
+    print("CHILDREN " + json.dumps([(p.pid, " ".join(p.cmdline())) for p in psutil.Process().children(recursive=True)]))
+    """,
+]
+
+DRIVER = r'''
+import os, sys
+import nbformat
+from nbclient import NotebookClient
+
+nb_path = sys.argv[1]
+nb = nbformat.read(nb_path, as_version=4)
+NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+               resources={"metadata": {"path": os.path.dirname(nb_path)}}).execute()
+nbformat.write(nb, nb_path)
+'''
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spawn")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(src).strip()) for src in CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb_path = tmp / "spawn.ipynb"
+    nbformat.write(nb, nb_path)
+    env = dict(os.environ, STNB_START_METHOD="spawn", STNB_PROFILE="ci", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(nb_path)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=str(tmp))
+    assert proc.returncode == 0, f"the notebook did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    out = {"errors": {}}
+    for i, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):
+        for o in cell.outputs:
+            if o.output_type == "error":  # each test names the cell it needs; the error says why it is missing
+                out["errors"][i] = f"{o.ename}: {o.evalue}"[-3000:]
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key.isupper() and value:
+                out[key] = value
+    return out
+
+
+def _output(spawned, key):
+    assert key in spawned, f"no {key} line; cells that raised: {spawned['errors']}"
+    return spawned[key]
+
+
+def test_cell_function_runs_in_spawned_ranks(spawned):
+    assert _output(spawned, "METHOD") == "spawn"  # STNB_START_METHOD, as the platform default would on macOS
+    kernel = int(_output(spawned, "KERNEL"))
+    ranks = json.loads(_output(spawned, "LAUNCH"))
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["value"] == 42 for r in ranks)  # the cell's global came along with the function
+    assert all(r["start_method"] == "spawn" for r in ranks)
+    assert not any(r["main_has_offset"] for r in ranks), "ranks share the notebook's __main__: not spawned"
+    assert kernel not in {r["pid"] for r in ranks}
+
+
+def test_own_training_under_spawn_verified(spawned):
+    runs = json.loads(_output(spawned, "RUNS"))
+    for strategy, r in runs.items():
+        assert r["verified"], (strategy, r["reason"])
+        assert r["start_method"] == "spawn", (strategy, r)
+        assert r["checked"] == {"requested": "spawn", "seen": "spawn", "per_rank": ["spawn", "spawn"]}
+        assert r["steps"] == 4
+        assert r["columns"] == ["anchor", "positive", "negative"]  # the hard negatives reached the ranks
+        assert r["loss"] == "SharperMNRL"  # a class defined in a cell travels by value too
+
+
+def test_unpicklable_global_refused_before_start(spawned):
+    message = json.loads(_output(spawned, "REFUSED"))
+    assert message is not None, "a function reading a lock was launched under spawn"
+    assert "the global 'lock' (read by holds_lock)" in message and "cannot be pickled" in message
+    assert "inside the function" in message and "start_method='fork'" in message
+    assert json.loads(_output(spawned, "NEW_KIDS")) == []  # refused before any process started
+
+
+def test_spawned_rank_failure_reported(spawned):
+    failed = json.loads(_output(spawned, "FAILED"))
+    assert failed is not None and failed["rank"] == 1
+    assert "deliberate failure in a spawned rank" in failed["traceback"]
+    assert "fails_on_rank_1" in failed["traceback"]
+
+
+def test_fork_after_spawn_in_same_kernel(spawned):
+    ranks = json.loads(_output(spawned, "FORK"))
+    assert [r["start_method"] for r in ranks] == ["fork", "fork"]
+    assert all(r["main_has_offset"] and r["value"] == 41 for r in ranks)
+
+
+def test_nothing_left_but_multiprocessing_tracker(spawned):
+    children = json.loads(_output(spawned, "CHILDREN"))
+    # multiprocessing's resource tracker lives as long as the kernel (started by the first spawn)
+    assert [c for c in children if "resource_tracker" not in c[1]] == [], children
+    assert len(children) <= 1, children
+
+
+def test_start_method_choice(monkeypatch):
+    monkeypatch.delenv("STNB_START_METHOD", raising=False)
+    assert start_method() == ("fork" if sys.platform.startswith("linux") else "spawn")
+    assert start_method("spawn") == "spawn"
+    monkeypatch.setattr(sys, "platform", "darwin")  # fork exists there but is not the default
+    assert start_method() == "spawn"
+    monkeypatch.setenv("STNB_START_METHOD", "fork")
+    assert start_method() == "fork"
+    monkeypatch.setenv("STNB_START_METHOD", "forkserver")
+    with pytest.raises(ConfigError, match="STNB_START_METHOD='forkserver'"):
+        start_method()
+    with pytest.raises(ConfigError, match="unknown start_method 'threads'"):
+        TrainConfig(start_method="threads").validate(check_resources=False)
+
+
+def test_fork_refused_where_missing(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # Windows has no fork
+    monkeypatch.delenv("STNB_START_METHOD", raising=False)
+    assert start_method() == "spawn"
+    with pytest.raises(ConfigError, match="not available on win32; use 'spawn'"):
+        start_method("fork")
