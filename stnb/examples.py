@@ -1,7 +1,7 @@
 """Small functions the notebooks launch in every rank: ``stnb.launch(examples.hello, num_processes=2)``.
 
-They live in the package, not in notebook cells, so the ranks run code that can be imported
-(fork would also run cell-defined functions, but teaching code should not rely on that). Each
+They live in the package, so the same functions also run from a script under torchrun (a
+function defined in a cell runs in forked and spawned ranks too: notebook 00). Each
 returns plain data (numbers, lists, dicts) that ``stnb.launch`` brings back to the notebook.
 All of them work on CPU (gloo) and on GPUs (NCCL: tensors go to the rank's own GPU).
 """
