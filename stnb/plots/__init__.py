@@ -24,8 +24,8 @@ from __future__ import annotations
 from html import escape as _escape
 import math
 
-from . import reference
-from .strategy_table import DISTRIBUTED, ONE_PROCESS
+from .. import reference
+from ..strategy_table import DISTRIBUTED, ONE_PROCESS
 
 OURS = "this machine"
 REFERENCE_SOURCE = reference.SOURCE
@@ -315,7 +315,7 @@ def _peak_traces(rows):
 def _state_traces(rows):
     import plotly.graph_objects as go
 
-    from . import memory as mem
+    from .. import memory as mem
 
     x0, x1 = [], []
     parts = {k: [] for k in PART_COLORS}
@@ -432,7 +432,7 @@ def comparison_table(df, reference: bool = False):
     speedup, efficiency, baseline, hover. Accepts a DataFrame, RunResults or dicts."""
     import pandas as pd
 
-    from .results import RunResult, results_frame
+    from ..results import RunResult, results_frame
 
     if isinstance(df, RunResult):
         df = [df]
