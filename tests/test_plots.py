@@ -124,10 +124,23 @@ def test_with_reference_on_a_frame_and_on_a_figure(df):
     assert len(both) == len(df) + 4
     rebuilt = plots.with_reference(plots.speedup(df))
     assert any("published" in (t.name or "") for t in rebuilt.data)
+    assert rebuilt.layout.meta["stnb_kind"] == "speedup" and rebuilt.layout.yaxis.title.text == "speedup (x)"
+    assert plots.with_reference(plots.efficiency(df)).layout.meta["stnb_kind"] == "efficiency"
     # a frame that already carries the reference plots it without asking again
     assert any("published" in (t.name or "") for t in plots.throughput(both).data)
     with pytest.raises(ValueError, match="no numbers"):
         plots.with_reference(plots.loss_curves(df))
+
+
+def test_hover_text_escapes_what_the_user_wrote():
+    """Plotly reads hover text as HTML: a model name or a reason with <, > or & shows as written."""
+    frame = stnb.results_frame([_run("single", 1, 10.0, model="org/<tiny>&co"),
+                                RunResult.unavailable(TrainConfig(strategy="dp", model="tiny", per_device_batch_size=4),
+                                                      "needs <2 GPUs> & CUDA")])
+    fig = plots.throughput(frame)
+    assert "model: org/&lt;tiny&gt;&amp;co" in _trace(fig, "samples/s").hovertext[0]
+    ghost = _trace(fig, "not runnable here").hovertext[0]
+    assert ghost.startswith("not runnable here: needs &lt;2 GPUs&gt; &amp; CUDA") and "<2 GPUs>" not in ghost
 
 
 def test_memory_peak_per_rank_and_stacked_state(df):
