@@ -1,0 +1,234 @@
+"""Plotly trace builders for the figures of ``stnb.plots``: bars of throughput, speedup and
+efficiency, per-rank memory, loss lines, and the hatched placeholders (with their reasons) for
+runs that have no number. Each takes rows of ``comparison_table`` and returns a list of traces.
+"""
+
+from __future__ import annotations
+
+from .table import MIB, REFERENCE_SOURCE, esc, is_num
+
+STRATEGY_COLORS = {"single": "#7f7f7f", "dp": "#ff7f0e", "ddp": "#1f77b4", "fsdp": "#2ca02c"}
+PART_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer_state": "#54a24b"}
+GHOST_COLOR = "rgba(160, 160, 160, 0.18)"
+
+
+# ---- trace builders ---------------------------------------------------------------------------
+
+def throughput_traces(rows, name=None):
+    """Bars of samples/s for the measured runs of one source, and placeholders for the others."""
+    import plotly.graph_objects as go
+
+    ok = rows[_measured(rows, "samples_per_second")]
+    traces = []
+    if len(ok):
+        source = ok["source"].iloc[0]
+        traces.append(go.Bar(
+            x=list(ok["label"]), y=list(ok["samples_per_second"]), name=name or f"samples/s ({source})",
+            marker=_marker(ok), hovertext=list(ok["hover"]), texttemplate="%{y:,.1f}", textposition="outside",
+            hovertemplate="<b>%{x}</b><br>samples/s: %{y:,.1f}<br>%{hovertext}<extra></extra>",
+            cliponaxis=False, legendgroup=source))
+    ghost = _ghost(rows[~_measured(rows, "samples_per_second")], _max(ok["samples_per_second"]) if len(ok) else 1.0)
+    if ghost is not None:
+        traces.append(ghost)
+    return traces
+
+
+def ratio_traces(rows, column):
+    """Bars of speedup or efficiency for every source, the ideal, and placeholders."""
+    import plotly.graph_objects as go
+
+    traces, ideal_x, ideal_y, ideal_text = [], [], [], []
+    ok_all = rows[_measured(rows, column)]
+    if column == "speedup":
+        top = max([_max(ok_all[column])] + [float(d) for d in ok_all["devices"] if is_num(d)])
+    else:
+        top = max(1.0, _max(ok_all[column]))
+    fmt = "%{y:.2f}x" if column == "speedup" else "%{y:.2f}"
+    for source, group in rows.groupby("source", sort=False):
+        ok = group[_measured(group, column)]
+        theirs = source == REFERENCE_SOURCE
+        if len(ok):
+            traces.append(go.Bar(
+                x=list(ok["label"]), y=list(ok[column]),
+                name=f"{column} (published: {source})" if theirs else f"{column} ({source})",
+                marker=_marker(ok, hatched=theirs), hovertext=list(ok["hover"]), texttemplate=fmt,
+                textposition="outside", cliponaxis=False, legendgroup=source,
+                hovertemplate=f"<b>%{{x}}</b><br>{column}: {fmt}<br>%{{hovertext}}<extra></extra>"))
+            ideal_x += list(ok["label"])
+            ideal_y += [float(d) if column == "speedup" else 1.0 for d in ok["devices"]]
+            ideal_text += [f"ideal for {int(d)} device(s): {float(d) if column == 'speedup' else 1.0:.2f}"
+                           for d in ok["devices"]]
+        missing = group[~_measured(group, column)]
+        ghost = _ghost(missing, top)
+        if ghost is not None:
+            traces.append(ghost)
+    if ideal_x:
+        if column == "speedup":
+            traces.append(go.Scatter(
+                x=ideal_x, y=ideal_y, mode="markers", name="ideal (= number of devices)",
+                marker=dict(symbol="line-ew-open", size=34, color="black", line=dict(width=3, color="black")),
+                hovertext=ideal_text, hovertemplate="%{hovertext}<extra></extra>"))
+        else:
+            traces.append(go.Scatter(
+                x=ideal_x, y=ideal_y, mode="lines", name="ideal (1.0)", line=dict(dash="dash", color="black"),
+                hovertext=ideal_text, hovertemplate="%{hovertext}<extra></extra>"))
+    return traces
+
+
+def peak_traces(rows):
+    """Bars of peak memory per rank (grouped by run), and placeholders for runs without it."""
+    import plotly.graph_objects as go
+
+    x0, x1, y, hover = [], [], [], []
+    for _, r in rows.iterrows():
+        peaks = r["peak_memory_bytes"] if isinstance(r["peak_memory_bytes"], list) else []
+        if r["status"] != "ok" or not peaks:
+            continue
+        for rank, b in enumerate(peaks):
+            x0.append(r["label"])
+            x1.append(f"rank {rank}")
+            y.append(b / MIB)
+            hover.append(r["hover"])
+    traces = []
+    if y:
+        traces.append(go.Bar(x=[x0, x1], y=y, name="peak memory", marker_color="#9467bd", hovertext=hover,
+                             hovertemplate="<b>%{x}</b><br>peak: %{y:,.1f} MiB<br>%{hovertext}<extra></extra>"))
+    missing = rows[(rows["status"] != "ok") | rows["peak_memory_bytes"].map(lambda p: not p)]
+    ghost = _ghost(missing, max(y) if y else 1.0, multicategory=True)
+    if ghost is not None:
+        traces.append(ghost)
+    return traces
+
+
+def state_traces(rows):
+    """Stacked bars of params / grads / optimizer state per rank, with stnb.memory's prediction as markers."""
+    import plotly.graph_objects as go
+
+    from .. import memory as mem
+
+    x0, x1 = [], []
+    parts = {k: [] for k in PART_COLORS}
+    hover, pred_y, pred_hover = [], [], []
+    for _, r in rows.iterrows():
+        breakdown = r["memory_breakdown"] if isinstance(r["memory_breakdown"], list) else []
+        if r["status"] != "ok" or not breakdown:
+            continue
+        try:
+            cmp = mem.compare(r)
+        except Exception:
+            cmp = None
+        for rank, b in enumerate(breakdown):
+            b = b or {}
+            x0.append(r["label"])
+            x1.append(f"rank {rank}")
+            for k in parts:
+                parts[k].append((b.get(k) or 0) / MIB)
+            hover.append(r["hover"])
+            if cmp is not None:
+                t = cmp[(cmp["rank"] == rank) & (cmp["component"] == "total")]
+                pred_y.append(float(t["predicted_bytes"].iloc[0]) / MIB if len(t) else None)
+                buckets = cmp[(cmp["rank"] == rank) & (cmp["component"] == "ddp_buckets")]
+                extra = (f"<br>+ DDP gradient buckets (not measured): "
+                         f"{float(buckets['predicted_bytes'].iloc[0]) / MIB:,.1f} MiB" if len(buckets) else "")
+                pred_hover.append(f"predicted by stnb.memory: {pred_y[-1]:,.1f} MiB{extra}")
+            else:
+                pred_y.append(None)
+                pred_hover.append("no prediction")
+    traces = []
+    names = {"params": "params", "grads": "grads", "optimizer_state": "optimizer state"}
+    for k, ys in parts.items():
+        if ys:
+            traces.append(go.Bar(x=[x0, x1], y=ys, name=names[k], marker_color=PART_COLORS[k], hovertext=hover,
+                                 hovertemplate=f"<b>%{{x}}</b><br>{names[k]}: %{{y:,.2f}} MiB<br>%{{hovertext}}"
+                                               "<extra></extra>"))
+    if any(v is not None for v in pred_y):
+        traces.append(go.Scatter(x=[x0, x1], y=pred_y, mode="markers", name="predicted (stnb.memory)",
+                                 marker=dict(symbol="line-ew-open", size=30, color="black", line=dict(width=3, color="black")),
+                                 hovertext=pred_hover, hovertemplate="%{hovertext}<extra></extra>"))
+    return traces
+
+
+def loss_traces(rows):
+    """One line of training loss per step for every run that recorded losses."""
+    import plotly.graph_objects as go
+
+    traces = []
+    for _, r in rows.iterrows():
+        losses = r["losses"] if isinstance(r["losses"], list) else []
+        if r["status"] != "ok" or not losses:
+            continue
+        steps = list(range(1, len(losses) + 1))
+        traces.append(go.Scatter(
+            x=steps, y=losses, mode="lines+markers", name=r["label"],
+            line=dict(color=STRATEGY_COLORS.get(r["strategy"])), hovertext=[r["hover"]] * len(steps),
+            hovertemplate=f"<b>{esc(r['label'])}</b><br>step %{{x}}: loss %{{y:.4f}}<br>"
+                          "%{hovertext}<extra></extra>"))
+    return traces
+
+
+def _ghost(rows, height, multicategory=False):
+    """Hatched, empty placeholder bars for runs without a number; the hover gives the reason."""
+    import plotly.graph_objects as go
+
+    if rows is None or not len(rows):
+        return None
+    height = height if height and height == height and height > 0 else 1.0
+    labels = list(rows["label"])
+    texts = [_why_missing(r) for _, r in rows.iterrows()]
+    short = [_short_reason(r) for _, r in rows.iterrows()]
+    x = [labels, ["n/a"] * len(labels)] if multicategory else labels
+    return go.Bar(
+        x=x, y=[height] * len(labels), name="not runnable here / no result", text=short,
+        textposition="inside", insidetextanchor="middle", textangle=-90, textfont=dict(color="#555"),
+        marker=dict(color=GHOST_COLOR, line=dict(color="#999", width=1), pattern=dict(shape="/", fgcolor="#bbb")),
+        hovertext=[f"{t}<br>{h}" for t, h in zip(texts, rows["hover"])],
+        hovertemplate="<b>%{x}</b><br>%{hovertext}<extra></extra>", legendgroup="ghost")
+
+
+def _why_missing(r) -> str:
+    status = r.get("status") or "ok"
+    reason = esc(str(r.get("reason") or ""))
+    if status == "not runnable here":
+        return f"not runnable here: {reason}"
+    if status != "ok":
+        return f"{status}: {reason}"
+    if r.get("baseline_reason"):
+        return f"no baseline: {esc(r['baseline_reason'])}"
+    return "no measurement: the run recorded no number for this"
+
+
+def _short_reason(r) -> str:
+    status = r.get("status") or "ok"
+    if status != "ok":
+        return status
+    if r.get("baseline_reason"):
+        return "no 'single' run to compare with"
+    return "no measurement"
+
+
+def note_unrunnable(fig, rows):
+    """Write the runs that did not run, and why, above the plot (for figures without bars to hatch)."""
+    missing = rows[rows["status"] != "ok"]
+    if not len(missing):
+        return
+    text = "<br>".join(f"{esc(r['label'])}: {_why_missing(r)}" for _, r in missing.iterrows())
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=1.0, xanchor="left", yanchor="bottom",
+                       showarrow=False, align="left", font=dict(size=11, color="#666"))
+
+
+# ---- small helpers ----------------------------------------------------------------------------
+
+def _measured(rows, column):
+    return (rows["status"] == "ok") & rows[column].map(is_num)
+
+
+def _max(series) -> float:
+    vals = [float(v) for v in series if is_num(v)]
+    return max(vals) if vals else 1.0
+
+
+def _marker(rows, hatched=False) -> dict:
+    m = dict(color=[STRATEGY_COLORS.get(s, "#8c564b") for s in rows["strategy"]])
+    if hatched:
+        m.update(opacity=0.55, pattern=dict(shape="/", fgcolor="white"), line=dict(color="#333", width=1))
+    return m
