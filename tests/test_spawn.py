@@ -240,3 +240,31 @@ def test_fork_refused_where_missing(monkeypatch):
     assert start_method() == "spawn"
     with pytest.raises(ConfigError, match="not available on win32; use 'spawn'"):
         start_method("fork")
+
+
+def test_script_without_main_guard_is_explained(tmp_path):
+    """A script that launches at top level under spawn: each rank re-imports it first and fails there
+    (multiprocessing refuses a launch during its bootstrap). The error says what to change, and no
+    process of the run is left."""
+    import uuid
+
+    import psutil
+
+    script = tmp_path / "train_no_guard.py"
+    script.write_text("import stnb\n\ndef work():\n    return 1\n\n"
+                      "stnb.launch(work, num_processes=2, device='cpu', start_method='spawn', timeout=120)\n")
+    mark = uuid.uuid4().hex
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env=dict(os.environ, STNB_TEST_MARK=mark))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stnb.errors.LaunchError: rank ") and "while its new Python process was starting" in last
+    assert 'under `if __name__ == "__main__":`' in last
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("STNB_TEST_MARK") == mark:
+                left.append((p.pid, p.cmdline()))
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    assert left == []

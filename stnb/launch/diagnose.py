@@ -36,6 +36,7 @@ class Evidence:
     errors: list  # every error record a rank wrote
     real: list  # ... less the collateral ones
     first: dict | None  # the origin among the real ones
+    start_method: str = "fork"
 
     def last_output(self, r: int, lines: int = 20) -> str:
         return "\n".join(self.logs.get(r, "").splitlines()[-lines:])
@@ -48,13 +49,16 @@ class Evidence:
         return LaunchError(message, logs=self.logs, **kw)
 
 
-def diagnose(ch: Channel, watchdog: Watchdog, outcome: Outcome, nproc: int, node_rank: int) -> BaseException | None:
+def diagnose(ch: Channel, watchdog: Watchdog, outcome: Outcome, nproc: int, node_rank: int,
+             start_method: str = "fork") -> BaseException | None:
     """The exception that explains how the launch ended, or None when every rank returned."""
     errors = [e for e in (ch.read_error(r) for r in range(nproc)) if e is not None]
     real = [e for e in errors if e["type"] not in COLLATERAL]
     ev = Evidence(ch, watchdog, outcome, nproc, node_rank * nproc, dict(watchdog.logs), errors, real,
-                  origin(real))  # the earliest error that is not a consequence of another rank's failure
-    for kind in (interrupted, timed_out, not_started, raised_then_peers_stalled, stalled, ended_silently,
+                  origin(real),  # the earliest error that is not a consequence of another rank's failure
+                  start_method)
+    for kind in (interrupted, timed_out, not_started, spawned_rank_never_ran, raised_then_peers_stalled,
+                 stalled, ended_silently,
                  never_joined, raised, called_sys_exit, exited_with_code, stopped_only, launcher_failed):
         err = kind(ev)
         if err is not None:
@@ -84,6 +88,24 @@ def not_started(ev: Evidence):
             "after the fork; all ranks were stopped. This usually means the process forked while another "
             "thread held a lock; run the launch again, and report it if it repeats.",
             ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
+
+
+def spawned_rank_never_ran(ev: Evidence):
+    """spawn: a rank's new interpreter failed before stnb's code ran in it. Most often a script
+    without the ``if __name__ == "__main__":`` guard: the rank imports the script first, and a
+    launch at its top level starts again there (multiprocessing refuses, on the rank's stderr)."""
+    if ev.start_method != "spawn":
+        return None
+    dead = {r: c for r, c in _bad_exit_codes(ev).items() if c > 0 and not ev.ch.started(r)}
+    if not dead:
+        return None
+    r, code = min(dead.items())
+    return ev.error(
+        f"rank {ev.base + r} exited (exit code {code}) while its new Python process was starting, before stnb's "
+        "code ran in it (start_method='spawn'); the other ranks were stopped. A spawned rank first imports the "
+        "script that launched it: in a script, call stnb.launch / stnb.run under "
+        "`if __name__ == \"__main__\":`. The rank's own error is on this process's stderr.",
+        rank=ev.base + r, ranks=[ev.base + x for x in sorted(dead)], kind="exited")
 
 
 def raised_then_peers_stalled(ev: Evidence):

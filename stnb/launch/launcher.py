@@ -102,7 +102,7 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
                                 num_nodes=num_nodes, mixed_precision=mixed_precision, echo=echo)
             watchdog.launcher_returned()
         info.logs, info.wall_time_s = dict(watchdog.logs), time.time() - opts.launch_time
-        error = diagnose(ch, watchdog, outcome, nproc, node_rank)
+        error = diagnose(ch, watchdog, outcome, nproc, node_rank, method)
         if error is not None:
             info.error = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error)
             raise error
