@@ -303,8 +303,8 @@ class TrainConfig:
         from .hardware import capacity_problem, gpu_count, gpu_problems, strategy_availability
 
         device = self.resolved_device()
-        if device == "cuda" and gpu_count() == 0:
-            raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
+        if device == "cuda" and gpu_count() == 0:  # before the strategy's own availability says less
+            raise ConfigError(capacity_problem(device, self.world_size()))
         if device == "cuda":
             problems = gpu_problems(self.mixed_precision)
             if problems:
