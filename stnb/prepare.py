@@ -178,8 +178,6 @@ def apply_overrides(trainer, config: TrainConfig) -> dict:
 
 def apply_ddp(trainer, config: TrainConfig) -> tuple[dict, dict]:
     """Set the accelerator's DDP kwargs (used when train() wraps the model). Returns (kwargs, overridden)."""
-    from accelerate.utils import DistributedDataParallelKwargs
-
     from .strategies import ddp_kwargs
 
     kw = ddp_kwargs(config)
@@ -196,8 +194,32 @@ def apply_ddp(trainer, config: TrainConfig) -> tuple[dict, dict]:
                 setattr(trainer.args, arg, mine)
         elif theirs is not None:
             kw[knob] = theirs  # the user's value, kept
-    trainer.accelerator.ddp_handler = DistributedDataParallelKwargs(**kw)
+    trainer.accelerator.ddp_handler = ddp_handler(kw)
     return kw, overridden
+
+
+def ddp_handler(kw: dict):
+    """accelerate's DDP kwargs handler for ``kw``. torch 2.13 deprecates DDP's ``broadcast_buffers``
+    for ``forward_sync_buffers`` (a FutureWarning in every rank of every DDP run, since
+    sentence-transformers turns the broadcast off), and accelerate's handler does not know the new
+    name yet: a subclass carries it. The only difference: buffers are still synced once, at wrap
+    time, which is what DDP does with the parameters anyway."""
+    import inspect
+    from dataclasses import dataclass
+
+    import torch
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    kw = dict(kw)
+    if "forward_sync_buffers" not in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters:
+        return DistributedDataParallelKwargs(**kw)
+
+    @dataclass
+    class Handler(DistributedDataParallelKwargs):
+        forward_sync_buffers: bool = True
+
+    forward = kw.pop("broadcast_buffers", True)
+    return Handler(**kw, forward_sync_buffers=forward)
 
 
 def same_start(model) -> dict:

@@ -75,6 +75,21 @@ def test_ddp_two_ranks_verified(ddp):
     assert not _children(), "a rank process survived the run"
 
 
+def test_ddp_buffer_sync_setting_reaches_ddp_without_a_deprecation_warning():
+    """sentence-transformers turns DDP's buffer broadcast off; torch 2.13 deprecates the old name, so
+    stnb passes forward_sync_buffers: the setting as DDP holds it, and no FutureWarning in any rank.
+    (A process of its own: ranks forked from pytest would record their warnings, not print them.)"""
+    import subprocess
+    import sys
+
+    code = ("import stnb; r = stnb.run(stnb.TrainConfig(model='tiny', strategy='ddp', num_processes=2, steps=3, "
+            "warmup_steps_excluded=1, evaluate=False, device='cpu'), echo=True); "
+            "print('RESULT', r.verified, [v['ddp_settings']['broadcast_buffers'] for v in r.verification['ranks']])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "RESULT True [False, False]" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "`broadcast_buffers` is deprecated" not in proc.stdout + proc.stderr
+
+
 def test_spearman_scores_are_the_initial_and_the_trained_models(ddp):
     """spearman_before/after are the dev scores of the model before training and of the trained
     (saved) one: recomputed here from those two models, independently of the run."""
