@@ -39,12 +39,20 @@ TEST_ENV := STNB_PROFILE=ci \
 	TOKENIZERS_PARALLELISM=false \
 	PYTHONUNBUFFERED=1
 
-.PHONY: help venv install browser lab test bench hardware gpu-check clean distclean FORCE
+# The committed outputs: the real thing (bundled MiniLM), offline.
+NOTEBOOK_ENV := STNB_PROFILE=workshop \
+	HF_HUB_OFFLINE=1 \
+	TRANSFORMERS_OFFLINE=1 \
+	HF_DATASETS_OFFLINE=1 \
+	TOKENIZERS_PARALLELISM=false
+
+.PHONY: help venv install browser lab test notebooks bench hardware gpu-check clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
 	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci)"
+	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
 	@echo "  make bench      python -m stnb bench --quick"
@@ -97,6 +105,17 @@ lab: install
 
 test: install browser
 	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks $(PYTEST_ARGS)
+
+# -------------------------------------------------------------- notebooks --
+
+# Outputs readers see without running anything; tests/test_notebook_outputs.py checks they are
+# a complete workshop run of the current code cells.
+notebooks: install
+	for nb in notebooks/0*.ipynb; do \
+		$(NOTEBOOK_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+			--ExecutePreprocessor.timeout=1800 "$$nb"; \
+	done
+	$(PY) tests/notebook_outputs.py --stamp notebooks/0*.ipynb
 
 # ------------------------------------------------------------------ other --
 

@@ -1,0 +1,90 @@
+"""The notebooks' committed outputs: one workshop-profile run, stamped so a test can tell it is current.
+
+A reader sees results without running anything (fastbook commits its outputs). ``make notebooks``
+executes every notebook in place with ``STNB_PROFILE=workshop`` and then stamps each one:
+
+    python tests/notebook_outputs.py --stamp notebooks/0*.ipynb
+
+The stamp (``metadata["stnb"]``) records the profile the run used (as its first cell,
+``stnb.setup()``, printed it), when and where the run happened, and a sha256 of the code cells'
+sources. ``tests/test_notebook_outputs.py`` recomputes that digest: a
+code cell edited after the run makes it red until ``make notebooks`` runs again (markdown edits do
+not: they change no output).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+import re
+import sys
+
+import nbformat
+
+PROFILE = "workshop"
+
+
+def code_digest(nb) -> str:
+    """sha256 over the sources of the notebook's code cells, in order."""
+    sources = [cell.source for cell in nb.cells if cell.cell_type == "code"]
+    return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
+
+
+def profile_seen(nb) -> str | None:
+    """The profile the run used, from what its first code cell (``stnb.setup()``) printed."""
+    first = next((c for c in nb.cells if c.cell_type == "code"), None)
+    text = "".join(o.get("text", "") for o in (first.outputs if first else []) if o.output_type == "stream")
+    m = re.search(r"^stnb profile: (\w+)", text, re.M)
+    return m.group(1) if m else None
+
+
+def problems(nb) -> list:
+    """Why the notebook's committed outputs are not one complete, current workshop run (empty: they are)."""
+    stamp = nb.metadata.get("stnb") or {}
+    if not stamp:
+        return ["no outputs stamp: run `make notebooks`"]
+    out = []
+    seen = profile_seen(nb)
+    if seen != PROFILE or stamp.get("profile") != seen:
+        out.append(f"the outputs are from profile {seen!r} (stamped {stamp.get('profile')!r}), not {PROFILE!r}: "
+                   f"run `make notebooks`")
+    if stamp.get("code_sha256") != code_digest(nb):
+        out.append("a code cell changed after the committed run: run `make notebooks`")
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.execution_count is None:
+            out.append(f"cell {i} was never executed")
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if errors and "raises-exception" not in cell.metadata.get("tags", []):
+            out.append(f"cell {i} raised {errors[0].ename}: {errors[0].evalue}"[:300])
+    return out
+
+
+def stamp(path: str) -> None:
+    nb = nbformat.read(path, as_version=4)
+    import stnb
+
+    nb.metadata["stnb"] = {
+        "profile": profile_seen(nb),
+        "code_sha256": code_digest(nb),
+        "stamped": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {stnb.hardware.cpu_cores()} CPU cores, "
+                   f"GPUs: {', '.join(stnb.hardware_report().gpus) or 'none'}",
+        "versions": stnb.hardware.versions(),
+    }
+    found = problems(nb)
+    if found:
+        raise SystemExit(f"{path}: {'; '.join(found)}")
+    nbformat.write(nb, path)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if not args or args[0] != "--stamp" or len(args) < 2:
+        raise SystemExit("usage: python tests/notebook_outputs.py --stamp NOTEBOOK.ipynb ...")
+    for p in args[1:]:
+        stamp(p)
+        print(f"stamped {p}")

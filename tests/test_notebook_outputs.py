@@ -1,0 +1,36 @@
+"""The committed notebook outputs are one complete, current workshop-profile run (``make notebooks``):
+every code cell executed, none failed unexpectedly, the profile the first cell printed is 'workshop',
+and no code cell changed since (tests/notebook_outputs.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import notebook_outputs
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("0*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_outputs_are_a_current_workshop_run(path):
+    nb = nbformat.read(path, as_version=4)
+    assert notebook_outputs.problems(nb) == []
+
+
+def test_an_edited_code_cell_makes_the_outputs_stale():
+    nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code" and "stnb.launch" in c.source)
+    code.source += "\nprint('edited after the run')"
+    assert "a code cell changed after the committed run: run `make notebooks`" in notebook_outputs.problems(nb)
+
+
+def test_outputs_of_another_profile_are_refused():
+    nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    for o in first.outputs:
+        if o.output_type == "stream":
+            o.text = o.text.replace("stnb profile: workshop", "stnb profile: ci")
+    assert any("from profile 'ci'" in p for p in notebook_outputs.problems(nb))
