@@ -6,7 +6,8 @@ environment, as on a Mac where stnb picks spawn without being told; the cells ne
 start method until the last launch, which asks for fork explicitly. In the notebook:
 
   0. setup; the hardware report says how ranks start here
-  1. a function defined in the cell, reading a global of the cell, launched on 2 ranks
+  1. a function defined in the cell, reading a global of the cell, launched on 2 ranks; a lambda
+     returning instances of a dataclass defined in the cell
   2. a build function, its dataset and a loss class defined in cells, trained under ddp and fsdp
   3. a function that reads an unpicklable global (a lock): refused before any process starts
   4. a spawned rank that raises: LaunchError with the rank and its traceback
@@ -54,6 +55,15 @@ CELLS = [
                 "main_has_offset": hasattr(sys.modules["__main__"], "OFFSET")}
 
     print("LAUNCH " + json.dumps(stnb.launch(where_am_i, 2, num_processes=2, device="cpu")))
+
+    from dataclasses import dataclass
+
+    @dataclass
+    class Point:  # defined in the cell: a spawned rank has it only by value
+        rank: int
+
+    points = stnb.launch(lambda: Point(stnb.rank_context().rank), num_processes=2, device="cpu", echo=False)
+    print("POINTS " + json.dumps([[type(p).__name__, p.rank] for p in points]))
     """,
     # 2
     """
@@ -175,6 +185,10 @@ def test_cell_function_runs_in_spawned_ranks(spawned):
     assert all(r["start_method"] == "spawn" for r in ranks)
     assert not any(r["main_has_offset"] for r in ranks), "ranks share the notebook's __main__: not spawned"
     assert kernel not in {r["pid"] for r in ranks}
+
+
+def test_cell_class_instances_come_back_from_spawned_ranks(spawned):
+    assert json.loads(_output(spawned, "POINTS")) == [["Point", 0], ["Point", 1]]
 
 
 def test_own_training_under_spawn_verified(spawned):

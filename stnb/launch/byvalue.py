@@ -7,6 +7,8 @@ lives in ``__main__``, which a spawned rank does not have ("Can't get attribute 
 '__main__'>"). cloudpickle sends such functions by value: their code, closure and the globals they
 read, the way Ray and Dask ship cell-defined functions. ``pack`` runs in the launching process
 before any rank starts and names what cannot be sent, with the fix; ``unpack`` runs in the rank.
+The way back: ``result_bytes`` sends a spawned rank's return value by value where it must (an
+instance of a class defined in a cell).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import types
 
 from ..errors import ConfigError
 
-__all__ = ["pack", "unpack", "unpicklable_part"]
+__all__ = ["pack", "unpack", "result_bytes", "unpicklable_part"]
 
 _MAX_DEPTH = 6
 
@@ -43,6 +45,21 @@ def pack(fn, args: tuple, kwargs: dict) -> bytes:
 def unpack(data: bytes):
     """``(fn, args, kwargs)`` in the rank (cloudpickle's output loads with plain pickle)."""
     return pickle.loads(data)
+
+
+def result_bytes(result, spawned: bool) -> bytes:
+    """A rank's return value, pickled for the launching process. Plain pickle (by reference) for a
+    forked rank: its classes are the notebook's own, and the notebook gets instances of them. A
+    spawned rank knows a class defined in a cell only by value (it came with the function), so what
+    plain pickle cannot send from there goes back by value too."""
+    try:
+        return pickle.dumps(result)
+    except Exception:
+        if not spawned:
+            raise
+        import cloudpickle
+
+        return cloudpickle.dumps(result)
 
 
 def unpicklable_part(roots, depth: int = 0, seen: set | None = None):

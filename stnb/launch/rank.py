@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import pickle
 import secrets
 import signal
 import sys
@@ -24,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..errors import LaunchError
-from .byvalue import unpack
+from .byvalue import result_bytes, unpack
 from .channel import DONE, FAILED, Channel
 from .detach import detach_from_kernel
 from .output import redirect_output
@@ -150,7 +149,7 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
             _join_world(opts, rank, local_rank)
         result = opts.call()
         try:
-            data = pickle.dumps(result)
+            data = result_bytes(result, spawned=ctx.start_method == "spawn")
         except Exception as e:
             raise LaunchError(f"rank {rank} returned a value that cannot be pickled ({type(result).__name__}: {e}); "
                               "return plain data (numbers, lists, dicts, tensors moved to CPU)") from e
