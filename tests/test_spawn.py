@@ -11,8 +11,9 @@ start method until the last launch, which asks for fork explicitly. In the noteb
   2. a build function, its dataset and a loss class defined in cells, trained under ddp and fsdp
   3. a function that reads an unpicklable global (a lock): refused before any process starts
   4. a spawned rank that raises: LaunchError with the rank and its traceback
-  5. the same kernel launches with start_method="fork" afterwards
-  6. psutil: the kernel's child processes at the end
+  5. a long launch interrupted (KernelManager.interrupt_kernel, the stop button) while ranks run
+  6. the same kernel launches with start_method="fork" afterwards
+  7. psutil: the kernel's child processes at the end
 """
 
 from __future__ import annotations
@@ -122,25 +123,56 @@ CELLS = [
     except stnb.LaunchError as e:
         print("FAILED " + json.dumps({"rank": e.rank, "traceback": e.rank_traceback}))
     """,
-    # 5
+    # 5 (interrupted by the driver once rank 0 wrote READY)
+    """
+    import time
+
+    def sleeps(ready):
+        if stnb.rank_context().rank == 0:
+            open(ready, "w").close()
+        time.sleep(300)
+
+    t0 = time.time()
+    try:
+        stnb.launch(sleeps, READY, num_processes=2, device="cpu", stall_timeout=None, echo=False)
+        print("INTERRUPTED " + json.dumps(None))
+    except KeyboardInterrupt:
+        print("INTERRUPTED " + json.dumps(round(time.time() - t0, 1)))
+    """,
+    # 6
     """
     print("FORK " + json.dumps(stnb.launch(where_am_i, 1, num_processes=2, device="cpu", start_method="fork")))
     """,
-    # 6
+    # 7
     """
     print("CHILDREN " + json.dumps([(p.pid, " ".join(p.cmdline())) for p in psutil.Process().children(recursive=True)]))
     """,
 ]
 
+INTERRUPT_CELL = 5
+
 DRIVER = r'''
-import os, sys
+import asyncio, os, sys, threading, time
 import nbformat
 from nbclient import NotebookClient
 
-nb_path = sys.argv[1]
+nb_path, ready, interrupt_cell = sys.argv[1], sys.argv[2], int(sys.argv[3])
 nb = nbformat.read(nb_path, as_version=4)
-NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
-               resources={"metadata": {"path": os.path.dirname(nb_path)}}).execute()
+client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                        resources={"metadata": {"path": os.path.dirname(nb_path)}})
+
+def interrupter():  # the notebook's stop button, once the spawned ranks are running
+    end = time.time() + 180
+    while not os.path.exists(ready) and time.time() < end:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    asyncio.run(client.km.interrupt_kernel())
+
+with client.setup_kernel():
+    for i, cell in enumerate(nb.cells):
+        if i == interrupt_cell:
+            threading.Thread(target=interrupter, daemon=True).start()
+        client.execute_cell(cell, i)
 nbformat.write(nb, nb_path)
 '''
 
@@ -149,13 +181,16 @@ nbformat.write(nb, nb_path)
 def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("spawn")
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(src).strip()) for src in CELLS]
+    ready = str(tmp / "ready.mark")
+    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(src).strip().replace("READY", repr(ready)))
+                for src in CELLS]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb_path = tmp / "spawn.ipynb"
     nbformat.write(nb, nb_path)
     env = dict(os.environ, STNB_START_METHOD="spawn", STNB_PROFILE="ci", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(nb_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(nb_path), ready, str(INTERRUPT_CELL)],
+                          capture_output=True, text=True,
                           timeout=600, env=env, cwd=str(tmp))
     assert proc.returncode == 0, f"the notebook did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     out = {"errors": {}}
@@ -215,6 +250,13 @@ def test_spawned_rank_failure_reported(spawned):
     assert failed is not None and failed["rank"] == 1
     assert "deliberate failure in a spawned rank" in failed["traceback"]
     assert "fails_on_rank_1" in failed["traceback"]
+
+
+def test_interrupting_spawned_ranks_stops_them(spawned):
+    seconds = json.loads(_output(spawned, "INTERRUPTED"))
+    assert seconds is not None, "the launch ended without the interrupt"
+    assert seconds < 120  # ranks sleep 300 s: the interrupt ended the launch
+    # the kernel's children after it (and after the later cells): see test_nothing_left_but_multiprocessing_tracker
 
 
 def test_fork_after_spawn_in_same_kernel(spawned):
