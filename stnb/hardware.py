@@ -246,9 +246,9 @@ def start_method(requested: str = "auto") -> str:
 
     asked = requested
     if requested == "auto":
-        requested = os.environ.get("STNB_START_METHOD", "").strip().lower() or (
-            "fork" if sys.platform.startswith("linux") else "spawn")
-        asked = f"STNB_START_METHOD={requested!r}" if os.environ.get("STNB_START_METHOD", "").strip() else requested
+        env = os.environ.get("STNB_START_METHOD", "").strip().lower()
+        requested = env or ("fork" if sys.platform.startswith("linux") else "spawn")
+        asked = f"STNB_START_METHOD={env!r}" if env else requested
     if requested not in START_METHODS[1:]:
         raise ConfigError(f"unknown start method {asked!r}; choose 'fork' (Linux) or 'spawn' (any platform), "
                           "or 'auto'")
