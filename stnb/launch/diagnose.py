@@ -83,10 +83,13 @@ def not_started(ev: Evidence):
     wd = ev.watchdog
     if wd.reason == "not started":
         ranks = [ev.base + r for r in wd.stalled]
+        why = ("This usually means the process forked while another thread held a lock; run the launch again, "
+               "and report it if it repeats." if ev.start_method == "fork" else
+               "Spawned ranks import torch and the training stack themselves, which a busy machine slows down; "
+               "raise stall_timeout=..., or run the launch again.")
         return ev.error(
             f"rank(s) {', '.join(map(str, ranks))} did not start within {max(wd.stall_timeout, MIN_START_S):g} s "
-            "after the fork; all ranks were stopped. This usually means the process forked while another "
-            "thread held a lock; run the launch again, and report it if it repeats.",
+            f"after the launch began ({ev.start_method}); all ranks were stopped. {why}",
             ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
 
 
