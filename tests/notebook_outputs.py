@@ -7,9 +7,10 @@ executes every notebook in place with ``STNB_PROFILE=workshop`` and then stamps 
 
 The stamp (``metadata["stnb"]``) records the profile the run used (as its first cell,
 ``stnb.setup()``, printed it), when and where the run happened, and a sha256 of the code cells'
-sources. ``tests/test_notebook_outputs.py`` recomputes that digest: a
-code cell edited after the run makes it red until ``make notebooks`` runs again (markdown edits do
-not: they change no output).
+sources. Paths into the Python environment that ran it (warnings name the library file that
+raised them) are written as ``<site-packages>/...``: they describe that machine, not the notebook.
+``tests/test_notebook_outputs.py`` recomputes that digest: a code cell edited after the run makes
+it red until ``make notebooks`` runs again (markdown edits do not: they change no output).
 """
 
 from __future__ import annotations
@@ -24,12 +25,35 @@ import sys
 import nbformat
 
 PROFILE = "workshop"
+#: an absolute path into an installed package, e.g. /home/me/.venv/lib/python3.11/site-packages/torch/...
+INSTALL_PATH = re.compile(r"/[^\s'\"]*/site-packages/")
 
 
 def code_digest(nb) -> str:
     """sha256 over the sources of the notebook's code cells, in order."""
     sources = [cell.source for cell in nb.cells if cell.cell_type == "code"]
     return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
+
+
+def _redacted(value):
+    """``value`` (an output's text, or its JSON data: a plotly figure's hover texts too) with every
+    absolute path into installed packages written as ``<site-packages>/``."""
+    if isinstance(value, str):
+        return INSTALL_PATH.sub("<site-packages>/", value)
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    return value
+
+
+def redact_install_paths(nb) -> None:
+    """In every output, and in the saved widget state (the Panel's figures live there)."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(_redacted(o)) for o in cell.outputs]
+    if "widgets" in nb.metadata:
+        nb.metadata["widgets"] = nbformat.from_dict(_redacted(nb.metadata["widgets"]))
 
 
 def profile_seen(nb) -> str | None:
@@ -52,11 +76,18 @@ def problems(nb) -> list:
                    f"run `make notebooks`")
     if stamp.get("code_sha256") != code_digest(nb):
         out.append("a code cell changed after the committed run: run `make notebooks`")
+    widgets = nb.metadata.get("widgets")
+    if widgets is not None and _redacted(widgets) != widgets:
+        out.append("the saved widget state shows an absolute path of the machine that ran it: stamp the notebook "
+                   "(python tests/notebook_outputs.py --stamp NOTEBOOK)")
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
         if cell.execution_count is None:
             out.append(f"cell {i} was never executed")
+        if any(_redacted(o) != o for o in cell.outputs):
+            out.append(f"cell {i} shows an absolute path of the machine that ran it: stamp the notebook "
+                       "(python tests/notebook_outputs.py --stamp NOTEBOOK)")
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if errors and "raises-exception" not in cell.metadata.get("tags", []):
             out.append(f"cell {i} raised {errors[0].ename}: {errors[0].evalue}"[:300])
@@ -67,6 +98,7 @@ def stamp(path: str) -> None:
     nb = nbformat.read(path, as_version=4)
     import stnb
 
+    redact_install_paths(nb)
     nb.metadata["stnb"] = {
         "profile": profile_seen(nb),
         "code_sha256": code_digest(nb),

@@ -34,3 +34,14 @@ def test_outputs_of_another_profile_are_refused():
         if o.output_type == "stream":
             o.text = o.text.replace("stnb profile: workshop", "stnb profile: ci")
     assert any("from profile 'ci'" in p for p in notebook_outputs.problems(nb))
+
+
+def test_install_paths_of_the_machine_that_ran_it_are_refused_and_redacted():
+    nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    first.outputs.append(nbformat.v4.new_output(
+        "stream", name="stderr", text="/home/me/.venv/lib/python3.11/site-packages/torch/x.py:1: UserWarning: w\n"))
+    assert any("absolute path of the machine that ran it" in p for p in notebook_outputs.problems(nb))
+    notebook_outputs.redact_install_paths(nb)
+    assert first.outputs[-1].text == "<site-packages>/torch/x.py:1: UserWarning: w\n"
+    assert notebook_outputs.problems(nb) == []
