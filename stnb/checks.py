@@ -59,18 +59,34 @@ def world_problems(requested: int, observed: dict) -> list:
 
 def tensor_digests(model) -> dict:
     """{parameter name: sha256 of its bytes} (a DTensor contributes its local shard)."""
+    return digests_of(model.named_parameters())
+
+
+def digests_of(named) -> dict:
+    """{name: sha256 of the tensor's dtype, shape and bytes} for (name, tensor) pairs (a DTensor: its local shard)."""
     import torch
     from torch.distributed.tensor import DTensor
 
     out = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in named:
             t = p.to_local() if isinstance(p, DTensor) else p
             t = t.detach().to("cpu").contiguous()
             h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
             out[name] = h.hexdigest()
     return out
+
+
+def replicated_digests(model, extra=()) -> dict:
+    """Digests of the tensors every rank must hold identically: the model's parameters that are not sharded
+    (a DTensor sharded by its placements is left to the strategy's shard checks) and the ``extra``
+    (name, parameter) pairs, e.g. the parameters a loss owns."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    kept = [(n, p) for n, p in model.named_parameters()
+            if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)]
+    return digests_of(kept + list(extra))
 
 
 def model_digest(digests: dict) -> str:

@@ -48,7 +48,7 @@ HELP = {
     "reuse_freed_memory": "CPU: keep glibc's default allocator in the training processes",
     "gradient_accumulation_steps": "micro-batches per optimizer step; one all-reduce per step (no_sync)",
     "comm_hook": "none, fp16, bf16 (NCCL) or embedding_rows (exact)",
-    "broadcast_buffers": "skip DDP's buffer broadcast at every forward (safe when buffers never change)",
+    "broadcast_buffers": "DDP: broadcast rank 0's buffers at every forward (sentence-transformers turns it off)",
     "reshard_after_forward": "FSDP: keep the gathered parameters between forward and backward",
     "fsdp_layer_cls": "FSDP: the module class to shard separately (default: the model's transformer block)",
     "timeout": "seconds for the whole run",
@@ -96,6 +96,9 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
                                     action="store_false", help=helptext)
             else:
                 parser.add_argument(_option(f.name), dest=f.name, action="store_true", help=helptext)
+                # the explicit default, too (a script written when the default was on keeps working)
+                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                    help=argparse.SUPPRESS)
             continue
         names = (_option(f.name),) + ALIASES.get(f.name, ())
         if f.name == "num_processes":  # --nproc stays the first spelling in --help

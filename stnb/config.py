@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError, StrategyUnavailable
 from .hardware import START_METHODS, start_method as resolve_start_method
-from .strategy_table import DISTRIBUTED, ONE_PROCESS, STRATEGIES
+from . import strategies
 
 LOSSES = ("cosine", "mnrl")
 PRECISIONS = ("no", "fp16", "bf16")
@@ -51,9 +51,12 @@ RECIPE_FIELDS = {
 class TrainConfig:
     """One training run.
 
-    strategy: 'single' (one device), 'dp' (torch.nn.DataParallel, needs >= 2 GPUs),
-        'ddp' (DistributedDataParallel, one process per device) or 'fsdp' (FSDP2 fully_shard).
-    num_processes: ranks for ddp/fsdp (default 2 on CPU, all GPUs on CUDA); always 1 for single/dp.
+    strategy: a name from ``stnb.strategies.names()``: 'single' (one device), 'dp' (torch.nn.DataParallel,
+        needs >= 2 GPUs), 'ddp' (DistributedDataParallel, one process per device), 'zero1' (DDP with the
+        optimizer state sharded), 'zero2' (gradients and optimizer state sharded), 'fsdp' (FSDP2
+        fully_shard, ZeRO stage 3: everything sharded) or 'deepspeed' (DeepSpeed ZeRO, ``stage``).
+    num_processes: ranks of a distributed strategy (default 2 on CPU, all GPUs on CUDA); always 1 for
+        single/dp.
     model: 'minilm' (bundled all-MiniLM-L6-v2), 'tiny' (random BERT for tests), a hub id or a local path.
     data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl/.json/.parquet path, or a hub dataset name.
     columns: renames the data's columns to the inputs the loss reads, e.g. {'question': 'anchor',
@@ -67,8 +70,9 @@ class TrainConfig:
     threads_per_rank: torch threads in each process (CPU default: cores / processes).
     reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
         fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory.
-    DDP knobs: bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (False: no buffer
-        broadcast, a sync point, at every forward; safe when buffers never change, as in BERT-style models),
+    DDP knobs (ddp, zero1): bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (True:
+        broadcast rank 0's buffers at every forward, a sync point; sentence-transformers turns it off, so
+        False is what runs by default; BERT-style buffers never change),
         gradient_accumulation_steps (all-reduce once per optimizer step, under no_sync) and comm_hook:
         'none', 'fp16', 'bf16' (NCCL only) or 'embedding_rows' (stnb.embedding_rows_hook: all-reduce only the
         embedding rows some rank used; exact).
@@ -104,7 +108,7 @@ class TrainConfig:
     # DDP knobs
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = False
-    broadcast_buffers: bool = True
+    broadcast_buffers: bool = False  # what sentence-transformers' arguments force; True applies it (ddp)
     static_graph: bool = False
     comm_hook: str = "none"
     gradient_accumulation_steps: int = 1
@@ -124,8 +128,13 @@ class TrainConfig:
 
         return default_device() if self.device == "auto" else self.device
 
+    def strategy_object(self):
+        """The strategy (``stnb.strategies.get``): everything stnb asks about it."""
+        return strategies.get(self.strategy)
+
     def world_size(self) -> int:
-        if self.strategy in ONE_PROCESS:
+        s = self.strategy_object()
+        if not s.distributed:
             return 1
         if self.num_processes is not None:
             return self.num_processes
@@ -133,12 +142,14 @@ class TrainConfig:
 
         return gpu_count() if self.resolved_device() == "cuda" else 2
 
-    def global_batch_size(self) -> int:
-        ws = self.world_size()
-        if self.strategy == "dp":
-            from .hardware import gpu_count
+    def devices_per_process(self) -> int:
+        """Devices one process drives (dp: every visible GPU)."""
+        from .hardware import gpu_count
 
-            ws = max(gpu_count(), 1)
+        return self.strategy_object().devices(gpu_count())
+
+    def global_batch_size(self) -> int:
+        ws = self.world_size() * self.devices_per_process()
         return self.per_device_batch_size * ws * self.gradient_accumulation_steps
 
     def replace(self, **changes) -> "TrainConfig":
@@ -221,7 +232,7 @@ class TrainConfig:
         check_resources also resolves the model and data (exists, non-empty) and checks
         the hardware. Nothing here starts a process or initialises CUDA.
         """
-        _check_choice("strategy", self.strategy, STRATEGIES)
+        strategies.get(self.strategy)  # an unknown name: ConfigError listing the known ones
         _check_choice("loss", self.loss, LOSSES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
@@ -258,30 +269,12 @@ class TrainConfig:
             raise ConfigError(
                 f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "
                 f"use steps >= {self.warmup_steps_excluded + 1} or lower warmup_steps_excluded")
-        if self.strategy in ONE_PROCESS and self.num_processes not in (None, 1):
-            raise ConfigError(
-                f"strategy {self.strategy!r} runs in one process, got num_processes={self.num_processes}; "
-                "use strategy='ddp' or 'fsdp' for several processes, or drop num_processes")
-        if self.strategy == "fsdp" and self.num_processes == 1:
-            raise ConfigError("fsdp with num_processes=1 shards nothing; use num_processes >= 2 or strategy='single'")
-        if self.strategy not in DISTRIBUTED and (self.comm_hook != "none" or self.static_graph
-                                                      or self.gradient_as_bucket_view or self.bucket_cap_mb
-                                                      or not self.broadcast_buffers):
-            raise ConfigError("comm_hook, static_graph, gradient_as_bucket_view, bucket_cap_mb and broadcast_buffers "
-                              "are DDP options; "
-                              "use strategy='ddp' or leave them at their defaults")
-        if self.strategy == "fsdp" and (self.comm_hook != "none" or self.static_graph or self.gradient_as_bucket_view):
-            raise ConfigError("comm_hook/static_graph/gradient_as_bucket_view apply to DDP, not FSDP; "
-                              "use strategy='ddp' or leave them at their defaults")
-        if self.strategy == "ddp" and self.static_graph and self.gradient_accumulation_steps > 1:
-            raise ConfigError("static_graph=True cannot be combined with gradient_accumulation_steps > 1: DDP's "
-                              "static graph breaks under no_sync() (pytorch/pytorch#143580: an INTERNAL ASSERT on "
-                              "the first backward); use static_graph=False when accumulating gradients")
+        strategies.validate_config(self)  # the knobs it owns, one process or several, its own rules
         if self.loss == "cosine" and self.gather_across_devices:
             raise ConfigError("gather_across_devices only applies to loss='mnrl' (in-batch negatives); "
                               "set loss='mnrl' or gather_across_devices=False")
-        if self.gather_across_devices and self.strategy in ONE_PROCESS:
-            raise ConfigError(f"gather_across_devices gathers in-batch negatives from the other DDP/FSDP ranks; "
+        if self.gather_across_devices and not self.strategy_object().distributed:
+            raise ConfigError(f"gather_across_devices gathers in-batch negatives from the other ranks; "
                               f"strategy {self.strategy!r} runs one process, so there is nothing to gather. "
                               "Use strategy='ddp' or set gather_across_devices=False")
         if self.loss == "mnrl" and self.per_device_batch_size < 2 and self.world_size() < 2:
@@ -311,7 +304,7 @@ class TrainConfig:
                 raise ConfigError("; ".join(problems))
         if self.mixed_precision == "fp16" and device == "cpu":
             raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-        if self.comm_hook == "bf16" and device == "cpu" and self.strategy == "ddp":
+        if self.comm_hook == "bf16" and device == "cpu":
             raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
                               "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
         avail = strategy_availability(device)[self.strategy]
@@ -321,8 +314,9 @@ class TrainConfig:
         problem = capacity_problem(device, ws)
         if problem:
             raise ConfigError(problem)
-        if self.strategy == "fsdp" and ws < 2:
-            raise ConfigError("fsdp needs at least 2 ranks to shard over; use num_processes >= 2")
+        need = self.strategy_object().min_ranks
+        if ws < need:
+            raise ConfigError(f"{self.strategy} needs at least {need} ranks to shard over; use num_processes >= {need}")
 
 
 def _check_choice(name, value, choices):

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from .config import TrainConfig
 from .errors import ConfigError
 from .files import write_atomic
-from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 __all__ = ["export_script", "ExportedScript", "render_script", "add_cli"]
 
@@ -213,13 +212,13 @@ def render_script(config, *, script_name: str = "train.py", results_file=None,
     if nproc_per_node is not None and (isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int)
                                        or nproc_per_node < 1):
         raise ConfigError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
-    if config.strategy in ONE_PROCESS:
+    if not config.strategy_object().distributed:
         if nproc_per_node not in (None, 1):
             raise ConfigError(f"strategy {config.strategy!r} runs in one process; nproc_per_node must be 1")
         nproc = 1
     else:
         nproc = nproc_per_node or config.world_size()
-    distributed = config.strategy in DISTRIBUTED
+    distributed = config.strategy_object().distributed
     one, multi = _commands(script_name, nproc, num_nodes, master_addr, int(master_port),
                            config.resolved_device(), multi_node=distributed)
     if distributed:

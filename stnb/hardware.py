@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import warnings
 
-from .strategy_table import DISTRIBUTED, TABLE
 from dataclasses import asdict, dataclass, field
 
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: native bf16 matmuls; below it torch emulates bf16, slowly
@@ -326,34 +325,13 @@ def cpu_name() -> str:
 
 
 def strategy_availability(device: str | None = None) -> dict:
-    """{strategy: {"runnable": bool, "reason": str}} for this machine."""
+    """{strategy: {"runnable": bool, "reason": str}} for this machine (each strategy says why)."""
     import torch.distributed as dist
 
+    from .strategies import availability
+
     device = device or default_device()
-    n_gpu = gpu_count()
-    nmax = max_processes(device)
-    unit = "GPU" if device == "cuda" else "CPU core"
-    out = {"single": {"runnable": True, "reason": f"one process on {device}"}}
-    if n_gpu >= TABLE["dp"].min_gpus:
-        out["dp"] = {"runnable": True, "reason": f"torch.nn.DataParallel over {n_gpu} GPUs in one process"}
-    else:
-        out["dp"] = {"runnable": False,
-                     "reason": f"DataParallel needs at least {TABLE['dp'].min_gpus} CUDA GPUs in one process; "
-                               f"this machine has {n_gpu}"}
-    if not dist.is_available():
-        for s in DISTRIBUTED:
-            out[s] = {"runnable": False, "reason": "this torch build has no torch.distributed"}
-        return out
-    if nmax >= 2:
-        out["ddp"] = {"runnable": True,
-                      "reason": f"up to {nmax} ranks, one per {unit}, backend {backend_for(device)}"}
-        out["fsdp"] = {"runnable": True,
-                       "reason": f"FSDP2 fully_shard over up to {nmax} ranks, backend {backend_for(device)}"}
-    else:
-        why = f"needs at least 2 ranks (one per {unit}); this machine has {nmax} {unit}(s)"
-        out["ddp"] = {"runnable": False, "reason": why}
-        out["fsdp"] = {"runnable": False, "reason": why}
-    return out
+    return availability(device, gpu_count(), max_processes(device), backend_for(device), dist.is_available())
 
 
 def report(device: str | None = None) -> HardwareReport:

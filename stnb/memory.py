@@ -2,14 +2,20 @@
 
 The model *state* of a training rank has up to four parts:
 
-==================  ======================  =====================================
-part                single / dp / ddp       fsdp (N ranks)
-==================  ======================  =====================================
-params              4 B x P                 4 B x P / N   (each rank keeps a shard)
-grads               4 B x T                 4 B x T / N
-optimizer_state     8 B x T (AdamW)         8 B x T / N
-ddp_buckets         -  (ddp: 4 B x T)       -
-==================  ======================  =====================================
+==================  ==================  ==============  ==============  ==============
+part                single / dp / ddp   zero1           zero2           fsdp (zero3)
+==================  ==================  ==============  ==============  ==============
+params              4 B x P             4 B x P         4 B x P / N     4 B x P / N
+grads               4 B x T             4 B x T         4 B x T / N     4 B x T / N
+optimizer_state     8 B x T (AdamW)     8 B x T / N     8 B x T / N     8 B x T / N
+ddp_buckets         ddp: 4 B x T        4 B x T         -               -
+gathered_params     -                   -               4 B x P (1-1/N) one block
+==================  ==================  ==============  ==============  ==============
+
+Each strategy says which parts it shards (``Strategy.sharded``, ``Strategy.held``) and whether it
+gathers whole parameters during the step (``gathered_during_step``: zero2 keeps every parameter whole
+from its forward through its backward; fsdp gathers one block at a time, which the prediction leaves
+out); nothing here knows a strategy by name.
 
 P is the number of parameters, T the number of *trainable* ones (stnb freezes BERT's unused
 pooler, so T is a little smaller than P), 4 B is one fp32 number. AdamW keeps two moments
@@ -35,9 +41,9 @@ import math
 import numbers
 
 from .errors import ConfigError
-from .strategy_table import DISTRIBUTED, STRATEGIES
+from . import strategies
 
-COMPONENTS = ("params", "grads", "optimizer_state", "ddp_buckets")
+COMPONENTS = ("params", "grads", "optimizer_state", "ddp_buckets", "gathered_params")
 
 # optimizer state per trainable parameter, in units of bytes_per_param
 OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adafactor": 1}
@@ -48,23 +54,22 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
             bytes_per_param: int = 4, optimizer: str = "adamw", gradient_as_bucket_view: bool = False) -> dict:
     """Predicted model-state bytes held by *one* rank.
 
-    strategy: 'single', 'dp', 'ddp' or 'fsdp'.
+    strategy: a registered strategy's name (``stnb.strategies.names()``).
     param_count: all parameters of the model (P).
-    world_size: ranks (fsdp divides by it; the other strategies ignore it).
+    world_size: ranks (a strategy's sharded parts are divided by it).
     trainable_param_count: parameters that get gradients and optimizer state (T; default P).
     bytes_per_param: 4 for fp32 weights (mixed precision still keeps fp32 master weights).
     optimizer: 'adamw'/'adam' (2 states per parameter), 'sgd_momentum' (1), 'sgd' (0).
     gradient_as_bucket_view: DDP's option that lets gradients live in the buckets (no copy).
 
-    Returns ``{"params", "grads", "optimizer_state", "ddp_buckets", "total"}`` in bytes.
+    Returns ``{"params", "grads", "optimizer_state", "ddp_buckets", "gathered_params", "total"}`` in bytes.
 
     >>> predict("ddp", 1_000_000, world_size=2)["total"]
     20000000
     >>> predict("fsdp", 1_000_000, world_size=2)["total"]
     8000000
     """
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(map(repr, STRATEGIES))}")
+    s = strategies.get(strategy)
     _check_count("param_count", param_count, 0)
     _check_count("world_size", world_size, 1)
     _check_count("bytes_per_param", bytes_per_param, 1)
@@ -78,31 +83,30 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     if key not in OPTIMIZER_SLOTS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(map(repr, OPTIMIZER_SLOTS))}")
 
-    params = bytes_per_param * param_count
-    grads = bytes_per_param * trainable
-    optimizer_state = OPTIMIZER_SLOTS[key] * bytes_per_param * trainable
-    ddp_buckets = 0
-    if strategy == "ddp" and not gradient_as_bucket_view:
-        ddp_buckets = bytes_per_param * trainable
-    if strategy == "fsdp":
-        params = math.ceil(params / world_size)
-        grads = math.ceil(grads / world_size)
-        optimizer_state = math.ceil(optimizer_state / world_size)
-    out = {"params": params, "grads": grads, "optimizer_state": optimizer_state, "ddp_buckets": ddp_buckets}
+    held = s.held(world_size)
+    params = math.ceil(bytes_per_param * param_count * held["params"])
+    grads = math.ceil(bytes_per_param * trainable * held["grads"])
+    optimizer_state = math.ceil(OPTIMIZER_SLOTS[key] * bytes_per_param * trainable * held["optimizer_state"])
+    ddp_buckets = bytes_per_param * trainable if s.ddp_buckets and not gradient_as_bucket_view else 0
+    gathered = bytes_per_param * param_count - params if s.gathered_during_step == "all" else 0
+    out = {"params": params, "grads": grads, "optimizer_state": optimizer_state, "ddp_buckets": ddp_buckets,
+           "gathered_params": gathered}
     out["total"] = sum(out.values())
     return out
 
 
 def predict_table(param_count: int, world_size: int = 2, trainable_param_count: int | None = None,
-                  strategies=STRATEGIES, **kwargs):
+                  strategies=None, **kwargs):
     """``predict`` for several strategies side by side: a DataFrame, one row per strategy, in MiB."""
     import pandas as pd
 
+    from . import strategies as registry
+
     rows = []
-    for s in strategies:
-        p = predict(s, param_count, world_size if s in DISTRIBUTED else 1, trainable_param_count, **kwargs)
-        rows.append({"strategy": s, "world_size": world_size if s in DISTRIBUTED else 1,
-                     **{f"{k}_mib": v / 2**20 for k, v in p.items()}})
+    for name in (strategies or registry.names()):
+        ws = world_size if registry.get(name).distributed else 1
+        p = predict(name, param_count, ws, trainable_param_count, **kwargs)
+        rows.append({"strategy": name, "world_size": ws, **{f"{k}_mib": v / 2**20 for k, v in p.items()}})
     return pd.DataFrame(rows)
 
 
@@ -143,6 +147,7 @@ def measure(model, optimizer) -> dict:
     params = sum(tensor_bytes(p) for p in model.parameters())
     grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this rank's own optimizer holds its state
     ostate = 0
     if opt is not None:
         for st in opt.state.values():
@@ -270,7 +275,8 @@ def compare(result, optimizer: str | None = None):
 
     bucket_view = _first(r.get("gradient_as_bucket_view"), cfg.get("gradient_as_bucket_view"),
                          TrainConfig.gradient_as_bucket_view)
-    pred = predict(strategy, total_params, world_size if strategy in DISTRIBUTED else 1, trainable,
+    s = strategies.get(strategy)
+    pred = predict(strategy, total_params, world_size if s.distributed else 1, trainable,
                    bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer,
                    gradient_as_bucket_view=bool(bucket_view))
     peaks = r.get("peak_memory_bytes") or []
@@ -278,11 +284,17 @@ def compare(result, optimizer: str | None = None):
     for rank, meas in enumerate(breakdown):
         meas = meas or {}
         for comp in COMPONENTS:
-            if comp == "ddp_buckets" and strategy != "ddp":
+            if comp == "ddp_buckets" and not s.ddp_buckets:
+                continue
+            if comp == "gathered_params" and not s.gathered_during_step:
                 continue
             m = meas.get(comp)
             note = ""
-            if comp == "ddp_buckets":
+            if comp == "gathered_params":
+                m = None
+                note = ("not measured apart: whole parameters from the forward through the backward, in the peak"
+                        if pred[comp] else "one block gathered at a time (in the peak, not predicted)")
+            elif comp == "ddp_buckets":
                 m = None
                 note = ("not measured: the buckets live inside DDP's reducer"
                         if pred[comp] else "gradient_as_bucket_view=True: gradients are the buckets, no copy")
@@ -295,7 +307,7 @@ def compare(result, optimizer: str | None = None):
         predicted_state = pred["params"] + pred["grads"] + pred["optimizer_state"]
         rows.append(_row(rank, "total", predicted_state, measured_state,
                          "params + grads + optimizer_state" + (" (ddp_buckets not included)"
-                                                              if strategy == "ddp" else "")))
+                                                              if s.ddp_buckets else "")))
         if rank < len(peaks) and peaks[rank]:
             rows.append(_row(rank, "peak", pred["total"], peaks[rank],
                              "measured peak includes activations and the runtime; predicted: model state only"))

@@ -13,7 +13,7 @@ reads them from here.
 
 from __future__ import annotations
 
-from .strategy_table import is_distributed
+from .strategies import baseline_name, is_distributed
 
 SOURCE = "sentence-transformers docs (4x V100)"
 URL = "https://sbert.net/docs/sentence_transformer/training/distributed.html"
@@ -34,7 +34,7 @@ CONDITIONS = (f"{HARDWARE}, {MODEL} (about {round(MODEL_PARAMETERS, -7) / 1e6:.0
 
 def devices(strategy: str) -> int:
     """GPUs a strategy used in their runs: one for 'single', all four for the others."""
-    return 1 if strategy == "single" else GPUS
+    return 1 if strategy == baseline_name() else GPUS
 
 
 def world_size(strategy: str) -> int:

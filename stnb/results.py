@@ -12,7 +12,6 @@ from pathlib import Path
 
 from .files import write_atomic
 from .errors import ResultsFileError
-from .strategy_table import DISTRIBUTED
 
 
 @dataclass
@@ -128,13 +127,13 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
     from .mfu import summarize as mfu_summary
 
     mfu = mfu_summary(rank_results, warm, n_steps, span, gbs * (n_steps - warm),
-                      devices=max(1, n_gpu) if config.strategy == "dp" else 1)
+                      devices=config.strategy_object().devices(n_gpu))
     verification, problems = cross_rank_checks(config, rank_results)
     ok = not problems
     spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
     return RunResult(
         strategy=config.strategy,
-        world_size=len(rank_results) if config.strategy in DISTRIBUTED else 1,
+        world_size=len(rank_results) if config.strategy_object().distributed else 1,
         per_device_batch_size=training.get("per_device_batch_size", config.per_device_batch_size),
         global_batch_size=gbs,
         steps=n_steps,
@@ -180,8 +179,9 @@ def _own_config(config, build: str, training: dict) -> dict:
 
 def cross_rank_checks(config, rank_results: list) -> tuple:
     """(verification dict, problems): every rank's own verification, plus what needs all ranks:
-    the number of ranks against the requested world size, per-tensor identical weights (ddp),
-    shards adding up to the model (fsdp), and the saved model's check (rank 0)."""
+    the number of ranks against the requested world size, per-tensor identical replicated weights (every
+    parameter the optimizer updates that is not sharded: the model's and the loss's own), the strategy's
+    own cross-rank checks (shards adding up, optimizer partitions), and the saved model's check (rank 0)."""
     from .checks import compare_digests
 
     requested = config.world_size()
@@ -192,23 +192,14 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
                     "peak_memory_method": rank_results[0].get("peak_memory_method")}
     never = "no training step began, so the prepared model was never verified"
     problems = [f"rank {i}: " + "; ".join(v.get("problems") or [never]) for i, v in enumerate(ranks) if not v.get("ok")]
-    if config.strategy in DISTRIBUTED and len(rank_results) != requested:
+    strategy = config.strategy_object()
+    if strategy.distributed and len(rank_results) != requested:
         problems.append(f"{requested} ranks were requested, {len(rank_results)} returned a result")
-    if config.strategy == "ddp" and len(rank_results) > 1:
-        same = compare_digests([r["weight_digests"] for r in rank_results])
-        verification["weights_identical_across_ranks"] = same["identical"]
-        verification["weights_checksums"] = same["model_digests"]  # sha256 over every tensor, per rank
-        verification["weights_differing"] = same["differing"][:10]
-        verification["weights_tensors_compared"] = same["tensors"]
-        if not same["identical"]:
-            problems.append(f"weights differ across ranks in {len(same['differing'])} of {same['tensors']} "
-                            f"tensor(s), first {same['first_differing']!r} (ranks {same['differing'][0]['ranks']})")
-    if config.strategy == "fsdp":
-        held = sum(v.get("local_param_count") or 0 for v in ranks)
-        total = ranks[0].get("total_param_count")
-        verification["shards_add_up"] = held == total
-        if held != total:
-            problems.append(f"the ranks' local shards hold {held} parameter values, the model has {total}")
+    from .strategies import verify_ranks
+
+    own, own_problems = verify_ranks(strategy, rank_results, requested)
+    verification.update(own)
+    problems += own_problems
     started = [r.get("start_method") for r in rank_results]
     asked = rank_results[0].get("start_method_requested")
     if asked is not None:  # stnb started the ranks: each saw how it was started

@@ -16,7 +16,6 @@ from .errors import ConfigError
 from .launch import launch
 from .results import RunResult, append_result, check_writable, merge
 from .saving import check_target
-from .strategy_table import DISTRIBUTED
 from .training import train_rank
 
 
@@ -65,7 +64,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
     device = config.resolved_device()
     ws = config.world_size()
     env = {}
-    if device == "cuda" and config.strategy == "single":
+    if device == "cuda" and config.strategy_object().pinned_to_one_gpu():
         from .hardware import single_gpu_env
 
         env = single_gpu_env()
@@ -79,7 +78,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         rank_results = launch(train_rank, config, model_path, t0, ws, build, num_processes=ws,
                               timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                               threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
-                              distributed=config.strategy in DISTRIBUTED, env=env, start_method=method)
+                              distributed=config.strategy_object().distributed, env=env, start_method=method)
     finally:
         if bars is not None:
             bars.close()

@@ -34,7 +34,6 @@ import time
 
 from .errors import ConfigError
 from .saving import check_target
-from .strategy_table import DISTRIBUTED, ONE_PROCESS
 
 __all__ = ["inside_external_launch", "launcher_name", "external_rank", "is_main_process", "run_here"]
 
@@ -111,20 +110,21 @@ def _check_here(config, world: int, local_world: int, launcher: str, recipe: boo
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
     from .hardware import capacity_problem
 
-    if config.strategy in ONE_PROCESS and world > 1:
+    strategy = config.strategy_object()
+    if not strategy.distributed and world > 1:
         raise ConfigError(
             f"strategy {config.strategy!r} runs in one process, but {launcher} started {world} processes "
             f"(WORLD_SIZE={world}); use --strategy ddp or fsdp, or start one process "
             "(python -m stnb run ..., without a launcher)")
     config.validate(check_resources=False)
     device = config.resolved_device()
-    if config.strategy == "dp":
+    if strategy.min_gpus:  # GPUs in this one process
         from .errors import StrategyUnavailable
         from .hardware import strategy_availability
 
-        avail = strategy_availability(device)["dp"]
+        avail = strategy_availability(device)[strategy.name]
         if not avail["runnable"]:
-            raise StrategyUnavailable("dp", avail["reason"])
+            raise StrategyUnavailable(strategy.name, avail["reason"])
     if device == "cpu" and config.mixed_precision == "fp16":
         raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
     problem = capacity_problem(device, local_world, option="--nproc_per_node")
@@ -180,11 +180,11 @@ def run_here(config, *, results_file=None, build=None):
     world, rank, local_world = _world(env)
     launcher = launcher_name(env)
     launch_time = _process_start_time()
-    if config.strategy in DISTRIBUTED and config.num_processes not in (None, world):
+    if config.strategy_object().distributed and config.num_processes not in (None, world):
         if rank == 0:
             print(f"stnb: {launcher} started {world} process(es); using world size {world} "
                   f"instead of num_processes={config.num_processes}", file=sys.stderr, flush=True)
-    if config.strategy in DISTRIBUTED:
+    if config.strategy_object().distributed:
         config = config.replace(num_processes=world)
     config = config.replace(threads_per_rank=_threads(config, env))
     if build is None:
@@ -203,7 +203,7 @@ def run_here(config, *, results_file=None, build=None):
     if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: keep gloo on loopback
 
-    if world == 1 and config.strategy in ONE_PROCESS:
+    if world == 1 and not config.strategy_object().distributed:
         # one process: a plain single-process run, as in the notebook (with the launcher's
         # variables in place, accelerate would wrap the model in a 1-rank DDP)
         for k in _LAUNCH_VARS:

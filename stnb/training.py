@@ -36,6 +36,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     from . import checks, memory, prepare, strategies
     from .mfu import FlopMeter, device_peak
 
+    strategy = strategies.get(config.strategy)
+
     transformers.logging.disable_progress_bar()  # the parent shows per-rank progress instead
     ctx = rank_context()
     launch_time = launch_time or (ctx.launch_time if ctx else time.time())
@@ -80,26 +82,22 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
              "n_gpu": n_gpu, "first_step_wall": None}
     metric, dev_before = _dev_metric(evaluator, model) if evaluator is not None and rank == 0 else (None, None)
     initial_path, scratch = model_path, None
-    if build is not None and rank == 0 and (config.strategy == "fsdp" or config.save_to):
-        # the untrained model, to rebuild an unsharded copy (fsdp) and to check the saved one against
+    if build is not None and rank == 0 and ("params" in strategy.sharded or config.save_to):
+        # the untrained model, to rebuild an unsharded copy (sharded parameters) and to check the saved one against
         scratch = initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
         model.save(scratch)
     if distributed:
         dist.barrier()
 
-    prep = {}
     frozen = strategies.freeze_unused_pooler(model) if build is None else []
     model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
     state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
     _record_loss_inputs(trainer.loss, state)
-    if config.strategy == "fsdp":
-        prep["initial_weights"] = prepare.same_start(model)
-        prep.update(prepare.shard(trainer, config, "cuda" if use_cuda else "cpu", world))
-    if config.strategy == "dp":
-        prepare.apply_dp_precision(trainer)
-    if config.strategy == "ddp":
-        _, ddp_overridden = prepare.apply_ddp(trainer, config)
-        overridden.update(ddp_overridden)
+    trainer.stnb_config = config
+    prepared = strategy.prepare(trainer, config, "cuda" if use_cuda else "cpu", world)
+    prep = prepared["info"]
+    overridden.update(prepared["overridden"])
+    state["loss_sync"] = strategies.LossParameterSync(trainer)  # a collective: rank 0's loss parameters
     state["prepare_info"] = prep
     state["callbacks"] = {"kept": kept, "removed": removed, "added": "StnbCallback"}
     trainer_ref = {"trainer": trainer}
@@ -120,10 +118,10 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
             if "per_device_train_batch_size" in overridden:
                 _check_batch_override(state, trainer, config)
 
-        digests = checks.tensor_digests(trainer.model)
+        digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))
         saved = dev_after = None
         max_len = trainer.model.max_seq_length
-        final_model = _full_model_on_rank0(config, trainer.model, initial_path, device, rank, max_len)
+        final_model = _full_model_on_rank0(strategy, trainer.model, initial_path, device, rank, max_len)
         if rank == 0:
             if evaluator is not None:
                 metric, dev_after = _dev_metric(evaluator, final_model)
@@ -144,7 +142,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     run_peak = peak_memory.peak()
     args = trainer.args
     per_device_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    gbs = per_device_step * (world if distributed else max(1, n_gpu if config.strategy == "dp" else 1))
+    gbs = per_device_step * (world if distributed else strategy.devices(n_gpu))
     train_columns = getattr(trainer.train_dataset, "column_names", None)
     return {
         "rank": rank,
@@ -210,14 +208,11 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
             state["flops"].start_step()  # evaluation forwards before this step do not count
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
-                if (config.comm_hook == "embedding_rows" and config.strategy == "ddp"
-                        and state["process_group_size"] > 1):
-                    from . import embedding_rows_hook  # before the first backward, as DDP requires
-
-                    state["embedding_rows"] = embedding_rows_hook.register(tr.model_wrapped)
+                strategy = strategies.get(config.strategy)
+                first = strategy.on_first_step(tr, config, state["process_group_size"])
+                state.update(first)
                 state["t_first_begin"] = time.perf_counter()
-                state["verification"] = strategies.verify(
-                    config.strategy, tr.model_wrapped, tr.model, state["world_size_requested"], state["n_gpu"])
+                state["verification"] = strategies.verify_prepared(strategy, tr, state["world_size_requested"])
                 state["verification"].update(state.get("prepare_info", {}))
                 state["verification"]["callbacks"] = state["callbacks"]
                 # the loss must call the module that trains (sentence-transformers #3023)
@@ -227,16 +222,15 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                     lambda *_: calls.__setitem__(0, calls[0] + 1))
                 state["verification"]["loss_model"] = {"trains": type(tr.model_wrapped).__name__,
                                                        "rebound": rebound}
-                if isinstance(tr.model_wrapped, torch.nn.parallel.DistributedDataParallel):
-                    w = tr.model_wrapped  # DDP's settings as the wrapper holds them (observed)
-                    state["verification"]["ddp_settings"] = {
-                        "bucket_cap_mb": w.bucket_bytes_cap / 2**20, "find_unused_parameters": w.find_unused_parameters,
-                        "broadcast_buffers": getattr(w, "forward_sync_buffers", None), "static_graph": w.static_graph,
-                        "gradient_as_bucket_view": w.gradient_as_bucket_view}
+
+        def on_pre_optimizer_step(self, args, st, control, **kw):
+            state["loss_sync"].sync_grads()  # the loss's own parameters: mean gradient over the ranks
 
         def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
             if state["memory_breakdown"] is None:
-                state["memory_breakdown"] = memory.measure(trainer_ref["trainer"].model, optimizer)
+                tr = trainer_ref["trainer"]
+                state["memory_breakdown"] = memory.measure(tr.model, optimizer)
+                _check_first_step(tr, config, state, optimizer)
 
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
@@ -255,6 +249,29 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                 report_progress(st.global_step, st.max_steps, float(logs["loss"]))
 
     return StnbCallback()
+
+
+def _check_first_step(trainer, config, state: dict, optimizer) -> None:
+    """After the first optimizer step: the strategy's own check of gradients / optimizer state, and every
+    parameter the optimizer updates named (the model's or the loss's: the replicated ones are compared
+    across ranks after training, the sharded ones by the strategy's shard checks)."""
+    from . import strategies
+
+    v = state["verification"]
+    if v is None:
+        return
+    info, problems = strategies.get(config.strategy).check_step(trainer, state["world_size_requested"])
+    v.update(info)
+    names, unnamed = strategies.optimizer_parameter_names(trainer, optimizer)
+    sync = state["loss_sync"]
+    v["trained_parameters"] = {"optimizer_updates": len(names) + unnamed, "model": len(names) - len(sync.names()),
+                               "loss": sync.names(), "loss_parameters_synced": sync.active}
+    if unnamed:
+        problems.append(f"the optimizer updates {unnamed} parameter(s) that neither the model nor the loss own, "
+                        "so stnb cannot check them across ranks")
+    if problems:
+        v["problems"] += problems
+        v["ok"] = False
 
 
 def _check_loss_model(state: dict) -> None:
@@ -309,21 +326,17 @@ def _check_batch_override(state: dict, trainer, config: TrainConfig) -> None:
         v["ok"] = False
 
 
-def _full_model_on_rank0(config, model, initial_path, device, rank, max_seq_length):
+def _full_model_on_rank0(strategy, model, initial_path, device, rank, max_seq_length):
     """An ordinary SentenceTransformer with the trained weights, on rank 0 (None elsewhere).
 
-    For FSDP this gathers a FULL_STATE_DICT (a collective: every rank takes part) and loads it
-    into a fresh, unsharded copy of the model (from ``initial_path``).
+    A sharding strategy gathers the full state (a collective: every rank takes part), loaded here into
+    a fresh, unsharded copy of the model (from ``initial_path``).
     """
-    if config.strategy != "fsdp":
-        return model if rank == 0 else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    full, is_state = strategy.full_model(model, rank)
+    if not is_state or rank != 0:
+        return full
     from .models import load_model
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return None
     plain = load_model(initial_path, device=device, max_seq_length=max_seq_length)
     plain.load_state_dict(full, strict=True)  # raises if any key is missing or unexpected
     return plain

@@ -39,7 +39,7 @@ from .config import LAUNCH_FIELDS, TrainConfig
 from .errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
 from .hardware import capacity_problem, max_processes, strategy_availability
 from .models import MINILM, TINY
-from .strategy_table import DISTRIBUTED, STRATEGIES
+from . import strategies
 from .profiles import current_profile
 from .results import RunResult, load_results, results_frame
 
@@ -94,8 +94,9 @@ class Panel(W.VBox):
         # ---- inputs --------------------------------------------------------------------
         default = self.base_config.strategy
         if not self.availability.get(default, {}).get("runnable"):
-            default = next((s for s in STRATEGIES if self.availability[s]["runnable"] and s != "single"), "single")
-        self.strategy = W.Dropdown(options=[(self._strategy_label(s), s) for s in STRATEGIES], value=default,
+            base = strategies.baseline_name()
+            default = next((s for s in strategies.names() if self.availability[s]["runnable"] and s != base), base)
+        self.strategy = W.Dropdown(options=[(self._strategy_label(s), s) for s in strategies.names()], value=default,
                                    description="strategy", style=_WIDE, layout=W.Layout(width="640px"))
         self.strategy.add_class("stnb-strategy")
         ws = self.base_config.replace(strategy="ddp").world_size()
@@ -186,12 +187,12 @@ class Panel(W.VBox):
             if self.batch_override.value:
                 overrides["per_device_train_batch_size"] = (int(self.batch.value), "set in the Panel")
             return self.base_config.replace(
-                strategy=strategy, num_processes=int(self.processes.value) if strategy in DISTRIBUTED else None,
+                strategy=strategy, num_processes=int(self.processes.value) if strategies.is_distributed(strategy) else None,
                 override_args=overrides or None)
         model = (self.model.value or "").strip() or self.base_config.model
         return self.base_config.replace(
             strategy=strategy,
-            num_processes=int(self.processes.value) if strategy in DISTRIBUTED else None,
+            num_processes=int(self.processes.value) if strategies.is_distributed(strategy) else None,
             per_device_batch_size=int(self.batch.value), steps=int(self.steps.value), model=model)
 
     def run(self) -> RunResult | None:
@@ -264,7 +265,7 @@ class Panel(W.VBox):
 
     def _on_change(self, _change=None) -> None:
         s = self.strategy.value
-        self.processes.disabled = self._running or s not in DISTRIBUTED
+        self.processes.disabled = self._running or not strategies.is_distributed(s)
         if self.build is not None:
             self.batch.disabled = self._running or not self.batch_override.value
             self.batch.tooltip = ("replaces per_device_train_batch_size in your training arguments for this run"

@@ -28,11 +28,11 @@ def test_every_field_has_an_option_with_the_dataclass_default():
 
 def test_options_reach_the_config():
     cfg = config_from_args(_parse("--strategy", "fsdp", "--nproc", "2", "--batch-size", "4", "--lr", "1e-3",
-                                  "--accumulate", "3", "--no-eval", "--no-broadcast-buffers",
+                                  "--accumulate", "3", "--no-eval", "--broadcast-buffers",
                                   "--no-reshard-after-forward", "--gradient-as-bucket-view",
                                   "--columns", '{"question": "anchor", "id": null}', "--max-seq-length", "32"))
     assert (cfg.strategy, cfg.num_processes, cfg.per_device_batch_size, cfg.learning_rate) == ("fsdp", 2, 4, 1e-3)
-    assert cfg.gradient_accumulation_steps == 3 and cfg.evaluate is False and cfg.broadcast_buffers is False
+    assert cfg.gradient_accumulation_steps == 3 and cfg.evaluate is False and cfg.broadcast_buffers is True
     assert cfg.reshard_after_forward is False and cfg.gradient_as_bucket_view is True
     assert cfg.columns == {"question": "anchor", "id": None} and cfg.max_seq_length == 32
     assert config_from_args(_parse("--num-processes", "3", "--per-device-batch-size", "5")).num_processes == 3

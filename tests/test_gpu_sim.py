@@ -340,11 +340,11 @@ def test_colab_kernel_never_runs_a_rank(tmp_path):
 
 def _dp_trainer_dtypes(output_dir: str) -> dict:
     """In a rank: a sentence-transformers trainer with bf16, transformers told it sees 2 GPUs, prepared
-    for 'dp' the way stnb's training does (stnb.prepare.apply_dp_precision)."""
+    for 'dp' the way stnb's training does (the dp strategy's prepare)."""
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer import losses
 
-    from stnb import prepare
+    from stnb import strategies
     from stnb.data import load_pairs
     from stnb.models import load_model, resolve_model
 
@@ -360,7 +360,7 @@ def _dp_trainer_dtypes(output_dir: str) -> dict:
     args._n_gpu = 2
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
                                          loss=losses.CosineSimilarityLoss(model))
-    applied = prepare.apply_dp_precision(trainer)
+    applied = strategies.get("dp").prepare(trainer, None, "cpu", 1)["info"]["dp_autocast"]
     trainer.train()
     return {"n_gpu_here": n_gpu_here, "data_parallel": isinstance(trainer.model_wrapped, torch.nn.DataParallel),
             "dtypes": sorted(set(seen)), "calls": len(seen), "applied": applied}

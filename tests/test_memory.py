@@ -16,7 +16,7 @@ P = 1_000_000
 def test_single_and_dp_hold_the_full_state():
     for strategy in ("single", "dp"):
         p = memory.predict(strategy, P, world_size=4)
-        assert p == {"params": 4 * P, "grads": 4 * P, "optimizer_state": 8 * P, "ddp_buckets": 0, "total": 16 * P}
+        assert p == {"params": 4 * P, "grads": 4 * P, "optimizer_state": 8 * P, "ddp_buckets": 0, "gathered_params": 0, "total": 16 * P}
 
 
 def test_ddp_adds_gradient_buckets_unless_bucket_view():
@@ -30,16 +30,31 @@ def test_ddp_adds_gradient_buckets_unless_bucket_view():
 
 def test_fsdp_divides_every_part_by_world_size_rounding_up():
     p = memory.predict("fsdp", P, world_size=4)
-    assert p == {"params": P, "grads": P, "optimizer_state": 2 * P, "ddp_buckets": 0, "total": 4 * P}
+    assert p == {"params": P, "grads": P, "optimizer_state": 2 * P, "ddp_buckets": 0, "gathered_params": 0, "total": 4 * P}
     odd = memory.predict("fsdp", 7, world_size=2)
     assert odd["params"] == 14 and odd["grads"] == 14 and odd["optimizer_state"] == 28
     three = memory.predict("fsdp", 10, world_size=3)
     assert three["params"] == 14  # ceil(40 / 3)
 
 
+def test_zero_stages_shard_optimizer_then_gradients_then_parameters():
+    """ZeRO-1 divides the optimizer state, ZeRO-2 also the gradients (its parameters are whole during the
+    step: gathered_params), ZeRO-3 (fsdp) everything; each strategy's own ``held`` says so."""
+    z1, z2, z3 = (memory.predict(s, P, world_size=4) for s in ("zero1", "zero2", "fsdp"))
+    assert (z1["params"], z1["grads"], z1["optimizer_state"], z1["ddp_buckets"]) == (4 * P, 4 * P, 2 * P, 4 * P)
+    assert (z2["grads"], z2["optimizer_state"], z2["gathered_params"]) == (P, 2 * P, 3 * P)
+    assert z2["params"] + z2["gathered_params"] == 4 * P  # whole from its forward through its backward
+    assert (z3["params"], z3["grads"], z3["optimizer_state"], z3["gathered_params"]) == (P, P, 2 * P, 0)
+    for name in ("zero1", "zero2", "fsdp"):
+        held = stnb.strategies.get(name).held(4)
+        assert held["optimizer_state"] == 0.25
+    assert stnb.strategies.get("zero1").held(4)["grads"] == 1.0
+    assert stnb.strategies.get("zero2").held(4)["grads"] == 0.25
+
+
 def test_trainable_count_bytes_and_optimizer():
     p = memory.predict("single", P, trainable_param_count=P // 2, bytes_per_param=2, optimizer="sgd")
-    assert p == {"params": 2 * P, "grads": P, "optimizer_state": 0, "ddp_buckets": 0, "total": 3 * P}
+    assert p == {"params": 2 * P, "grads": P, "optimizer_state": 0, "ddp_buckets": 0, "gathered_params": 0, "total": 3 * P}
     assert memory.predict("single", P, optimizer="sgd_momentum")["optimizer_state"] == 4 * P
 
 
@@ -57,7 +72,7 @@ def test_bad_arguments_name_the_problem(kwargs, match):
 
 def test_predict_table_has_one_row_per_strategy():
     t = memory.predict_table(P, world_size=2)
-    assert list(t["strategy"]) == ["single", "dp", "ddp", "fsdp"]
+    assert list(t["strategy"]) == list(stnb.strategies.names())
     assert t.set_index("strategy").loc["fsdp", "total_mib"] == pytest.approx(8 * P / 2**20)
 
 

@@ -215,7 +215,7 @@ def test_cli_hardware():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert set(d["strategies"]) == {"single", "dp", "ddp", "fsdp"}
+    assert set(d["strategies"]) == set(stnb.strategies.names()) >= {"single", "dp", "ddp", "zero1", "zero2", "fsdp"}
     assert d["strategies"]["single"]["runnable"] is True
     if not d["gpus"]:
         assert d["strategies"]["dp"]["runnable"] is False and "GPU" in d["strategies"]["dp"]["reason"]

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError, StrategyUnavailable
-from ..strategy_table import DISTRIBUTED, ONE_PROCESS
+from .. import strategies as registry
 from .options import BenchOptions, bench_device
 
 
@@ -66,6 +66,8 @@ def _knob_variants(device: str, threads: int, quick: bool, accumulate: int | Non
     """(name, TrainConfig overrides, accumulation of the matching baseline). Knobs are TrainConfig
     fields."""
     a = accumulate or (2 if quick else 4)
+    # sentence-transformers turns DDP's buffer broadcast off, so that is the default; the variants that
+    # say "no broadcast" spell it out, and "buffer broadcast on" measures what it would cost
     nobb = {"broadcast_buffers": False}
     tuned = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
     # static_graph breaks under no_sync (pytorch/pytorch#143580); TrainConfig refuses the combination
@@ -73,7 +75,7 @@ def _knob_variants(device: str, threads: int, quick: bool, accumulate: int | Non
     v = [
         ("defaults", {}, 1),
         ("system allocator (page faults)", {"reuse_freed_memory": False}, 1),
-        ("no buffer broadcast", nobb, 1),
+        ("buffer broadcast on", {"broadcast_buffers": True}, 1),
         ("bucket 100 MB (one bucket)", {"bucket_cap_mb": 100}, 1),
         ("static_graph + bucket view", {"static_graph": True, "gradient_as_bucket_view": True}, 1),
         ("fp16 hook", {"comm_hook": "fp16"}, 1),
@@ -134,10 +136,11 @@ def plan(opts: BenchOptions) -> list:
         for rep in range(opts.sweep_repeats):
             for strategy in opts.strategies:
                 for b in opts.batch_sizes:
-                    for n in ([1] if strategy in ONE_PROCESS else nprocs):
+                    several = registry.is_distributed(strategy)
+                    for n in (nprocs if several else [1]):
                         cfg = base.replace(strategy=strategy, per_device_batch_size=b,
-                                           num_processes=None if strategy in ONE_PROCESS else n)
-                        name = f"{strategy} x{n} b{b}" if strategy in DISTRIBUTED else f"{strategy} b{b}"
+                                           num_processes=n if several else None)
+                        name = f"{strategy} x{n} b{b}" if several else f"{strategy} b{b}"
                         add("sweep", name, "stnb", cfg, rep, unavailable=_unavailable(cfg, device, nmax))
 
     n = opts.comparison_nproc or (nmax if device == "cuda" else min(nmax, cpu_cores()))

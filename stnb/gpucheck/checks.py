@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 
-from ..strategy_table import DISTRIBUTED
+from ..strategies import is_distributed
 
 from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
 from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
@@ -56,7 +56,7 @@ def _judge_training(res, check) -> list:
         problems.append("no measured samples/s")
     if not res.losses or not all(math.isfinite(x) for x in res.losses):
         problems.append(f"losses not finite: {res.losses[-3:] if res.losses else res.losses}")
-    if check.params.get("strategy") in DISTRIBUTED:
+    if check.params.get("strategy") and is_distributed(check.params["strategy"]):
         backends = {r.get("backend") for r in res.verification.get("ranks", [])}
         want = "nccl" if device == "cuda" else "gloo"
         if backends != {want}:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..hardware import BF16_MIN_CAPABILITY, arch_supported, torch_arch_list
 from ..hardware import gpus as hardware_gpus
-from ..strategy_table import DISTRIBUTED
+DISTRIBUTED = ("ddp", "fsdp")  # the GPU check trains these on NCCL ranks (the ZeRO stages: see stnb.strategies)
 
 
 # one training configuration for every check that trains: the bundled MiniLM, 32 per device

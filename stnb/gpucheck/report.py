@@ -32,13 +32,16 @@ class Outcome:
 def speedups(outcomes: list) -> list:
     """[{name, strategy, gpus, samples_per_second, speedup, efficiency}] of the passed multi-GPU
     training rows against the passed single-GPU row of the same precision."""
+    from ..strategies import baseline_name
+
+    base_name = baseline_name()
     singles = {o.metrics.get("precision"): o.metrics["samples_per_second"] for o in outcomes
-               if o.status == "passed" and o.metrics.get("strategy") == "single" and o.metrics.get("samples_per_second")
+               if o.status == "passed" and o.metrics.get("strategy") == base_name and o.metrics.get("samples_per_second")
                and o.kind == "train"}
     rows = []
     for o in outcomes:
         m = o.metrics
-        if (o.status != "passed" or o.kind != "train" or m.get("strategy") not in ("dp", "ddp", "fsdp")
+        if (o.status != "passed" or o.kind != "train" or m.get("strategy") in (None, base_name)
                 or not m.get("samples_per_second") or (m.get("gpus") or 1) < 2):
             continue
         base = singles.get(m.get("precision"))

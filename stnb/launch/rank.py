@@ -127,7 +127,7 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     detach_from_kernel()
     if opts.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.environ["ACCELERATE_USE_CPU"] = "true"
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # a strategy may need accelerate off CPU mode (deepspeed)
     import torch
 
     if opts.device == "cpu":

@@ -12,7 +12,7 @@ from html import escape as _escape
 import math
 
 from .. import reference
-from ..strategy_table import DISTRIBUTED, ONE_PROCESS
+from .. import strategies
 
 OURS = "this machine"
 REFERENCE_SOURCE = reference.SOURCE
@@ -94,10 +94,10 @@ def comparison_table(df, reference: bool = False):
 
 
 def _devices(r) -> int:
-    s = r.get("strategy")
-    if s in DISTRIBUTED:
+    s = strategies.get(r.get("strategy"))
+    if s.distributed:
         return int(r.get("world_size") or 1)
-    if s == "dp":
+    if s.several_devices_per_process():
         pdb, gbs = r.get("per_device_batch_size"), r.get("global_batch_size")
         acc = r.get("gradient_accumulation_steps") or 1
         if pdb and gbs and gbs == gbs:
@@ -109,7 +109,8 @@ def _labels(df) -> list:
     base = []
     for _, r in df.iterrows():
         d = int(r["devices"]) if r["devices"] == r["devices"] else 1
-        lab = r["strategy"] if d == 1 and r["strategy"] in ONE_PROCESS else f"{r['strategy']} ×{d}"
+        one = d == 1 and not strategies.get(r["strategy"]).distributed
+        lab = r["strategy"] if one else f"{r['strategy']} ×{d}"
         if r["source"] == REFERENCE_SOURCE:
             lab += " (docs)"
         base.append(lab)
@@ -139,7 +140,8 @@ def _labels(df) -> list:
 def _add_ratios(df) -> None:
     speed, eff, base, why = [], [], [], []
     ok = df[(df["status"] == "ok") & df["samples_per_second"].map(is_num)]
-    singles = ok[ok["strategy"] == "single"]
+    baseline = strategies.baseline_name()
+    singles = ok[ok["strategy"] == baseline]
     for _, r in df.iterrows():
         if r["status"] != "ok" or not is_num(r["samples_per_second"]):
             speed.append(None), eff.append(None), base.append(""), why.append("")
@@ -148,13 +150,13 @@ def _add_ratios(df) -> None:
                         & (singles["device"] == r["device"])]
         same_batch = cands[cands["per_device_batch_size"] == r["per_device_batch_size"]]
         cands = same_batch if len(same_batch) else cands
-        if r["strategy"] == "single" and r.name in cands.index:
+        if r["strategy"] == baseline and r.name in cands.index:
             b = r
         elif len(cands):
             b = cands.iloc[-1]
         else:
             speed.append(None), eff.append(None), base.append("")
-            why.append(f"no 'single' run of model {r['model']} on {r['device']} to compare with")
+            why.append(f"no {baseline!r} run of model {r['model']} on {r['device']} to compare with")
             continue
         s = float(r["samples_per_second"]) / float(b["samples_per_second"])
         d = float(r["devices"] or 1)
@@ -186,7 +188,7 @@ def _hover(r) -> str:
         lines.append(f"steps: {fmt(r['steps'])} · loss: {fmt(r.get('loss'))} · mixed precision: "
                      f"{fmt(r.get('mixed_precision'))}" + (f" · threads/rank: {fmt(r.get('threads_per_rank'))}"
                                                             if r.get("threads_per_rank") else ""))
-    if r["strategy"] == "ddp" and not theirs:
+    if "comm_hook" in strategies.get(r["strategy"]).knobs and not theirs:
         cap = r.get("bucket_cap_mb")
         lines.append(f"comm_hook: {fmt(r.get('comm_hook'))} · gradient_as_bucket_view: "
                      f"{fmt(r.get('gradient_as_bucket_view'))} · static_graph: {fmt(r.get('static_graph'))} · "

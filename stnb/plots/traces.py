@@ -5,9 +5,16 @@ runs that have no number. Each takes rows of ``comparison_table`` and returns a 
 
 from __future__ import annotations
 
+from .. import strategies
 from .table import MIB, REFERENCE_SOURCE, esc, is_num
 
-STRATEGY_COLORS = {"single": "#7f7f7f", "dp": "#ff7f0e", "ddp": "#1f77b4", "fsdp": "#2ca02c"}
+# each strategy's own colour (``Strategy.color``), as registered when plots was imported
+STRATEGY_COLORS = {s.name: s.color for s in strategies.all_strategies()}
+
+
+def strategy_color(name) -> str:
+    """The strategy's colour (one registered after import too); a name stnb does not know: brown."""
+    return strategies.get(name).color if name in strategies.names() else "#8c564b"
 PART_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer_state": "#54a24b"}
 GHOST_COLOR = "rgba(160, 160, 160, 0.18)"
 
@@ -160,7 +167,7 @@ def loss_traces(rows):
         steps = list(range(1, len(losses) + 1))
         traces.append(go.Scatter(
             x=steps, y=losses, mode="lines+markers", name=r["label"],
-            line=dict(color=STRATEGY_COLORS.get(r["strategy"])), hovertext=[r["hover"]] * len(steps),
+            line=dict(color=strategy_color(r["strategy"])), hovertext=[r["hover"]] * len(steps),
             hovertemplate=f"<b>{esc(r['label'])}</b><br>step %{{x}}: loss %{{y:.4f}}<br>"
                           "%{hovertext}<extra></extra>"))
     return traces
@@ -228,7 +235,7 @@ def _max(series) -> float:
 
 
 def _marker(rows, hatched=False) -> dict:
-    m = dict(color=[STRATEGY_COLORS.get(s, "#8c564b") for s in rows["strategy"]])
+    m = dict(color=[strategy_color(s) for s in rows["strategy"]])
     if hatched:
         m.update(opacity=0.55, pattern=dict(shape="/", fgcolor="white"), line=dict(color="#333", width=1))
     return m

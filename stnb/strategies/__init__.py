@@ -1,0 +1,196 @@
+"""The strategies stnb knows: one module and one object each, and the registry everything else asks.
+
+=========  =================  ===============================================================
+name       ZeRO stage         module
+=========  =================  ===============================================================
+single     -                  ``single.py``   one device, no wrapper
+dp         -                  ``dp.py``       torch.nn.DataParallel over the GPUs of one process
+ddp        -                  ``ddp.py``      DistributedDataParallel, gradients all-reduced
+zero1      1 (optimizer)      ``zero1.py``    DDP + ZeroRedundancyOptimizer
+zero2      2 (+ gradients)    ``zero2.py``    FSDP2, reshard_after_forward=False
+fsdp       3 (+ parameters)   ``fsdp.py``     FSDP2 fully_shard
+deepspeed  1, 2 or 3          ``deepspeed.py`` the trainer's own DeepSpeed integration
+=========  =================  ===============================================================
+
+``get(name)`` returns the strategy object (an unknown name is a ConfigError listing the known ones);
+``register(cls)`` adds one, refusing a class that does not implement its verification
+(``Strategy.check_prepared`` and ``check_ranks`` are abstract). Nothing outside this package compares
+a strategy's name: it asks the object (``distributed``, ``knobs``, ``held``, ``available``, ...).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ..errors import ConfigError, VerificationError
+from .base import PARTS, Strategy, mixed_precision, replicated_check
+from .dp import autocast_data_parallel
+from .ddp import ddp_kwargs
+from .fsdp import shard_fsdp
+from .loss_sync import LossParameterSync
+from .tensors import (freeze_unused_pooler, local_numel, loss_owned_parameters, optimizer_parameter_names,
+                      param_counts, shard_problems, tensor_bytes)
+
+_REGISTRY: dict = {}
+
+
+def register(cls) -> Strategy:
+    """Add a strategy class to the registry and return its object. Refused (TypeError): not a Strategy,
+    a name already taken, or verification not implemented (an abstract ``check_prepared``/``check_ranks``)."""
+    if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
+        raise TypeError(f"{cls!r} is not a stnb.strategies.Strategy subclass")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"strategy class {cls.__name__} cannot be registered: it does not implement its "
+                        f"verification ({', '.join(missing)}); a strategy that cannot verify itself cannot run")
+    for attr in ("name", "label", "summary"):
+        if not isinstance(getattr(cls, attr, None), str) or not getattr(cls, attr):
+            raise TypeError(f"strategy class {cls.__name__} needs a non-empty {attr}")
+    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise TypeError(f"a strategy named {cls.name!r} is registered already ({type(_REGISTRY[cls.name]).__name__})")
+    _REGISTRY[cls.name] = cls()
+    return _REGISTRY[cls.name]
+
+
+def unregister(name: str) -> None:
+    """Remove a strategy (tests that add a made-up one)."""
+    _REGISTRY.pop(name, None)
+
+
+def get(name) -> Strategy:
+    """The strategy object for ``name``; ConfigError naming the known ones otherwise."""
+    if isinstance(name, Strategy):
+        return name
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        same = [s.name for s in _REGISTRY.values() if s.aka and str(name).lower().replace("-", "") in
+                (s.aka.lower().replace(" stage ", ""), s.aka.lower().replace(" ", ""))]
+        hint = f" ({name} is strategy {same[0]!r}: {_REGISTRY[same[0]].aka})" if same else ""
+        raise ConfigError(f"unknown strategy {name!r}{hint}; choose one of {', '.join(map(repr, names()))}") from None
+
+
+def names() -> tuple:
+    return tuple(_REGISTRY)
+
+
+def all_strategies() -> tuple:
+    return tuple(_REGISTRY.values())
+
+
+def is_distributed(name) -> bool:
+    return get(name).distributed
+
+
+def baseline_name() -> str:
+    """The strategy every other one is compared with (speed-ups, efficiency): 'single'."""
+    return next(n for n, s in _REGISTRY.items() if s.baseline)
+
+
+def distributed_names() -> tuple:
+    return tuple(n for n, s in _REGISTRY.items() if s.distributed)
+
+
+# ---- before any process starts ---------------------------------------------------------------
+
+def validate_config(config) -> None:
+    """Generic checks every strategy gets (a knob set away from its default must belong to the chosen
+    strategy; one-process strategies take no num_processes), then the strategy's own ``validate``."""
+    import dataclasses
+
+    s = get(config.strategy)
+    defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
+    owners = {}
+    for other in _REGISTRY.values():
+        for knob in other.knobs:
+            owners.setdefault(knob, []).append(other.name)
+    foreign = [k for k, who in owners.items() if k not in s.knobs and getattr(config, k) != defaults[k]]
+    if foreign:
+        raise ConfigError("; ".join(f"{k}={getattr(config, k)!r} is an option of {' / '.join(owners[k])}"
+                                    for k in foreign)
+                          + f", not of strategy {s.name!r}: use one of those strategies or leave "
+                          + ("it" if len(foreign) == 1 else "them") + " at the default")
+    if not s.distributed and config.num_processes not in (None, 1):
+        raise ConfigError(
+            f"strategy {s.name!r} runs in one process, got num_processes={config.num_processes}; use a strategy "
+            f"with one process per device ({', '.join(distributed_names())}) or drop num_processes")
+    s.validate(config)
+
+
+def availability(device: str, n_gpu: int, max_ranks: int, backend: str, has_distributed: bool = True) -> dict:
+    """{name: {"runnable", "reason"}} for every registered strategy on this hardware."""
+    out = {}
+    for s in _REGISTRY.values():
+        if s.distributed and not has_distributed:
+            ok, why = False, "this torch build has no torch.distributed"
+        else:
+            ok, why = s.available(device, n_gpu, max_ranks, backend)
+        out[s.name] = {"runnable": bool(ok), "reason": why}
+    return out
+
+
+# ---- in a rank -----------------------------------------------------------------------------------
+
+def verify_prepared(strategy, trainer, world_size_expected: int, world: dict | None = None) -> dict:
+    """At the first step, in every rank: the world the caller asked for against the process group observed
+    (a collective), parameter counts, and the strategy's own ``check_prepared``. Raises VerificationError."""
+    import torch.distributed as dist
+
+    from ..checks import observe_world, world_problems
+
+    s = get(strategy)
+    world = world if world is not None else observe_world()
+    local, total = param_counts(trainer.model)
+    info = {"strategy": s.name, "wrapper": type(trainer.model_wrapped).__name__,
+            "world_size_requested": world_size_expected, "world_size_seen": world["process_group_size"],
+            "processes_seen": world["processes"], "backend": dist.get_backend() if dist.is_initialized() else None,
+            "local_param_count": local, "total_param_count": total,
+            "local_param_fraction": local / total if total else None}
+    problems = world_problems(world_size_expected, world)
+    own, own_problems = s.check_prepared(trainer, world_size_expected)
+    info.update(own)
+    problems += own_problems
+    info["problems"] = problems
+    info["ok"] = not problems
+    if problems:
+        raise VerificationError(f"strategy {s.name!r} failed verification: " + "; ".join(problems))
+    return info
+
+
+def verify(strategy, wrapped, model, world_size_expected: int, n_gpu: int = 0, world: dict | None = None) -> dict:
+    """``verify_prepared`` for a bare (wrapped, model) pair, without a trainer."""
+    from types import SimpleNamespace
+
+    return verify_prepared(strategy, SimpleNamespace(model=model, model_wrapped=wrapped), world_size_expected, world)
+
+
+# ---- after the run ----------------------------------------------------------------------------
+
+def verify_ranks(strategy, rank_results: list, world_size: int) -> tuple[dict, list]:
+    """What needs every rank: each replicated tensor (model and loss parameters alike) identical across
+    ranks, whatever the strategy, then the strategy's own ``check_ranks``."""
+    s = get(strategy)
+    info, problems = replicated_check(rank_results)
+    own, own_problems = s.check_ranks(rank_results, world_size)
+    info.update(own)
+    return info, problems + own_problems
+
+
+def _register_builtins() -> None:
+    from .ddp import DistributedDataParallel
+    from .dp import DataParallel
+    from .fsdp import FullyShardedDataParallel
+    from .single import Single
+    from .zero1 import Zero1
+    from .zero2 import Zero2
+
+    for cls in (Single, DataParallel, DistributedDataParallel, Zero1, Zero2, FullyShardedDataParallel):
+        register(cls)
+
+
+_register_builtins()
+
+__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "names", "all_strategies", "is_distributed",
+           "distributed_names", "baseline_name", "validate_config", "availability", "verify_prepared", "verify", "verify_ranks",
+           "autocast_data_parallel", "ddp_kwargs", "shard_fsdp", "freeze_unused_pooler", "local_numel",
+           "loss_owned_parameters", "param_counts", "LossParameterSync", "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision"]

@@ -1,0 +1,147 @@
+"""What a strategy is: one class, one object, registered once (``stnb.strategies.registry``).
+
+A strategy answers every question the rest of stnb has about it, so nothing outside
+``stnb/strategies/`` compares a strategy's name:
+
+- facts: ``name``, ``label``, ``summary``, ``color``, ``aka`` (the ZeRO stage it is), ``distributed``
+  (one process per device), ``min_gpus``, ``min_ranks``, ``knobs`` (the TrainConfig fields it owns);
+- memory: ``sharded`` says which parts of the model state a rank holds only 1/N of (``held``);
+- availability on this hardware, with the reason (``available``);
+- config validation before any process starts (``validate``);
+- in each rank: refusals of what the user's trainer asks (``refusals``), preparing the trainer and the
+  model (``prepare``), and, at the first step, checking the prepared model (``check_prepared``);
+- after the run, what needs every rank (``check_ranks``).
+
+Verification fails closed: ``check_prepared`` and ``check_ranks`` are abstract, so a class that does
+not implement both cannot be instantiated, and the registry refuses it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+PARTS = ("params", "grads", "optimizer_state")
+
+
+class Strategy(abc.ABC):
+    name: ClassVar[str]
+    label: ClassVar[str]
+    summary: ClassVar[str]
+    color: ClassVar[str] = "#8c564b"
+    aka: ClassVar[str] = ""            # e.g. "ZeRO stage 3"
+    distributed: ClassVar[bool] = True  # one process per device in a process group
+    min_gpus: ClassVar[int] = 0        # GPUs needed at all (dp: 2, in one process)
+    min_ranks: ClassVar[int] = 1       # a sharding strategy needs 2 ranks to shard over
+    knobs: ClassVar[tuple] = ()        # TrainConfig fields this strategy owns
+    sharded: ClassVar[frozenset] = frozenset()  # parts of PARTS each rank holds 1/N of
+    # parameters whole in memory during forward and backward, beyond the rank's own shard:
+    # 'all' (zero2: gathered for the whole step), 'layer' (fsdp: one block at a time), '' (none)
+    gathered_during_step: ClassVar[str] = ""
+    ddp_buckets: ClassVar[bool] = False  # a DDP wrapper copies every gradient into its buckets
+    env: ClassVar[dict] = {}           # environment the ranks need (set before they import anything)
+    owns_deepspeed: ClassVar[bool] = False  # the trainer's own deepspeed=... argument belongs to it
+
+    baseline: ClassVar[bool] = False   # the one every other strategy is compared with (single)
+
+    # ---- facts ------------------------------------------------------------------------------
+    def pinned_to_one_gpu(self) -> bool:
+        """One process driving one device (on a GPU machine it is pinned to the first usable GPU)."""
+        return not self.distributed and self.devices(2) == 1
+
+    def several_devices_per_process(self) -> bool:
+        """One process drives several devices (dp): its devices follow from the batch it splits."""
+        return self.devices(2) > 1
+
+    def title(self) -> str:
+        """Name and what it is, e.g. "fsdp (ZeRO stage 3): FSDP2 fully_shard ..." (Panel, CLI, docs)."""
+        return f"{self.name}{f' ({self.aka})' if self.aka else ''}: {self.summary}"
+
+    def held(self, world_size: int) -> dict:
+        """Fraction of each model-state part one rank holds at rest (the memory prediction's shape)."""
+        return {part: (1.0 / world_size if part in self.sharded else 1.0) for part in PARTS}
+
+    def world_size(self, requested: int | None, default: int) -> int:
+        """Processes this strategy runs (one-process strategies: 1)."""
+        if not self.distributed:
+            return 1
+        return requested if requested is not None else default
+
+    def devices(self, n_gpu: int) -> int:
+        """Devices one process drives (dp: every visible GPU; the others: one)."""
+        return 1
+
+    def available(self, device: str, n_gpu: int, max_ranks: int, backend: str) -> tuple[bool, str]:
+        """(runnable here, why): the default for a distributed strategy needs min_ranks ranks."""
+        unit = "GPU" if device == "cuda" else "CPU core"
+        if not self.distributed:
+            return True, f"one process on {device}"
+        need = max(2, self.min_ranks)
+        if max_ranks >= need:
+            return True, f"up to {max_ranks} ranks, one per {unit}, backend {backend}"
+        return False, f"needs at least {need} ranks (one per {unit}); this machine has {max_ranks} {unit}(s)"
+
+    # ---- before any process starts --------------------------------------------------------
+    def validate(self, config) -> None:
+        """Raise ConfigError for a config this strategy cannot run (beyond the registry's generic checks)."""
+
+    # ---- in each rank ----------------------------------------------------------------------
+    def refusals(self, trainer, config) -> list:
+        """What the trainer's own arguments ask that this strategy cannot honour (problem strings)."""
+        return []
+
+    def prepare(self, trainer, config, device_type: str, world: int) -> dict:
+        """Apply the strategy to the trainer before ``train()``. Returns {"info": ..., "overridden": ...}."""
+        return {"info": {}, "overridden": {}}
+
+    def on_first_step(self, trainer, config, world: int) -> dict:
+        """Called at the first step's begin, before verification (e.g. a DDP comm hook). Returns details."""
+        return {}
+
+    @abc.abstractmethod
+    def check_prepared(self, trainer, world_size: int) -> tuple[dict, list]:
+        """At the first step, in every rank: (details, problems) comparing what the strategy promises
+        with the prepared model, observed (wrapper type, shards, optimizer partition...)."""
+
+    def check_step(self, trainer, world_size: int) -> tuple[dict, list]:
+        """After the first backward, before the optimizer step (gradients exist): (details, problems)."""
+        return {}, []
+
+    @abc.abstractmethod
+    def check_ranks(self, rank_results: list, world_size: int) -> tuple[dict, list]:
+        """After the run, with every rank's results: (details, problems) of what needs all ranks."""
+
+    def full_model(self, model, rank: int):
+        """The trained model whole, on rank 0 (None on the others; a collective where sharded).
+        Returns (module_or_state_dict, is_state_dict)."""
+        return (model if rank == 0 else None), False
+
+
+def replicated_check(rank_results: list, key: str = "weight_digests") -> tuple[dict, list]:
+    """Every replicated tensor identical across ranks (sha256 per tensor; a mismatch names it)."""
+    from ..checks import compare_digests
+
+    if len(rank_results) < 2:
+        return {}, []
+    same = compare_digests([r.get(key) or {} for r in rank_results])
+    if not same["tensors"]:
+        return {"weights_tensors_compared": 0}, []  # nothing replicated (every parameter sharded)
+    info = {"weights_identical_across_ranks": same["identical"], "weights_checksums": same["model_digests"],
+            "weights_differing": same["differing"][:10], "weights_tensors_compared": same["tensors"]}
+    problems = []
+    if not same["identical"]:
+        problems.append(f"weights differ across ranks in {len(same['differing'])} of {same['tensors']} "
+                        f"tensor(s), first {same['first_differing']!r} (ranks {same['differing'][0]['ranks']})")
+    return info, problems
+
+
+def mixed_precision(args) -> str:
+    """'bf16', 'fp16' or 'no', as a trainer's training arguments ask."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+
+
+def config_default(config, name: str):
+    """The TrainConfig field's default (a knob left at it was not asked for)."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(type(config))}[name]

@@ -1,0 +1,150 @@
+"""ddp: DistributedDataParallel, one process per device, gradients all-reduced.
+
+The Trainer wraps the model through accelerate; stnb hands accelerate its DDP knobs
+(``DistributedDataParallelKwargs``) and then checks the wrapper holds them (observed, not assumed).
+
+Knobs: bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers, comm_hook.
+``broadcast_buffers``: sentence-transformers' training arguments force ``ddp_broadcast_buffers=False``
+(its comment: some BERT models hit an in-place RuntimeError when buffers are broadcast at every
+forward), so the default here is False, what really runs; ``broadcast_buffers=True`` is applied to DDP
+(``forward_sync_buffers``) and checked on the wrapper.
+"""
+
+from __future__ import annotations
+
+from .base import Strategy, config_default
+
+DDP_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "comm_hook")
+# (stnb.run knob, SentenceTransformerTrainingArguments field)
+DDP_ARGS = (("bucket_cap_mb", "ddp_bucket_cap_mb"), ("broadcast_buffers", "ddp_broadcast_buffers"),
+            ("static_graph", "ddp_static_graph"))
+
+
+class DistributedDataParallel(Strategy):
+    name = "ddp"
+    label = "DDP"
+    summary = "DistributedDataParallel: one process per device, gradients all-reduced"
+    color = "#1f77b4"
+    knobs = DDP_KNOBS
+    ddp_buckets = True
+
+    def validate(self, config):
+        from ..errors import ConfigError
+
+        if config.static_graph and config.gradient_accumulation_steps > 1:
+            raise ConfigError("static_graph=True cannot be combined with gradient_accumulation_steps > 1: DDP's "
+                              "static graph breaks under no_sync() (pytorch/pytorch#143580: an INTERNAL ASSERT on "
+                              "the first backward); use static_graph=False when accumulating gradients")
+
+    def refusals(self, trainer, config):
+        args = trainer.args
+        static = config.static_graph or (args.ddp_static_graph and config.static_graph == config_default(config, "static_graph"))
+        if static and args.gradient_accumulation_steps > 1:
+            return ["DDP's static_graph cannot be combined with gradient_accumulation_steps > 1 "
+                    "(pytorch/pytorch#143580); drop static_graph or the accumulation"]
+        return []
+
+    def prepare(self, trainer, config, device_type, world):
+        kw, overridden = apply_ddp(trainer, config)
+        return {"info": {"ddp_asked": dict(kw)}, "overridden": overridden}
+
+    def on_first_step(self, trainer, config, world):
+        if config.comm_hook == "embedding_rows" and world > 1:
+            from .. import embedding_rows_hook  # before the first backward, as DDP requires
+
+            return {"embedding_rows": embedding_rows_hook.register(trainer.model_wrapped)}
+        return {}
+
+    def check_prepared(self, trainer, world_size):
+        return check_ddp_wrapper(trainer)
+
+    def check_ranks(self, rank_results, world_size):
+        return {}, []  # every replicated tensor identical: checked for every strategy (base.replicated_check)
+
+
+def check_ddp_wrapper(trainer) -> tuple[dict, list]:
+    """The trainer trains a DDP wrapper, and it holds the settings stnb asked accelerate for."""
+    import torch
+
+    w = trainer.model_wrapped
+    if not isinstance(w, torch.nn.parallel.DistributedDataParallel):
+        return {}, [f"expected DistributedDataParallel, the trainer used {type(w).__name__}"]
+    seen = {"bucket_cap_mb": w.bucket_bytes_cap / 2**20, "find_unused_parameters": w.find_unused_parameters,
+            "broadcast_buffers": getattr(w, "forward_sync_buffers", getattr(w, "broadcast_buffers", None)),
+            "static_graph": w.static_graph, "gradient_as_bucket_view": w.gradient_as_bucket_view}
+    asked = getattr(trainer, "stnb_ddp_asked", None) or {}
+    problems = []
+    for knob in ("broadcast_buffers", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
+        if knob in asked and asked[knob] is not None and float(asked[knob]) != float(seen[knob]):
+            problems.append(f"DDP {knob}={asked[knob]!r} was asked, the wrapper holds {seen[knob]!r}")
+    return {"ddp_settings": seen}, problems
+
+
+def ddp_kwargs(config) -> dict:
+    """accelerate DistributedDataParallelKwargs from a TrainConfig's DDP knobs."""
+    from accelerate.utils import DDPCommunicationHookType
+
+    kw = {
+        "find_unused_parameters": bool(config.extra.get("find_unused_parameters", False)),
+        "broadcast_buffers": bool(config.broadcast_buffers),
+        "gradient_as_bucket_view": bool(config.gradient_as_bucket_view),
+        "static_graph": bool(config.static_graph),
+        # 'embedding_rows' is stnb's own hook (stnb.embedding_rows_hook), registered at the first step
+        "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,
+                      "bf16": DDPCommunicationHookType.BF16,
+                      "embedding_rows": DDPCommunicationHookType.NO}[config.comm_hook],
+    }
+    if config.bucket_cap_mb:
+        cap = config.bucket_cap_mb
+        kw["bucket_cap_mb"] = int(cap) if float(cap).is_integer() else cap
+    return kw
+
+
+def apply_ddp(trainer, config) -> tuple[dict, dict]:
+    """Set the accelerator's DDP kwargs (used when train() wraps the model). Returns (kwargs, overridden).
+
+    A knob given to stnb.run (not at its default) decides, and replaces the trainer's argument (reported
+    in ``overridden``); a knob left at its default keeps the trainer's own value. sentence-transformers
+    sets ``ddp_broadcast_buffers=False`` itself, so that is what runs unless broadcast_buffers=True is asked."""
+    kw = ddp_kwargs(config)
+    own = getattr(trainer.accelerator, "ddp_handler", None)  # built from the trainer's arguments
+    if own is not None:
+        kw["find_unused_parameters"] = own.find_unused_parameters  # the trainer's own rule
+    overridden = {}
+    for knob, arg in DDP_ARGS:
+        theirs, mine = getattr(trainer.args, arg), getattr(config, knob)
+        if mine != config_default(config, knob):  # given to stnb.run
+            if theirs is not None and theirs != mine:
+                overridden[arg] = {"from": theirs, "to": mine,
+                                   "why": f"stnb.run(..., {knob}={mine!r}) was given; it decides DDP's {knob}"}
+                setattr(trainer.args, arg, mine)
+        elif theirs is not None:
+            kw[knob] = theirs  # the user's value, kept
+    trainer.accelerator.ddp_handler = ddp_handler(kw)
+    trainer.stnb_ddp_asked = {k: kw.get(k) for k in ("broadcast_buffers", "static_graph", "gradient_as_bucket_view",
+                                                      "bucket_cap_mb")}
+    return kw, overridden
+
+
+def ddp_handler(kw: dict):
+    """accelerate's DDP kwargs handler for ``kw``. torch 2.13 deprecates DDP's ``broadcast_buffers``
+    for ``forward_sync_buffers`` (a FutureWarning in every rank of every DDP run, since
+    sentence-transformers turns the broadcast off), and accelerate's handler does not know the new
+    name yet: a subclass carries it. The only difference: buffers are still synced once, at wrap
+    time, which is what DDP does with the parameters anyway."""
+    import inspect
+    from dataclasses import dataclass
+
+    import torch
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    kw = dict(kw)
+    if "forward_sync_buffers" not in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters:
+        return DistributedDataParallelKwargs(**kw)
+
+    @dataclass
+    class Handler(DistributedDataParallelKwargs):
+        forward_sync_buffers: bool = True
+
+    forward = kw.pop("broadcast_buffers", True)
+    return Handler(**kw, forward_sync_buffers=forward)

@@ -1,0 +1,112 @@
+"""dp: torch.nn.DataParallel in one process over every visible GPU.
+
+The HF Trainer wraps the model itself when it sees ``n_gpu > 1``. It then skips accelerate's
+``prepare``, where autocast lives, so stnb gives the replicas their autocast (``autocast_data_parallel``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .base import Strategy, mixed_precision
+
+
+class DataParallel(Strategy):
+    name = "dp"
+    label = "DataParallel"
+    summary = "torch.nn.DataParallel: one process, the batch split across its GPUs"
+    color = "#ff7f0e"
+    distributed = False
+    min_gpus = 2
+
+    def devices(self, n_gpu):
+        return max(1, n_gpu)
+
+    def available(self, device, n_gpu, max_ranks, backend):
+        if n_gpu >= self.min_gpus:
+            return True, f"torch.nn.DataParallel over {n_gpu} GPUs in one process"
+        return False, (f"DataParallel needs at least {self.min_gpus} CUDA GPUs in one process; "
+                       f"this machine has {n_gpu}")
+
+    def prepare(self, trainer, config, device_type, world):
+        precision = mixed_precision(trainer.args)
+        if precision != "no":
+            original = trainer._wrap_model
+
+            def wrap_model(model, training=True, dataloader=None):
+                wrapped = original(model, training=training, dataloader=dataloader)
+                if wrapped is not model:  # newly wrapped here: the Trainer's DP path
+                    wrapped = autocast_data_parallel(wrapped, precision)
+                return wrapped
+
+            trainer._wrap_model = wrap_model
+        return {"info": {"dp_autocast": precision}, "overridden": {}}
+
+    def check_prepared(self, trainer, world_size):
+        import torch
+
+        wrapped = trainer.model_wrapped
+        if not isinstance(wrapped, torch.nn.DataParallel):
+            return {}, [f"expected torch.nn.DataParallel, the trainer used {type(wrapped).__name__}"]
+        problems = []
+        if len(wrapped.device_ids) < 2:
+            problems.append(f"DataParallel over {len(wrapped.device_ids)} device(s); needs >= 2")
+        return {"device_ids": list(wrapped.device_ids)}, problems
+
+    def check_ranks(self, rank_results, world_size):
+        return {}, []
+
+
+def autocast_data_parallel(dp, mixed_precision: str):
+    """Give a torch.nn.DataParallel the autocast that the HF Trainer's DP path never applies.
+
+    Why it is missing (transformers 5.23, accelerate 1.15): ``Trainer._wrap_model`` wraps the model
+    in ``nn.DataParallel`` itself when ``args.n_gpu > 1``; the model is then "already wrapped", so
+    ``_inner_training_loop`` skips ``accelerator.prepare(model)``, which is where accelerate patches
+    autocast into ``model.forward``; and ``Trainer.autocast_smart_context_manager`` is a no-op
+    ("We rely on accelerate for autocast"). So fp16/bf16 computed in fp32. An autocast around
+    DataParallel's forward is not enough either: each replica runs in its own thread, where
+    ``parallel_apply`` re-enters autocast without a dtype, and the autocast dtype is per thread
+    (a bf16 run would compute in fp16). The replicas are therefore called inside their own autocast.
+    Returns an AutocastDataParallel over the same module and devices (``dp`` itself without mixed precision)."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
+    if dtype is None or not isinstance(dp, torch.nn.DataParallel):
+        return dp
+    if not dp.device_ids:  # no accelerator: DataParallel just calls the module
+        wrapped = _autocast_dp_class()(dp.module)
+    else:
+        wrapped = _autocast_dp_class()(dp.module, device_ids=dp.device_ids, output_device=dp.output_device,
+                                       dim=dp.dim)
+    wrapped.autocast_dtype = dtype
+    return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_dp_class():
+    import torch
+
+    class _AutocastReplica:
+        def __init__(self, replica, device_type, dtype):
+            self.replica, self.device_type, self.dtype = replica, device_type, dtype
+
+        def __call__(self, *args, **kwargs):
+            with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+                return self.replica(*args, **kwargs)
+
+    class AutocastDataParallel(torch.nn.DataParallel):
+        """DataParallel whose forward, and every replica in its worker thread, runs under autocast."""
+
+        def _device_type(self):
+            return self.src_device_obj.type if self.device_ids else "cpu"
+
+        def forward(self, *inputs, **kwargs):
+            with torch.autocast(device_type=self._device_type(), dtype=self.autocast_dtype):
+                return super().forward(*inputs, **kwargs)
+
+        def parallel_apply(self, replicas, inputs, kwargs):
+            wrapped = [_AutocastReplica(r, self._device_type(), self.autocast_dtype) for r in replicas]
+            return super().parallel_apply(wrapped, inputs, kwargs)
+
+    return AutocastDataParallel

@@ -1,0 +1,194 @@
+"""fsdp (ZeRO stage 3): FSDP2 ``fully_shard``, parameters, gradients and optimizer state sharded.
+
+Each transformer block and then the root are sharded by stnb *before* the Trainer sees the model.
+accelerate ignores FSDP settings on CPU and silently runs DDP; stnb does not rely on them. The model
+is marked as owning its placement and gradient reduction (``is_distributed_loading_by_transformers``),
+the Trainer's contract for models sharded before training, so the Trainer neither moves nor re-wraps
+it. Verified: every parameter is a DTensor whose local shard has exactly the shape its placements
+give this rank (the last rank's piece is smaller when a dimension does not divide), every gradient
+after the first backward likewise, and the ranks' shards add up to the model.
+
+``zero2`` (``stnb.strategies.zero2``) is the same machinery with ``reshard_after_forward=False``.
+"""
+
+from __future__ import annotations
+
+from .base import Strategy, mixed_precision
+
+
+class FullyShardedDataParallel(Strategy):
+    name = "fsdp"
+    label = "FSDP (ZeRO-3)"
+    aka = "ZeRO stage 3"
+    summary = "FSDP2 fully_shard: one process per device, parameters, gradients and optimizer state sharded"
+    color = "#2ca02c"
+    min_ranks = 2
+    knobs = ("reshard_after_forward", "fsdp_layer_cls")
+    sharded = frozenset({"params", "grads", "optimizer_state"})
+    gathered_during_step = "layer"
+
+    def reshard_after_forward(self, config) -> bool:
+        return bool(config.reshard_after_forward)
+
+    def validate(self, config):
+        from ..errors import ConfigError
+
+        if config.num_processes == 1:
+            raise ConfigError(f"{self.name} with num_processes=1 shards nothing; use num_processes >= 2 or "
+                              "strategy='single'")
+
+    def refusals(self, trainer, config):
+        save = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
+        if save != "no":
+            # the trainer saves at the end of training too, and its save_pretrained (save_only_model
+            # included) cannot write a model sharded before training
+            return [f"save_strategy={save!r} with {self.label}: the trainer's checkpoints (at least one, at the end of "
+                    "training) cannot save a model sharded before training; set save_strategy='no' in your "
+                    "arguments, and stnb.run(build, save_to=...) saves the trained model, gathered and checked"]
+        return []
+
+    def prepare(self, trainer, config, device_type, world):
+        info = {"initial_weights": same_start(trainer.model)}
+        info.update(shard_fsdp(trainer.model, device_type, world, config.fsdp_layer_cls,
+                               self.reshard_after_forward(config), mixed_precision(trainer.args)))
+        trainer.stnb_after_forward = watch_after_forward(trainer.model)
+        # the trainer reads this at construction; the model was sharded after it (the same contract)
+        trainer.is_distributed_loading_by_transformers = True
+        trainer.place_model_on_device = False
+        return {"info": info, "overridden": {}}
+
+    def check_prepared(self, trainer, world_size):
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        from .tensors import shard_problems
+
+        model, wrapped = trainer.model, trainer.model_wrapped
+        problems = []
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            problems.append("the model was wrapped in DistributedDataParallel: FSDP silently became DDP")
+        if not isinstance(model, FSDPModule):
+            problems.append(f"root module is {type(model).__name__}, not an FSDP2 module (fully_shard)")
+        expected, shard = shard_problems(model.named_parameters())
+        problems += shard
+        return {"expected_local_param_count": expected, "ideal_fraction": 1.0 / world_size}, problems
+
+    def check_step(self, trainer, world_size):
+        """After the first backward: every gradient is a DTensor shard of exactly this rank's size
+        (reduce-scattered), never a whole gradient."""
+        from .tensors import shard_problems
+
+        grads = [(n, p.grad) for n, p in trainer.model.named_parameters() if p.requires_grad and p.grad is not None]
+        missing = [n for n, p in trainer.model.named_parameters() if p.requires_grad and p.grad is None]
+        expected, problems = shard_problems(grads, what="gradient")
+        if missing and not grads:
+            problems.append("no gradient existed after the first backward")
+        held = sum(g.to_local().numel() if hasattr(g, "to_local") else g.numel() for _, g in grads)
+        # parameters after a block's training forward: whole (kept for the backward) or resharded, observed
+        watched = getattr(trainer, "stnb_after_forward", {})
+        seen = watched.get("whole")
+        asked = not self.reshard_after_forward(trainer.stnb_config)
+        if seen is None and not watched.get("forwards_inside_backward"):
+            problems.append("no training forward of a sharded block was observed")
+        elif seen is not None and seen != asked:
+            problems.append(f"a block's parameters were {'whole' if seen else 'resharded'} after its forward; "
+                            f"{self.name} with reshard_after_forward={not asked} keeps them "
+                            f"{'whole' if asked else 'sharded'}")
+        return {"grad_local_count": held, "grad_expected_local_count": expected, "grads_checked": len(grads),
+                "params_whole_after_forward": seen}, problems
+
+    def check_ranks(self, rank_results, world_size):
+        ranks = [r["verification"] for r in rank_results]
+        held = sum(v.get("local_param_count") or 0 for v in ranks)
+        total = ranks[0].get("total_param_count")
+        problems = [] if held == total else [f"the ranks' local shards hold {held} parameter values, "
+                                             f"the model has {total}"]
+        return {"shards_add_up": held == total}, problems
+
+    def full_model(self, model, rank):
+        """A FULL_STATE_DICT gathered to rank 0 (a collective: every rank takes part)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return (full if rank == 0 else None), True
+
+
+def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None,
+               reshard_after_forward: bool = True, mixed_precision: str = "no") -> dict:
+    """Apply FSDP2 fully_shard to each transformer block, then to the root. Returns details."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..models import layer_classes
+
+    classes = tuple(layer_classes(model, layer_cls))
+    mesh = init_device_mesh(device, (world_size,))
+    mp = MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision == "fp16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    wrapped = 0
+    for m in list(model.modules()):
+        if isinstance(m, classes):
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            wrapped += 1
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # Trainer contract for models that own their placement and gradient reduction
+    model.is_distributed_loading_by_transformers = True
+    return {"wrapped_layer_class": [c.__name__ for c in classes], "wrapped_layers": wrapped,
+            "reshard_after_forward": reshard_after_forward}
+
+
+def watch_after_forward(model) -> dict:
+    """Observe, at the first training forward of the first sharded block, whether its parameters are whole
+    after the forward (FSDP2 swaps a block's DTensor shards for plain tensors while it is unsharded)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    seen = {"whole": None, "forwards_inside_backward": 0}
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    if not blocks:
+        return seen
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
+
+    def hook(module, args, output):
+        if seen["whole"] is not None or not torch.is_grad_enabled():
+            return
+        if task_id is not None and task_id() != -1:
+            # a forward recomputed inside the backward (gradient-cache losses): FSDP keeps it whole for
+            # the backward running now, whatever reshard_after_forward says, so it tells nothing
+            seen["forwards_inside_backward"] += 1
+            return
+        seen["whole"] = not any(isinstance(p, DTensor) for p in module.parameters())
+        handle.remove()
+
+    handle = blocks[0].register_forward_hook(hook)
+    return seen
+
+
+def same_start(model) -> dict:
+    """Sharding splits each rank's own copy: make every rank start from rank 0's weights (DDP does the
+    same when it wraps). A collective. Returns {"tensors_differing_before", "broadcast", "identical"}."""
+    import torch
+    import torch.distributed as dist
+
+    from ..checks import compare_digests, gather_digests
+    from ..errors import VerificationError
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {"tensors_differing_before": 0, "broadcast": False, "identical": True}
+    same = compare_digests(gather_digests(model))
+    n = len(same["differing"])
+    if not n:
+        return {"tensors_differing_before": 0, "broadcast": False, "identical": True}
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+    after = compare_digests(gather_digests(model))  # observed again, not assumed
+    if not after["identical"]:
+        raise VerificationError(f"after broadcasting rank 0's weights, {len(after['differing'])} tensor(s) still "
+                                f"differ across ranks, first {after['first_differing']!r}")
+    return {"tensors_differing_before": n, "broadcast": True, "identical": True}

@@ -1,0 +1,58 @@
+"""Parameters a loss owns (SoftmaxLoss's classifier, a learnable temperature, a projection head) kept in
+sync across ranks.
+
+sentence-transformers puts them in the optimizer (``get_optimizer_cls_and_kwargs``, #2872), but only the
+model is wrapped in DDP / sharded by FSDP, so their gradients are never all-reduced and every rank trains
+its own copy: plain sentence-transformers lets them drift apart. stnb starts every rank from rank 0's
+values and, before every optimizer step (after the trainer clipped the model's gradients, which never
+included them), replaces each of their gradients by its mean over the ranks, as DDP does for the model's.
+A gradient no rank produced in a step (a loss that did not run in it) stays None. The replicated-weights
+check then compares their bytes across ranks after training, with the model's.
+"""
+
+from __future__ import annotations
+
+from .tensors import loss_owned_parameters
+
+
+class LossParameterSync:
+    """``LossParameterSync(trainer)`` broadcasts rank 0's loss parameters (a collective); ``sync_grads()``
+    averages their gradients over the ranks (a collective, before every optimizer step)."""
+
+    def __init__(self, trainer):
+        import torch
+        import torch.distributed as dist
+
+        self.named = loss_owned_parameters(trainer)
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.active = bool(self.named) and self.world > 1
+        self.steps_synced = 0
+        if self.active:
+            with torch.no_grad():
+                for _, p in self.named:
+                    dist.broadcast(p.data, src=0)
+
+    def names(self) -> list:
+        return [n for n, _ in self.named]
+
+    def sync_grads(self) -> None:
+        if not self.active:
+            return
+        import torch
+        import torch.distributed as dist
+
+        params = [p for _, p in self.named]
+        flat = torch.cat([torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float(),
+                                     torch.ones(1, device=p.device) * (p.grad is not None)]) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            mean, produced = flat[offset:offset + n] / self.world, flat[offset + n] > 0
+            offset += n + 1
+            if produced:
+                p.grad = mean.view_as(p).to(p.dtype)
+        self.steps_synced += 1
+
+    def describe(self) -> dict:
+        return {"loss_parameters": self.names(), "synced": self.active, "steps_synced": self.steps_synced}

@@ -1,0 +1,141 @@
+"""Tensor facts the strategies verify with: local shard sizes (exact, from each DTensor's placements),
+bytes held, parameter counts, and the parameters a run trains (the model's and the loss's own)."""
+
+from __future__ import annotations
+
+
+def local_numel(p) -> int:
+    """Elements this rank holds of ``p`` (a DTensor: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def tensor_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(local, total) parameter counts; they differ only when the model is sharded."""
+    total = local = 0
+    for p in model.parameters():
+        total += p.numel()
+        local += local_numel(p)
+    return local, total
+
+
+def chunk_length(size: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when ``size`` is split into ``parts`` as ``torch.chunk`` does (and DTensor's
+    ``Shard`` placement, and FSDP2): pieces of ceil(size / parts), the last ones shorter or empty.
+
+    >>> [chunk_length(10, 4, i) for i in range(4)]
+    [3, 3, 3, 1]
+    >>> [chunk_length(2, 4, i) for i in range(4)]
+    [1, 1, 0, 0]
+    """
+    full = -(-size // parts)
+    start = full * index
+    return max(0, min(size, start + full) - start)
+
+
+def expected_local_shape(global_shape, placements, mesh_sizes, coordinate) -> tuple:
+    """The local shape a rank at ``coordinate`` of a mesh must hold for a DTensor of ``global_shape``
+    placed by ``placements`` (Shard(dim) splits like torch.chunk; Replicate / Partial keep the size)."""
+    from torch.distributed.tensor import Shard
+
+    shape = list(global_shape)
+    for placement, size, index in zip(placements, mesh_sizes, coordinate):
+        if isinstance(placement, Shard):
+            shape[placement.dim] = chunk_length(shape[placement.dim], size, index)
+    return tuple(shape)
+
+
+def shard_problems(named_tensors, what: str = "parameter") -> tuple[int, list]:
+    """(elements expected on this rank, problems) for DTensors: each local shard's shape must be exactly
+    the one its placements and global shape give this rank; a plain tensor is reported as not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    expected_total, problems, plain = 0, [], []
+    for name, t in named_tensors:
+        if not isinstance(t, DTensor):
+            plain.append(name)
+            continue
+        mesh = t.device_mesh
+        want = expected_local_shape(t.shape, t.placements, mesh.shape, mesh.get_coordinate())
+        have = tuple(t.to_local().shape)
+        n = 1
+        for d in want:
+            n *= d
+        expected_total += n
+        if have != want:
+            problems.append(f"{what} {name!r}: this rank holds a local shard of shape {list(have)}, its placements "
+                            f"{list(t.placements)} over global shape {list(t.shape)} give {list(want)}")
+    if plain:
+        problems.insert(0, f"{len(plain)} {what}(s) are not sharded, e.g. {plain[:3]}")
+    return expected_total, problems
+
+
+def loss_modules(trainer) -> list:
+    """[(prefix, loss module)] of a trainer: 'loss' or 'loss[<dataset>]' for a dict of losses."""
+    import torch
+
+    loss = trainer.loss
+    items = [(f"loss[{k}]", v) for k, v in loss.items()] if isinstance(loss, dict) else [("loss", loss)]
+    return [(prefix, m) for prefix, m in items if isinstance(m, torch.nn.Module)]
+
+
+def loss_owned_parameters(trainer) -> list:
+    """[(name, parameter)] the losses own beyond the model (SoftmaxLoss's classifier, a learnable
+    temperature...), trainable ones only, each once. sentence-transformers puts them in the optimizer
+    (its ``get_optimizer_cls_and_kwargs``), but DDP only wraps the model."""
+    model = trainer.model
+    inner = getattr(trainer, "model_wrapped", model)
+    in_model = {id(p) for p in model.parameters()} | {id(p) for p in inner.parameters()}
+    seen, out = set(in_model), []
+    for prefix, loss in loss_modules(trainer):
+        for name, p in loss.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{prefix}.{name}", p))
+    return out
+
+
+def optimizer_parameter_names(trainer, optimizer) -> tuple[list, int]:
+    """(names, unnamed): every parameter the optimizer updates, named as the model or the loss names it
+    (the optimizer itself only holds tensors). ``unnamed`` counts those neither owns."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    names.update({id(p): n for n, p in loss_owned_parameters(trainer)})
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+    out, unnamed = [], 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) in names:
+                out.append(names[id(p)])
+            else:
+                unnamed += 1
+    return out, unnamed
+
+
+def freeze_unused_pooler(model) -> list:
+    """Freeze the HF pooler layer that sentence-transformers never uses.
+
+    BertModel computes a [CLS] pooler output, but sentence-transformers pools token
+    embeddings itself, so the pooler's weights never get a gradient. DDP without
+    find_unused_parameters then fails ("Expected to have finished reduction..."), and with
+    it pays a graph traversal every step. Freezing the pooler changes nothing in training
+    and lets every strategy run the same model. Returns the frozen modules' names.
+    """
+    import torch
+
+    frozen = []
+    for name, module in model.named_modules():
+        pooler = getattr(module, "pooler", None)
+        if isinstance(pooler, torch.nn.Module) and any(p.requires_grad for p in pooler.parameters()):
+            for p in pooler.parameters():
+                p.requires_grad_(False)
+            frozen.append(f"{name}.pooler" if name else "pooler")
+    return frozen

@@ -1,0 +1,120 @@
+"""zero1 (ZeRO stage 1): optimizer state sharded, under DDP.
+
+torch's ``ZeroRedundancyOptimizer`` wraps the trainer's optimizer: each rank keeps the optimizer state
+(AdamW's two moments) of only its partition of the parameters, updates that partition, and broadcasts
+it to the others; gradients are all-reduced by DDP as usual. Verified: the DDP wrapper, weights identical
+across ranks (as for DDP), and the optimizer state, measured from each rank's local optimizer tensors,
+covering a disjoint partition of the trainable parameters of about 1/N each that together is all of them.
+"""
+
+from __future__ import annotations
+
+from .base import Strategy
+from .ddp import DDP_KNOBS, apply_ddp, check_ddp_wrapper
+
+# optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
+ZERO_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adam", "adamw", "sgd", "adagrad", "rmsprop")
+
+
+class Zero1(Strategy):
+    name = "zero1"
+    label = "ZeRO-1"
+    aka = "ZeRO stage 1"
+    summary = "DDP + ZeroRedundancyOptimizer: optimizer state sharded, parameters and gradients whole"
+    color = "#9467bd"
+    knobs = DDP_KNOBS
+    ddp_buckets = True
+    sharded = frozenset({"optimizer_state"})
+
+    def validate(self, config):
+        from ..errors import ConfigError
+
+        if config.comm_hook == "embedding_rows":
+            raise ConfigError("comm_hook='embedding_rows' sends sparse embedding gradients, which "
+                              "ZeroRedundancyOptimizer's partition cannot take; use strategy='ddp' for it")
+
+    def refusals(self, trainer, config):
+        optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))
+        problems = []
+        if trainer.optimizer is not None:
+            problems.append(f"your trainer came with a ready optimizer ({type(trainer.optimizer).__name__}); "
+                            "zero1 builds the optimizer itself to shard its state: pass optim=... in the "
+                            "training arguments instead of optimizers=(...)")
+        if optim not in ZERO_OPTIMIZERS:
+            problems.append(f"optim={optim!r}: ZeroRedundancyOptimizer shards an elementwise torch optimizer "
+                            f"({', '.join(ZERO_OPTIMIZERS)}); use one of them, or strategy='ddp'")
+        return problems
+
+    def prepare(self, trainer, config, device_type, world):
+        kw, overridden = apply_ddp(trainer, config)
+        original = trainer.create_optimizer
+
+        def create_optimizer(model=None):
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            built = original(model) if model is not None else original()
+            if isinstance(built, ZeroRedundancyOptimizer):
+                return built
+            import inspect
+
+            accepted = inspect.signature(type(built).__init__).parameters
+            defaults = {k: v for k, v in built.defaults.items() if k in accepted}  # AdamW adds one it does not take
+            groups = [dict(g) for g in built.param_groups if g["params"]]
+            trainer.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **defaults)
+            return trainer.optimizer
+
+        trainer.create_optimizer = create_optimizer
+        accelerator, prepare_optimizer = trainer.accelerator, trainer.accelerator.prepare_optimizer
+
+        def prepare_zero(optimizer, device_placement=None):
+            # accelerate moves an optimizer's state by a state_dict round trip, which ZeRO refuses before it
+            # consolidates; its state is empty here and lives where its parameters do already
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                device_placement = False
+            return prepare_optimizer(optimizer, device_placement=device_placement)
+
+        accelerator.prepare_optimizer = prepare_zero
+        return {"info": {"ddp_asked": dict(kw), "optimizer": "ZeroRedundancyOptimizer"}, "overridden": overridden}
+
+    def check_prepared(self, trainer, world_size):
+        return check_ddp_wrapper(trainer)
+
+    def check_step(self, trainer, world_size):
+        """After the first optimizer step: the local optimizer holds state for this rank's partition only."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        if not isinstance(opt, ZeroRedundancyOptimizer):
+            return {}, [f"the trainer's optimizer is {type(opt).__name__}, not a ZeroRedundancyOptimizer"]
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        local = [p for g in opt.optim.param_groups for p in g["params"]]
+        with_state = [p for p in local if opt.optim.state.get(p)]
+        return {"optimizer_partition": sorted(names.get(id(p), "?") for p in local),
+                "optimizer_partition_numel": sum(p.numel() for p in local),
+                "optimizer_state_params": len(with_state),
+                "largest_param_numel": max((p.numel() for g in opt.param_groups for p in g["params"]), default=0),
+                "optimizer_all_numel": sum(p.numel() for g in opt.param_groups for p in g["params"])}, []
+
+    def check_ranks(self, rank_results, world_size):
+        ranks = [r["verification"] for r in rank_results]
+        parts = [set(v.get("optimizer_partition") or []) for v in ranks]
+        total = ranks[0].get("optimizer_all_numel") or 0
+        held = [v.get("optimizer_partition_numel") or 0 for v in ranks]
+        problems = []
+        union = set().union(*parts) if parts else set()
+        overlap = sum(len(p) for p in parts) - len(union)
+        if overlap:
+            problems.append(f"{overlap} parameter(s) are in the optimizer partition of more than one rank")
+        if sum(held) != total:
+            problems.append(f"the ranks' optimizer partitions cover {sum(held)} parameter values, the optimizer "
+                            f"updates {total}")
+        biggest = max((v.get("largest_param_numel") or 0) for v in ranks) if ranks else 0
+        ideal = total / max(1, world_size)
+        if total and max(held) > ideal + biggest + 1:
+            problems.append(f"a rank's optimizer partition holds {max(held)} of {total} values; over {world_size} "
+                            f"ranks it should hold about {ideal:.0f}")
+        if any(not v.get("optimizer_state_params") for v in ranks):
+            problems.append("a rank holds no optimizer state after the first step")
+        return {"optimizer_partition_fractions": [h / total if total else None for h in held]}, problems
