@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-__all__ = ["BuildSource", "build_source", "LITERAL_MAX_CHARS", "RESERVED_NAMES"]
+__all__ = ["BuildSource", "build_source", "global_objects", "LITERAL_MAX_CHARS", "RESERVED_NAMES"]
 
 LITERAL_MAX_CHARS = 200_000  # a literal global longer than this is data: load it in the function instead
 RESERVED_NAMES = ("main", "STNB_OPTIONS", "STNB_RESULTS_FILE")  # the exported script's own names
@@ -204,6 +204,39 @@ def _function_node(source: str, name: str, label: str) -> ast.FunctionDef:
         raise ConfigError(f"{label}() is decorated ({', '.join(ast.unparse(d) for d in node.decorator_list)}); "
                           "export a plain function and apply the decorator's effect inside it")
     return node
+
+
+def global_objects(fn) -> dict:
+    """{name: object} of the globals a function reads (in its nested code too) that exist now, and of the
+    names it imports inside itself (``from m import n`` in its body), from modules already imported."""
+    import sys
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is None:
+        return {}
+    out = {n: env[n] if n in env else vars(builtins)[n] for n in _global_names(code)
+           if n in env or n in vars(builtins)}
+    for module, name in _imported_names(code):
+        mod = sys.modules.get(module)
+        if mod is not None and hasattr(mod, name):
+            out.setdefault(name, getattr(mod, name))
+    return out
+
+
+def _imported_names(code) -> set:
+    """(module, name) of every ``from module import name`` in the code (nested code too)."""
+    found, module = set(), None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME":
+            module = ins.argval
+        elif ins.opname == "IMPORT_FROM" and module:
+            found.add((module, ins.argval))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _imported_names(const)
+    return found
 
 
 def _global_names(code) -> set:

@@ -136,13 +136,15 @@ def flops_shape(model) -> dict:
             break
     if layers is None:
         raise ValueError(f"no Hugging Face config with num_hidden_layers / hidden_size in {type(model).__name__}")
-    skip = set()
+    skip = set()  # modules inside the embeddings (lookups, not matmuls) and BERT's unused pooler
     for name, m in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("embeddings", "pooler"):
-            skip |= {id(p) for p in m.parameters()}
+            skip |= {id(sub) for sub in m.modules()}
     n = 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in skip:
+        # every matmul counts, a head whose weight is tied to the embeddings too (a sparse encoder's MLM
+        # decoder: vocabulary x hidden per token, the largest matmul of the model)
+        if isinstance(m, torch.nn.Linear) and id(m) not in skip:
             n += m.weight.numel()  # a DTensor's numel is the global one
     return {"layers": layers, "hidden": hidden, "matmul_params": n}
 
@@ -172,7 +174,7 @@ class FlopMeter:
 
     def _hook(self, module, args, kwargs):
         features = args[0] if args else kwargs.get("features", kwargs)
-        ids = features.get("input_ids") if isinstance(features, dict) else None
+        ids = features.get("input_ids") if hasattr(features, "get") else None  # a dict or a BatchEncoding (CrossEncoder)
         if ids is None or ids.dim() != 2:
             return
         b, t = int(ids.shape[0]), int(ids.shape[1])

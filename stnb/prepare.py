@@ -48,27 +48,36 @@ def describe(obj) -> str:
 
 def call_build(build):
     """``build()`` in this rank; its trainer, or BuildError naming the fix."""
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-
     name = describe(build)
     try:
         trainer = build()
     except Exception as e:
         raise BuildError(f"your build function {name}() raised {type(e).__name__}: {e}. stnb calls it once in "
                          "every rank; fix the function (try it in a cell with a smaller dataset) and run again") from e
-    if not isinstance(trainer, SentenceTransformerTrainer):
+    check_trainer(trainer, name)
+    return trainer
+
+
+def check_trainer(trainer, name: str = "build") -> None:
+    """BuildError unless ``trainer`` is a sentence-transformers trainer stnb knows, holding its own model type."""
+    from . import model_types
+
+    kind = model_types.of_trainer(trainer)
+    if kind is None:
         hint = (" (it returned the result of trainer.train(): return the trainer itself and let stnb train it)"
                 if type(trainer).__name__ == "TrainOutput" else "")
-        raise BuildError(f"your build function {name}() returned {type(trainer).__name__}, not a "
-                         f"SentenceTransformerTrainer{hint}; end it with `return SentenceTransformerTrainer(model=..., "
-                         "args=..., train_dataset=..., loss=...)`")
+        model = getattr(trainer, "model", None)
+        fits = model_types.of_model(model) if model is not None else None
+        ending = fits.example if fits is not None else " or ".join(f"`return {t.trainer}(...)`"
+                                                                     for t in model_types.TYPES[:2])
+        raise BuildError(f"your build function {name}() returned {type(trainer).__name__}{hint}; stnb trains the "
+                         f"sentence-transformers trainers {model_types.known_trainers()}; end it with {ending}")
     if getattr(trainer, "model_init", None) is not None:
         raise BuildError(f"{name}() returned a trainer with model_init: the trainer would build a new model in "
                          "train(), after stnb applied the strategy to this one; pass model=... instead")
-    if not isinstance(trainer.model, SentenceTransformer):
-        raise BuildError(f"{name}() returned a trainer whose model is a {type(trainer.model).__name__}; stnb.run "
-                         "trains SentenceTransformer models")
-    return trainer
+    if model_types.of_model(trainer.model) != kind:
+        raise BuildError(f"{name}() returned a {type(trainer).__name__} whose model is a "
+                         f"{type(trainer.model).__name__}; a {kind.trainer} trains a {kind.model}")
 
 
 def refusals(trainer, config: TrainConfig, use_cuda: bool) -> None:

@@ -116,6 +116,12 @@ def check_build(build):
         raise ConfigError(f"stnb calls your build function with no arguments, but {getattr(build, '__name__', build)}"
                           f"() requires {', '.join(required)}; give them defaults, or bind them with "
                           f"functools.partial(build, {required[0]}=...)")
+    from .buildsource import global_objects
+    from .model_types import trainer_problem
+
+    problem = trainer_problem(global_objects(build))
+    if problem:
+        raise ConfigError(problem)
     return build
 
 

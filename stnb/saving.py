@@ -37,7 +37,7 @@ def save_checked(model, target: str, device: str, trained: dict, initial: dict) 
     """
     import numpy as np
 
-    from .models import load_model
+    from .model_types import load_like, probe
 
     target = os.path.abspath(os.path.expanduser(target))
     parent = os.path.dirname(target)
@@ -45,10 +45,9 @@ def save_checked(model, target: str, device: str, trained: dict, initial: dict) 
     tmp = tempfile.mkdtemp(prefix=".stnb-save-", dir=parent)
     try:
         model.save(tmp)
-        reloaded = load_model(tmp, device=device, max_seq_length=model.max_seq_length)
+        reloaded = load_like(model, tmp, device=device, max_seq_length=model.max_seq_length)
         problems, details = saved_model_problems(state_of(reloaded), trained, initial)
-        probe = ["a quick check that the saved model encodes"]
-        details["encodes_the_same"] = bool(np.allclose(model.encode(probe), reloaded.encode(probe), atol=1e-5))
+        details["encodes_the_same"] = bool(np.allclose(probe(model), probe(reloaded), atol=1e-5))
         if not details["encodes_the_same"]:
             problems.append("the reloaded model does not reproduce the saved model's embeddings")
         saved_to = None

@@ -126,10 +126,10 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
             if evaluator is not None:
                 metric, dev_after = _dev_metric(evaluator, final_model)
             if config.save_to:
-                from .models import load_model
+                from .model_types import load_like
                 from .saving import save_checked
 
-                initial = checks.state_of(load_model(initial_path, device="cpu", max_seq_length=max_len))
+                initial = checks.state_of(load_like(final_model, initial_path, device="cpu", max_seq_length=max_len))
                 saved = save_checked(final_model, config.save_to, device, checks.state_of(final_model), initial)
         if distributed:
             dist.barrier()
@@ -327,7 +327,7 @@ def _check_batch_override(state: dict, trainer, config: TrainConfig) -> None:
 
 
 def _full_model_on_rank0(strategy, model, initial_path, device, rank, max_seq_length):
-    """An ordinary SentenceTransformer with the trained weights, on rank 0 (None elsewhere).
+    """An ordinary model of the trained one's type with the trained weights, on rank 0 (None elsewhere).
 
     A sharding strategy gathers the full state (a collective: every rank takes part), loaded here into
     a fresh, unsharded copy of the model (from ``initial_path``).
@@ -335,8 +335,8 @@ def _full_model_on_rank0(strategy, model, initial_path, device, rank, max_seq_le
     full, is_state = strategy.full_model(model, rank)
     if not is_state or rank != 0:
         return full
-    from .models import load_model
+    from .model_types import load_like
 
-    plain = load_model(initial_path, device=device, max_seq_length=max_seq_length)
+    plain = load_like(model, initial_path, device=device, max_seq_length=max_seq_length)
     plain.load_state_dict(full, strict=True)  # raises if any key is missing or unexpected
     return plain

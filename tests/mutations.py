@@ -149,6 +149,31 @@ MUTATIONS = [
         (("stnb/launch/start.py", "monitor_interval=0.1, start_method=opts.start_method,",
           'monitor_interval=0.1, start_method="fork",'),),
         ("tests/test_spawn.py::test_own_training_under_spawn_verified",)),
+    Mutation(
+        "loss-params-not-synced",
+        "the loss's own parameters (SoftmaxLoss's classifier) keep each rank's gradient (no all-reduce)",
+        (("stnb/strategies/loss_sync.py", "        dist.all_reduce(flat)\n", "        pass  # MUTATION\n"),),
+        ("tests/test_loss_params.py::test_softmax_classifier_identical_on_every_rank",)),
+    Mutation(
+        "zero1-plain-optimizer",
+        "zero1 keeps the trainer's plain optimizer: every rank holds the whole optimizer state",
+        (("stnb/strategies/zero1.py", "            if isinstance(built, ZeroRedundancyOptimizer):\n",
+          "            if True:  # MUTATION\n"),),
+        ("tests/test_zero.py::test_each_stage_trains_verified",)),
+    Mutation(
+        "zero2-reshards-after-forward",
+        "zero2's blocks are sharded with reshard_after_forward=True (ZeRO-3's re-gather in the backward)",
+        (("stnb/strategies/fsdp.py", "                               self.reshard_after_forward(config), "
+                                     "mixed_precision(trainer.args)))\n",
+          "                               True, mixed_precision(trainer.args)))  # MUTATION\n"),),
+        ("tests/test_zero.py::test_each_stage_trains_verified",)),
+    Mutation(
+        "fsdp-root-unsharded",
+        "FSDP shards the transformer blocks but not the root: the embeddings stay whole on every rank",
+        (("stnb/strategies/fsdp.py", "    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshards, "
+                                     "mp_policy=mp)\n",
+          "    pass  # MUTATION: no fully_shard of the root\n"),),
+        ("tests/test_zero.py::test_each_stage_trains_verified",)),
 ]
 
 

@@ -80,6 +80,14 @@ def check_ddp_wrapper(trainer) -> tuple[dict, list]:
     return {"ddp_settings": seen}, problems
 
 
+def every_parameter_used_by_design(model) -> bool:
+    """A reranker (CrossEncoder): one forward through the transformer and its classifier uses every parameter."""
+    from ..model_types import of_model
+
+    kind = of_model(model)
+    return kind is not None and kind.kind == "reranker"
+
+
 def ddp_kwargs(config) -> dict:
     """accelerate DistributedDataParallelKwargs from a TrainConfig's DDP knobs."""
     from accelerate.utils import DDPCommunicationHookType
@@ -108,9 +116,17 @@ def apply_ddp(trainer, config) -> tuple[dict, dict]:
     sets ``ddp_broadcast_buffers=False`` itself, so that is what runs unless broadcast_buffers=True is asked."""
     kw = ddp_kwargs(config)
     own = getattr(trainer.accelerator, "ddp_handler", None)  # built from the trainer's arguments
+    overridden = {}
     if own is not None:
         kw["find_unused_parameters"] = own.find_unused_parameters  # the trainer's own rule
-    overridden = {}
+        if own.find_unused_parameters and trainer.args.ddp_find_unused_parameters is None \
+                and every_parameter_used_by_design(trainer.model):
+            kw["find_unused_parameters"] = False
+            overridden["ddp_find_unused_parameters"] = {
+                "from": None, "to": False,
+                "why": "the trainer's default (True) makes DDP fail on a CrossEncoder's float32 classifier head "
+                       "('marked as ready twice', sentence-transformers 6.2); every parameter of a CrossEncoder is "
+                       "used in its forward, so False is exact (set ddp_find_unused_parameters to choose)"}
     for knob, arg in DDP_ARGS:
         theirs, mine = getattr(trainer.args, arg), getattr(config, knob)
         if mine != config_default(config, knob):  # given to stnb.run

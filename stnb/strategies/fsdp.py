@@ -52,6 +52,7 @@ class FullyShardedDataParallel(Strategy):
         info.update(shard_fsdp(trainer.model, device_type, world, config.fsdp_layer_cls,
                                self.reshard_after_forward(config), mixed_precision(trainer.args)))
         trainer.stnb_after_forward = watch_after_forward(trainer.model)
+        keep_shards_apart(trainer)
         # the trainer reads this at construction; the model was sharded after it (the same contract)
         trainer.is_distributed_loading_by_transformers = True
         trainer.place_model_on_device = False
@@ -134,11 +135,52 @@ def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None
         if isinstance(m, classes):
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
             wrapped += 1
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # FSDP re-gathers a resharded module for the backward from hooks on its forward's output tensors; a
+    # CrossEncoder's forward returns a transformers BatchEncoding, which torch's pytree cannot look into, so
+    # its root (embeddings and classifier head) would be freed before its backward ("storage of size 0"):
+    # the root keeps its parameters from the forward through the backward
+    root_reshards = reshard_after_forward and not outputs_hidden_from_fsdp(model)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshards, mp_policy=mp)
     # Trainer contract for models that own their placement and gradient reduction
     model.is_distributed_loading_by_transformers = True
     return {"wrapped_layer_class": [c.__name__ for c in classes], "wrapped_layers": wrapped,
-            "reshard_after_forward": reshard_after_forward}
+            "reshard_after_forward": reshard_after_forward, "root_reshard_after_forward": root_reshards}
+
+
+def outputs_hidden_from_fsdp(model) -> bool:
+    """A model whose forward returns a container torch's pytree does not flatten (a reranker's BatchEncoding)."""
+    from ..model_types import of_model
+
+    kind = of_model(model)
+    return kind is not None and kind.kind == "reranker"
+
+
+def keep_shards_apart(trainer) -> None:
+    """The optimizer gets the sharded parameters (DTensors) and the loss's own replicated ones (plain
+    tensors) in separate param groups: a fused/foreach update cannot mix them ("got mixed torch.Tensor and
+    DTensor"). sentence-transformers builds its groups from the loss (its classifier included), so the
+    trainer's own split by mesh does not apply; the groups are split here after the optimizer is built."""
+    original = trainer.create_optimizer
+
+    def create_optimizer(model=None):
+        import inspect
+
+        from torch.distributed.tensor import DTensor
+
+        built = original(model) if model is not None else original()
+        groups = []
+        for g in built.param_groups:
+            for kind in (True, False):
+                params = [p for p in g["params"] if isinstance(p, DTensor) is kind]
+                if params:
+                    groups.append({**g, "params": params})
+        if len(groups) == len(built.param_groups):
+            return built
+        accepted = inspect.signature(type(built).__init__).parameters
+        trainer.optimizer = type(built)(groups, **{k: v for k, v in built.defaults.items() if k in accepted})
+        return trainer.optimizer
+
+    trainer.create_optimizer = create_optimizer
 
 
 def watch_after_forward(model) -> dict:

@@ -1,0 +1,148 @@
+"""The ZeRO family as strategies: zero1 (optimizer state sharded, DDP underneath), zero2 (gradients too,
+parameters whole during the step) and fsdp (ZeRO-3, everything sharded); and a strategy is one object:
+a made-up fifth one, defined in this file alone, trains; one without its verification cannot register.
+
+Real runs: 2 gloo ranks, the tiny model, a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import stnb
+from stnb import ConfigError, strategies
+from stnb.strategies import Strategy
+
+RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=3, evaluate=False, threads_per_rank=1,
+           timeout=300, warmup_steps_excluded=1)
+
+
+def _run(strategy):
+    try:
+        return stnb.run(stnb.TrainConfig(strategy=strategy, **RUN), echo=False)
+    except stnb.LaunchError as e:  # a rank refused what it observed: reported by the test below
+        return e
+
+
+@pytest.fixture(scope="module")
+def all_runs():
+    return {s: _run(s) for s in ("ddp", "zero1", "zero2", "fsdp")}
+
+
+@pytest.fixture(scope="module")
+def runs(all_runs):
+    failed = {s: r for s, r in all_runs.items() if not isinstance(r, stnb.RunResult)}
+    if failed:
+        pytest.fail(f"runs that raised: {failed}")
+    return all_runs
+
+
+def test_each_stage_trains_verified(all_runs):
+    for name, r in all_runs.items():
+        assert isinstance(r, stnb.RunResult), (name, str(r)[:2000])
+        assert r.verified, (name, r.reason)
+        assert r.world_size == 2
+
+
+def test_zero1_shards_the_optimizer_state_and_keeps_weights_identical(runs):
+    r = runs["zero1"]
+    assert r.verification["weights_identical_across_ranks"] is True
+    ranks = r.verification["ranks"]
+    assert all(v["wrapper"] == "DistributedDataParallel" for v in ranks)
+    parts = [set(v["optimizer_partition"]) for v in ranks]
+    assert parts[0] and parts[1] and not parts[0] & parts[1]  # disjoint partitions
+    assert sum(r.verification["optimizer_partition_fractions"]) == pytest.approx(1.0)
+    # measured from each rank's own optimizer tensors: the two states add up to one full AdamW state
+    state = [m["optimizer_state"] for m in r.memory_breakdown]
+    full = runs["ddp"].memory_breakdown[0]["optimizer_state"]
+    assert abs(sum(state) - full) <= 64 * len(ranks[0]["optimizer_partition"])  # AdamW's per-tensor 'step'
+    assert max(state) < full
+
+
+def test_zero2_shards_gradients_and_keeps_parameters_whole_during_the_step(runs):
+    r = runs["zero2"]
+    for v in r.verification["ranks"]:
+        assert v["params_whole_after_forward"] is True
+        assert v["grad_local_count"] == v["grad_expected_local_count"] < v["total_param_count"]
+    assert runs["fsdp"].verification["ranks"][0]["params_whole_after_forward"] is False
+    assert r.verification["shards_add_up"] is True
+    grads = [m["grads"] for m in r.memory_breakdown]
+    assert sum(grads) <= runs["ddp"].memory_breakdown[0]["grads"] + 1024
+
+
+def test_memory_fractions_per_stage_as_predicted(runs):
+    """Optimizer state about 1/N from stage 1, gradients from stage 2, parameters from stage 3, measured
+    from each rank's tensors against the strategy's own prediction."""
+    ddp = runs["ddp"].memory_breakdown[0]
+    frac = {name: {part: max(m[part] for m in r.memory_breakdown) / ddp[part]
+                   for part in ("params", "grads", "optimizer_state")} for name, r in runs.items()}
+    assert frac["zero1"]["params"] == pytest.approx(1.0) and frac["zero1"]["grads"] == pytest.approx(1.0)
+    assert frac["zero1"]["optimizer_state"] < 1.0
+    assert frac["zero2"]["grads"] < 0.6 and frac["zero2"]["optimizer_state"] < 0.6
+    assert frac["fsdp"]["params"] < 0.6 and frac["fsdp"]["grads"] < 0.6 and frac["fsdp"]["optimizer_state"] < 0.6
+    table = stnb.memory.compare(runs["zero2"])
+    assert "gathered_params" in set(table["component"])
+
+
+def test_zero_stages_from_the_command_line(tmp_path):
+    for strategy in ("zero1", "zero2"):
+        out = subprocess.run([sys.executable, "-m", "stnb", "run", "--strategy", strategy, "--nproc", "2", "--model",
+                              "tiny", "--steps", "3", "--batch-size", "4", "--no-eval", "--json"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+        assert d["strategy"] == strategy and d["verified"] is True
+
+
+class MadeUp(Strategy):
+    """A fifth strategy, entirely in this file: DDP under another name, verified its own way."""
+    name = "made-up"
+    label = "made up"
+    summary = "DDP under another name (a test)"
+    knobs = ()
+
+    def prepare(self, trainer, config, device_type, world):
+        from stnb.strategies.ddp import apply_ddp
+
+        kw, overridden = apply_ddp(trainer, config)
+        return {"info": {"made_up": True}, "overridden": overridden}
+
+    def check_prepared(self, trainer, world_size):
+        import torch
+
+        ok = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        return {"made_up_checked": True}, [] if ok else ["not DDP"]
+
+    def check_ranks(self, rank_results, world_size):
+        return {"made_up_ranks": len(rank_results)}, []
+
+
+def test_a_made_up_strategy_is_one_class_in_one_file():
+    strategies.register(MadeUp)
+    try:
+        r = stnb.run(stnb.TrainConfig(strategy="made-up", **RUN), echo=False)
+        assert r.verified, r.reason
+        assert r.verification["made_up_ranks"] == 2 and r.verification["weights_identical_across_ranks"] is True
+        assert all(v["made_up_checked"] and v["made_up"] for v in r.verification["ranks"])
+        assert strategies.availability("cpu", 0, 2, "gloo")["made-up"]["runnable"]
+        assert stnb.memory.predict("made-up", 1000, world_size=2)["total"] == 16000
+    finally:
+        strategies.unregister("made-up")
+    with pytest.raises(ConfigError, match="unknown strategy 'made-up'"):
+        stnb.TrainConfig(strategy="made-up", **RUN).validate(check_resources=False)
+
+
+def test_a_strategy_without_its_verification_cannot_register():
+    class Unverified(Strategy):
+        name, label, summary = "unverified", "unverified", "no checks"
+
+        def check_prepared(self, trainer, world_size):
+            return {}, []
+
+    with pytest.raises(TypeError, match="does not implement its verification .*check_ranks"):
+        strategies.register(Unverified)
+    assert "unverified" not in strategies.names()
