@@ -125,6 +125,9 @@ def test_bad_input_is_refused_before_any_process_starts():
     _refused(lambda: pipeline_parallel("tiny", runs=[("gpipe", 3)], pairs=8), r"3 microbatches do not divide")
     _refused(lambda: pipeline_parallel("tiny", runs=[("1f1b", 1)]), r"Schedule1F1B needs at least as many")
     _refused(lambda: pipeline_parallel("tiny", loss="whole"), r"loss 'whole'")
+    _refused(lambda: pipeline_parallel("tiny", data_parallel=3), r"data_parallel=3 must be a positive divisor")
+    if stnb.hardware.cpu_cores() < 4:
+        _refused(lambda: pipeline_parallel("tiny", data_parallel=2), r"= 4 ranks: .*oversubscribe=True")
 
 
 def test_layers_split_evenly():
@@ -132,3 +135,19 @@ def test_layers_split_evenly():
     assert plans.split_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert [len(r) for r in plans.split_layers(6, 4)] == [2, 2, 1, 1]
 
+
+
+def test_3d_data_pipeline_tensor_parallel_matches_one_process():
+    """2 pipelines x 2 stages x 2 tensor shards = 8 ranks, oversubscribed on a small machine (torchrun).
+    Each pipeline trains on its half of the pairs (its own in-batch negatives, as DDP does); the
+    gradients are averaged across pipelines, so the reference is the mean MNRL over the two halves."""
+    r = pipeline_parallel("tiny", stages=2, runs=[("gpipe", 2)], pairs=PAIRS, steps=2, data_parallel=2,
+                          tensor_parallel=2, oversubscribe=True)
+    run = r.runs[0]
+    assert r.layout.world == 8 and len(run["stages"]) == 2
+    assert run["grads_compared"] == run["grads_expected"] > 0
+    assert run["loss_diff"] <= TOLERANCE["loss"] and run["grad_diff"] <= TOLERANCE["grads"]
+    assert run["embedding_diff"] <= TOLERANCE["embeddings"]
+    assert r.references[2]["losses"][0] != r.references[1]["losses"][0]   # two halves: not the full-batch loss
+    total = sum(p.numel() for p in load(resolve_model("tiny")).parameters())
+    assert sum(s["local_params"] for s in run["stages"]) < total   # TP halves every stage's layer weights

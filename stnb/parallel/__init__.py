@@ -8,6 +8,7 @@
     systems the other systems (Horovod, Megatron-LM, ...): what was tried here, and what happened
 """
 
+from . import plans, pp, single, systems, tp
 from .runs import PP_RUNS, TOLERANCE, PPResult, TPResult, pipeline_parallel, tensor_parallel
 
-__all__ = ["PP_RUNS", "TOLERANCE", "PPResult", "TPResult", "pipeline_parallel", "tensor_parallel"]
+__all__ = ["plans", "pp", "single", "systems", "tp", "PP_RUNS", "TOLERANCE", "PPResult", "TPResult", "pipeline_parallel", "tensor_parallel"]

@@ -21,10 +21,11 @@ anchor with every positive of the batch. Two ways, both here (``loss=``):
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, VerificationError
 from .single import encode, load, max_diff, mnrl, mnrl_per_microbatch
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -73,7 +74,7 @@ class Stage(torch.nn.Module):
         return features["sentence_embedding"]
 
 
-def timed_stage(module, index: int, stages: int):
+def timed_stage(module, index: int, stages: int, group=None):
     """A PipelineStage that records when each microbatch's forward and backward ran on this rank."""
     from torch.distributed.pipelining import PipelineStage
 
@@ -92,7 +93,7 @@ def timed_stage(module, index: int, stages: int):
             self.events.append(("B", chunk, t0, time.perf_counter()))
             return out
 
-    stage = TimedStage(module, index, stages, torch.device("cpu"))
+    stage = TimedStage(module, index, stages, torch.device("cpu"), group=group)
     stage.events = []
     return stage
 
@@ -135,14 +136,49 @@ def one_step(schedule, stage, features: dict, loss_kind: str, m: int) -> tuple:
     return (loss.item(), emb.detach(), took) if stage.is_last else (None, None, took)
 
 
-def run_job(path: str, split: list, job: dict, batches: list, refs: dict, lr: float, loss_kind: str) -> dict:
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks are arranged: dp pipelines (replicas) x pp stages x tp shards per stage (3D when all > 1)."""
+    dp: int = 1
+    pp: int = 2
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+def replica_rows(pairs: int, dp: int, d: int) -> torch.Tensor:
+    """Rows of replica d: its anchors, then their positives (each replica gets pairs/dp pairs)."""
+    r = pairs // dp
+    return torch.cat([torch.arange(d * r, (d + 1) * r), pairs + torch.arange(d * r, (d + 1) * r)])
+
+
+def build_stage(path: str, split: list, mesh, shape, plan: dict):
+    """This rank's model and pipeline stage; with a TP dimension its layers are sharded first (and checked)."""
+    from .tp import apply, check_layout
+
+    s, tp = mesh["pp"].get_local_rank(), mesh["tp"].size()
+    model = load(path)
+    if tp > 1:
+        apply(model, mesh["tp"], shape, {k: v for k, v in plan.items() if int(k.split(".")[0]) in split[s]})
+        problems = check_layout(model, shape, tp, layers=split[s])
+        if problems:
+            raise VerificationError("the tensor-parallel shards of this stage are not the plan: " + "; ".join(problems))
+    return model, timed_stage(Stage(model, split[s]), s, len(split), mesh["pp"].get_group())
+
+
+def run_job(mesh, path: str, split: list, job: dict, batches: list, refs: dict, lr: float, loss_kind: str,
+            shape, plan: dict) -> dict:
     """Build this rank's stage from a fresh model and train one step per batch."""
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    rank, m = dist.get_rank(), job["microbatches"]
-    model = load(path)
-    stage = timed_stage(Stage(model, split[rank]), rank, len(split))
+    from .tp import local_part
+
+    m, dp, tp = job["microbatches"], mesh["dp"].size(), mesh["tp"].size()
+    d, s, t = (mesh[k].get_local_rank() for k in ("dp", "pp", "tp"))
+    model, stage = build_stage(path, split, mesh, shape, plan)
     per_mb = loss_kind == "per_microbatch"
     loss_fn = (lambda out, _t: mnrl(out[:len(out) // 2], out[len(out) // 2:]) / m) if per_mb \
         else (lambda out, grad: (out * grad).sum())
@@ -150,25 +186,34 @@ def run_job(path: str, split: list, job: dict, batches: list, refs: dict, lr: fl
     schedule = make(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     params = list(stage.submod.parameters())
     opt = torch.optim.AdamW(params, lr=lr, foreach=False)
-    ref = refs[m if per_mb else 1]
+    ref = refs[dp * m if per_mb else dp]   # replicas average their own losses, as DDP does
     mine = {id(p) for p in params}
-    out = dict(job, rank=rank, layers=list(split[rank]), losses=[], step_s=[], local_params=sum(p.numel() for p in params))
+    out = dict(job, rank=dist.get_rank(), replica=d, stage=s, shard=t, layers=list(split[s]), losses=[], step_s=[],
+               total_s=[], local_params=sum(getattr(p, "to_local", lambda: p)().numel() for p in params))
     for i, features in enumerate(batches):
         pairs = len(features["input_ids"]) // 2
-        order = row_order(pairs, m) if per_mb else torch.arange(2 * pairs)
+        rows = replica_rows(pairs, dp, d)
+        order = rows[row_order(pairs // dp, m)] if per_mb else rows
         t0 = time.perf_counter()
         loss, emb, took = one_step(schedule, stage, {k: v[order] for k, v in features.items()}, loss_kind, m)
-        out.setdefault("total_s", []).append(time.perf_counter() - t0)
+        if dp > 1:  # data parallel across replicas: average the gradients (and the loss) of this stage's copies
+            for p in params:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(local, group=mesh["dp"].get_group())
+                local /= dp
+            if loss is not None:
+                total = torch.tensor([loss])
+                dist.all_reduce(total, group=mesh["dp"].get_group())
+                loss = total.item() / dp
+        out["total_s"].append(time.perf_counter() - t0)
         out["step_s"].append(took)
         out["events"] = list(stage.events)         # the last step's timeline
         if i == 0:
             named = [(n, p) for n, p in model.named_parameters() if id(p) in mine and p.grad is not None]
-            out["grad_diff"] = max(max_diff(p.grad, ref["grads"][n]) for n, p in named)
+            out["grad_diff"] = max(max_diff(*local_part(ref["grads"][n], p.grad, t, tp)) for n, p in named)
             out["grads_compared"] = len(named)
-            if emb is not None:
-                restored = torch.empty_like(emb)
-                restored[order] = emb
-                out["embedding_diff"] = max_diff(restored, ref["embeddings"])
+            if emb is not None:  # row j of this pipeline's output is row order[j] of the batch
+                out["embedding_diff"] = max_diff(emb, ref["embeddings"][order])
         opt.step()
         opt.zero_grad()
         if loss is not None:
@@ -176,22 +221,29 @@ def run_job(path: str, split: list, job: dict, batches: list, refs: dict, lr: fl
     return out
 
 
-def rank_main(path: str, split: list, jobs: list, batches: list, refs: dict, lr: float, loss_kind: str) -> list:
-    return [run_job(path, split, job, batches, refs, lr, loss_kind) for job in jobs]
+def rank_main(layout: Layout, path: str, split: list, jobs: list, batches: list, refs: dict, lr: float,
+              loss_kind: str, shape, plan: dict) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (layout.dp, layout.pp, layout.tp), mesh_dim_names=("dp", "pp", "tp"))
+    return [run_job(mesh, path, split, job, batches, refs, lr, loss_kind, shape, plan) for job in jobs]
 
 
-def merge(ranks: list, jobs: list, refs: dict, loss_kind: str) -> list:
-    """One dict per job from every stage's view: the last stage's loss and embeddings, all stages' gradients."""
+def merge(ranks: list, jobs: list, refs: dict, loss_kind: str, layout: Layout) -> list:
+    """One dict per job from every rank's view: the last stage's loss and embeddings, all ranks' gradients.
+    ``stages`` keeps replica 0's shard 0 of each stage (its timeline and idle time)."""
     runs = []
     for j, job in enumerate(jobs):
-        per_stage = [r[j] for r in ranks]
-        last = per_stage[-1]
-        ref = refs[job["microbatches"] if loss_kind == "per_microbatch" else 1]
-        runs.append(dict(job, stages=per_stage, losses=last["losses"], reference_losses=ref["losses"],
-                         loss_diff=max(abs(a - b) for a, b in zip(last["losses"], ref["losses"])),
-                         embedding_diff=last["embedding_diff"],
-                         grad_diff=max(s["grad_diff"] for s in per_stage),
-                         grads_compared=sum(s["grads_compared"] for s in per_stage),
+        views = [r[j] for r in ranks]
+        stages = sorted((v for v in views if v["replica"] == 0 and v["shard"] == 0), key=lambda v: v["stage"])
+        last = [v for v in views if v["stage"] == layout.pp - 1]
+        m = job["microbatches"]
+        ref = refs[layout.dp * m if loss_kind == "per_microbatch" else layout.dp]
+        runs.append(dict(job, stages=stages, losses=last[0]["losses"], reference_losses=ref["losses"],
+                         loss_diff=max(abs(a - b) for v in last for a, b in zip(v["losses"], ref["losses"])),
+                         embedding_diff=max(v["embedding_diff"] for v in last),
+                         grad_diff=max(v["grad_diff"] for v in views),
+                         grads_compared=sum(v["grads_compared"] for v in stages),
                          grads_expected=len(ref["grads"])))
     return runs
 
@@ -210,5 +262,18 @@ def summary(run: dict, stages: int) -> dict:
                step_ms=1000 * max(s["total_s"][-1] for s in run["stages"]),
                bubble_formula=(stages - 1) / (m + stages - 1))
     for s in run["stages"]:
-        row[f"idle_stage{s['rank']}"] = idle_fraction(s)
+        row[f"idle_stage{s['stage']}"] = idle_fraction(s)
     return row
+
+
+def timeline(run: dict):
+    """The last step's forward / backward of every microbatch on every stage, in ms from the step's first one
+    (perf_counter is the machine's monotonic clock, the same in every process)."""
+    import pandas as pd
+
+    rows = [dict(stage=f"stage {s['stage']}", kind={"F": "forward", "B": "backward"}[k], microbatch=c, start=t0, end=t1)
+            for s in run["stages"] for k, c, t0, t1 in s["events"]]
+    df = pd.DataFrame(rows)
+    zero = df.start.min()
+    return df.assign(start_ms=1000 * (df.start - zero), ms=1000 * (df.end - df.start),
+                     schedule=f"{run['schedule']}, {run['microbatches']} microbatches").drop(columns=["start", "end"])

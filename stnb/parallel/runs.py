@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import VerificationError
+from ..errors import ConfigError, VerificationError
 from ..launch import launch
 from ..models import resolve_model
+from .oversubscribe import launch_oversubscribed
 from .plans import check_pp, check_tp, layer_plan, model_shape, split_layers
-from .pp import check_options, merge, summary
+from .pp import Layout, check_options, merge, summary
 from .pp import rank_main as pp_rank
 from .tp import rank_main as tp_rank
 from .single import make_batches, reference
@@ -82,7 +83,8 @@ class PPResult:
     stages: int
     layers: list
     runs: list          # one dict per (schedule, microbatches)
-    references: dict = field(repr=False)   # microbatches -> reference of the per-microbatch loss; 1: full batch
+    references: dict = field(repr=False)   # chunks -> reference whose loss is the mean MNRL over that many chunks
+    layout: Layout = field(default_factory=Layout)
 
     def table(self):
         """One row per run: losses vs reference, max diffs, step time, idle fraction per stage vs the formula."""
@@ -96,27 +98,36 @@ PP_RUNS = (("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4))
 
 
 def pipeline_parallel(model: str = "tiny", stages: int = 2, runs=PP_RUNS, pairs: int = 8, steps: int = 3,
-                      lr: float = 1e-4, loss: str = "full_batch", seed: int = 0, timeout: float = 600) -> PPResult:
+                      lr: float = 1e-4, loss: str = "full_batch", data_parallel: int = 1, tensor_parallel: int = 1,
+                      oversubscribe: bool = False, seed: int = 0, timeout: float = 600) -> PPResult:
     """Train ``steps`` MNRL steps with the encoder's layers split into ``stages`` CPU ranks, once per
     (schedule, microbatches) in ``runs``; check each against one process.
 
-    loss: 'full_batch' (every anchor sees all B positives: two passes, see ``stnb.parallel.pp``) or
-        'per_microbatch' (the pipeline's own per-microbatch loss: B/m pairs per in-batch softmax).
+    loss: 'full_batch' (every anchor sees all B positives of its pipeline: two passes, see
+        ``stnb.parallel.pp``) or 'per_microbatch' (the pipeline's own loss: B/m pairs per in-batch softmax).
+    data_parallel: pipelines side by side (DP+PP), each with pairs/data_parallel pairs; their gradients
+        are averaged, as DDP does (each replica's MNRL sees its own pairs, like stnb's DDP).
+    tensor_parallel: each stage's layers sharded over this many ranks (with data_parallel > 1: 3D).
+    Ranks: data_parallel x stages x tensor_parallel, started by ``stnb.launch`` (one core each), or with
+    oversubscribe=True by ``stnb.parallel.oversubscribe`` (any number of ranks: correct, but not timings).
     """
     path = resolve_model(model)
     shape = model_shape(path)
     runs = [(str(s), m) for s, m in runs]
-    check_pp(shape, stages, pairs, [m for _s, m in runs])
+    layout = Layout(dp=data_parallel, pp=stages, tp=tensor_parallel)
+    check_layout_request(shape, layout, pairs, [m for _s, m in runs], oversubscribe)
     check_options(runs, loss, stages)
     split = split_layers(shape.layers, stages)
+    plan = layer_plan(shape) if tensor_parallel > 1 else {}
     batches = make_batches(path, pairs, steps, seed)
-    need = {1} | ({m for _s, m in runs} if loss == "per_microbatch" else set())
-    refs = {m: reference(path, batches, lr, microbatches=m, threads=1) for m in sorted(need)}
+    chunks = {1, data_parallel} | ({data_parallel * m for _s, m in runs} if loss == "per_microbatch" else set())
+    refs = {c: reference(path, batches, lr, microbatches=c, threads=1) for c in sorted(chunks)}
     jobs = [dict(schedule=s, microbatches=m) for s, m in runs]
-    ranks = launch(pp_rank, path, split, jobs, batches, refs, lr, loss, num_processes=stages, device="cpu",
-                   echo=False, timeout=timeout)
-    merged = merge(ranks, jobs, refs, loss)
-    result = PPResult(stages=stages, layers=[list(r) for r in split], runs=merged, references=refs)
+    start = launch_oversubscribed if oversubscribe else launch
+    ranks = start(pp_rank, layout, path, split, jobs, batches, refs, lr, loss, shape, plan,
+                  num_processes=layout.world, device="cpu", echo=False, timeout=timeout)
+    merged = merge(ranks, jobs, refs, loss, layout)
+    result = PPResult(stages=stages, layers=[list(r) for r in split], runs=merged, references=refs, layout=layout)
     for r in merged:
         what = f"PP ({r['schedule']}, {r['microbatches']} microbatches)"
         if r["grads_compared"] != r["grads_expected"]:
@@ -124,3 +135,20 @@ def pipeline_parallel(model: str = "tiny", stages: int = 2, runs=PP_RUNS, pairs:
                                     f"reference for {r['grads_expected']}")
         _within(dict(embeddings=r["embedding_diff"], grads=r["grad_diff"], loss=r["loss_diff"]), what)
     return result
+
+
+def check_layout_request(shape, layout, pairs: int, microbatches: list, oversubscribe: bool) -> None:
+    """Refuse before launch: each replica's pairs split into whole microbatches; TP must divide the layer;
+    the ranks fit the cores (unless oversubscribed)."""
+    from ..hardware import capacity_problem
+
+    if not isinstance(layout.dp, int) or layout.dp < 1 or pairs % layout.dp:
+        raise ConfigError(f"data_parallel={layout.dp!r} must be a positive divisor of the batch ({pairs} pairs): each "
+                          "pipeline gets an equal share")
+    check_pp(shape, layout.pp, pairs // layout.dp, microbatches)
+    if layout.tp != 1:
+        check_tp(shape, layout.tp)
+    if not oversubscribe and capacity_problem("cpu", layout.world):
+        raise ConfigError(f"{layout.dp} x {layout.pp} x {layout.tp} (data x pipeline x tensor) = {layout.world} ranks: "
+                          + capacity_problem("cpu", layout.world, "ranks")
+                          + "; or oversubscribe=True to run them anyway (correct results, meaningless timings)")

@@ -36,8 +36,15 @@ def mnrl_per_microbatch(embeddings: torch.Tensor, pairs: int, microbatches: int)
 def load(path: str):
     """The model at ``path`` on the CPU, dropout off."""
     from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
 
-    return SentenceTransformer(path, device="cpu").eval()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in every rank and cell
+    try:
+        return SentenceTransformer(path, device="cpu").eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def make_batches(path: str, pairs: int, steps: int, seed: int = 0) -> list[dict]:
@@ -50,7 +57,7 @@ def make_batches(path: str, pairs: int, steps: int, seed: int = 0) -> list[dict]
     out = []
     for s in range(steps):
         rows = ds[s * pairs:(s + 1) * pairs]
-        features = tok.tokenize(list(rows["anchor"]) + list(rows["positive"]))
+        features = tok.preprocess(list(rows["anchor"]) + list(rows["positive"]))
         out.append({k: v for k, v in features.items() if k in ("input_ids", "attention_mask", "token_type_ids")})
     length = max(b["input_ids"].shape[1] for b in out)
     pad = {"input_ids": tok.tokenizer.pad_token_id}

@@ -54,14 +54,16 @@ def apply(model, mesh, shape: Shape, plan: dict) -> None:
             attention.all_head_size //= mesh.size()
 
 
-def check_layout(model, shape: Shape, degree: int) -> list[str]:
-    """What is wrong with this rank's shards against the architecture's plan (empty: nothing)."""
+def check_layout(model, shape: Shape, degree: int, layers=None) -> list[str]:
+    """What is wrong with this rank's shards against the architecture's plan (empty: nothing).
+    layers: the indices to check (default: all; a pipeline stage checks its own)."""
     from torch.distributed.tensor import DTensor, Shard
 
     arch = architecture(shape)
-    layers = model[0].auto_model.get_submodule(arch["layers"])
+    encoder_layers = model[0].auto_model.get_submodule(arch["layers"])
     problems = []
-    for i, layer in enumerate(layers):
+    for i in (range(len(encoder_layers)) if layers is None else layers):
+        layer = encoder_layers[i]
         for name, style in arch["plan"].items():
             w = layer.get_submodule(name).weight
             dim = _DIM[style]
