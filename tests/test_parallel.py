@@ -128,6 +128,7 @@ def test_bad_input_is_refused_before_any_process_starts():
     _refused(lambda: pipeline_parallel("tiny", data_parallel=3), r"data_parallel=3 must be a positive divisor")
     if stnb.hardware.cpu_cores() < 4:
         _refused(lambda: pipeline_parallel("tiny", data_parallel=2), r"= 4 ranks: .*oversubscribe=True")
+        _refused(lambda: tensor_parallel("minilm", degree=4), r"degree=4 is more than this machine supports")
 
 
 def test_layers_split_evenly():

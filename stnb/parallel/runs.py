@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, VerificationError
+from ..hardware import capacity_problem
 from ..launch import launch
 from ..models import resolve_model
 from .oversubscribe import launch_oversubscribed
@@ -57,6 +58,8 @@ def tensor_parallel(model: str = "tiny", degree: int = 2, pairs: int = 8, steps:
     path = resolve_model(model)
     shape = model_shape(path)
     check_tp(shape, degree)
+    if capacity_problem("cpu", degree, "degree"):
+        raise ConfigError(capacity_problem("cpu", degree, "degree"))
     per_layer = layer_plan(shape, plan)
     batches = make_batches(path, pairs, steps, seed)
     ref = reference(path, batches, lr, threads=1)
@@ -140,8 +143,6 @@ def pipeline_parallel(model: str = "tiny", stages: int = 2, runs=PP_RUNS, pairs:
 def check_layout_request(shape, layout, pairs: int, microbatches: list, oversubscribe: bool) -> None:
     """Refuse before launch: each replica's pairs split into whole microbatches; TP must divide the layer;
     the ranks fit the cores (unless oversubscribed)."""
-    from ..hardware import capacity_problem
-
     if not isinstance(layout.dp, int) or layout.dp < 1 or pairs % layout.dp:
         raise ConfigError(f"data_parallel={layout.dp!r} must be a positive divisor of the batch ({pairs} pairs): each "
                           "pipeline gets an equal share")
