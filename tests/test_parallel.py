@@ -152,3 +152,19 @@ def test_3d_data_pipeline_tensor_parallel_matches_one_process():
     assert r.references[2]["losses"][0] != r.references[1]["losses"][0]   # two halves: not the full-batch loss
     total = sum(p.numel() for p in load(resolve_model("tiny")).parameters())
     assert sum(s["local_params"] for s in run["stages"]) < total   # TP halves every stage's layer weights
+
+
+def test_an_oversubscribed_rank_that_fails_is_reported_and_nothing_is_left(monkeypatch):
+    import os
+    from pathlib import Path
+
+    import psutil
+
+    import rankfns
+    from stnb.errors import LaunchError
+    from stnb.parallel.oversubscribe import launch_oversubscribed
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(LaunchError, match=r"(?s)3 oversubscribed ranks failed.*deliberate failure in rank 1"):
+        launch_oversubscribed(rankfns.raise_on, 1, None, 120.0, num_processes=3, timeout=120)
+    assert psutil.Process().children(recursive=True) == []
