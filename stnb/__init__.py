@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-_LAZY = ("bench", "examples", "export", "memory", "plots", "scaleout", "widgets")
+_LAZY = ("bench", "examples", "export", "memory", "parallel", "plots", "scaleout", "widgets")
 
 
 def __getattr__(name):

@@ -274,6 +274,7 @@ NOTEBOOKS = (
     "05_compare_strategies.ipynb",
     "06_scaling_out.ipynb",
     "07_bring_your_own_training.ipynb",
+    "08_beyond_data_parallelism.ipynb",
 )
 
 
