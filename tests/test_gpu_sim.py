@@ -546,3 +546,21 @@ def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
     assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert peerfail.collective_timeout(30).total_seconds() == peerfail.MIN_COLLECTIVE_TIMEOUT_S
     assert peerfail.collective_timeout(600).total_seconds() == 1200
+
+
+# ---- issue 18: the GPU path, second reading ----------------------------------------------------------
+
+def _rank_device():
+    return stnb.rank_context().device
+
+
+def test_launch_auto_skips_a_gpu_the_torch_build_cannot_run(gpu_box):
+    """A P100 with a cu128-style build: hardware_report() says cpu, and stnb.launch(device='auto')
+    must agree (it used to count GPUs only, and sent the function to a GPU without kernels)."""
+    box = gpu_box([P100])
+    assert stnb.hardware_report().device == "cpu"
+    [device] = stnb.launch(_rank_device, num_processes=1, device="auto", distributed=False, echo=False)
+    assert device == "cpu" and stnb.last_launch().device == "cpu"
+    gpu_box([P100], archs=CU126_ARCHS)  # a build with sm_60 kernels: auto is the GPU
+    assert stnb.launch(_rank_device, num_processes=1, device="auto", distributed=False, echo=False) == ["cuda"]
+    assert box.driver_calls == []
