@@ -35,6 +35,7 @@ from stnb.errors import ConfigError
 T4 = ("Tesla T4", 15360, "GPU-7e1a", "7.5")
 A100 = ("NVIDIA A100-SXM4-40GB", 40960, "GPU-a100", "8.0")
 P100 = ("Tesla P100-PCIE-16GB", 16384, "GPU-9100", "6.0")
+H100 = ("NVIDIA H100 80GB HBM3", 81559, "GPU-h100", "9.0")
 CU128_ARCHS = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"   # a cu128-style build: no Pascal, no Volta
 CU126_ARCHS = "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90"
 
@@ -563,4 +564,24 @@ def test_launch_auto_skips_a_gpu_the_torch_build_cannot_run(gpu_box):
     assert device == "cpu" and stnb.last_launch().device == "cpu"
     gpu_box([P100], archs=CU126_ARCHS)  # a build with sm_60 kernels: auto is the GPU
     assert stnb.launch(_rank_device, num_processes=1, device="auto", distributed=False, echo=False) == ["cuda"]
+    assert box.driver_calls == []
+
+
+def test_st_docs_on_one_gpu_runs_its_single_row_on_the_gpu(gpu_box, tmp_path):
+    """bench --preset st-docs measures GPUs: on 1 GPU with device auto its single row runs there (dp / ddp /
+    fsdp are listed as not runnable, with the reason); it used to run everything on CPU ranks. The gpu-check's
+    st-docs row plans the same way."""
+    from stnb import bench
+    from stnb.gpucheck import checks, planning
+
+    box = gpu_box([H100])
+    items = bench.plan(bench.BenchOptions.from_preset("st-docs"))
+    single = [it for it in items if it.config.strategy == "single"]
+    assert single and all(it.config.device == "cuda" and it.unavailable is None for it in single)
+    ddp = [it for it in items if it.config.strategy == "ddp"]
+    assert ddp and all("needs at least 2" in (it.unavailable or "") for it in ddp)
+    [row] = [c for c in planning.plan(planning.detect()) if c.kind == "st_docs"]
+    opts = checks.st_docs_options(row, str(tmp_path))
+    planned = bench.plan(opts)
+    assert [(it.config.strategy, it.config.device, it.unavailable) for it in planned] == [("single", "cuda", None)]
     assert box.driver_calls == []

@@ -280,17 +280,26 @@ def check_ratio(check, machine) -> Outcome:
                    error="" if ok else f"stnb / plain = {ratio:.3f} < {p['goal']}")
 
 
+def st_docs_options(check, folder: str):
+    """The bench options of the st-docs row: its single row, on the check's device (never 'auto': on
+    one GPU, bench's 'auto' compares on CPU ranks), results kept in ``folder``."""
+    from .. import bench
+
+    opts = bench.BenchOptions.from_preset("st-docs", strategies=("single",), steps=check.params["steps"],
+                                          warmup=check.params["warmup"], device=_dev(check),
+                                          results=os.path.join(folder, "r.jsonl"),
+                                          report=os.path.join(folder, "r.html"))
+    opts.echo = False
+    return opts
+
+
 def check_st_docs(check, machine) -> Outcome:
     """The sentence-transformers docs' benchmark setting, offline: bench --preset st-docs, single row."""
     from .. import bench
     from ..results import RunResult, load_results
 
     with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-st-docs-") as tmp:
-        opts = bench.BenchOptions.from_preset("st-docs", strategies=("single",), steps=check.params["steps"],
-                                              warmup=check.params["warmup"], results=os.path.join(tmp, "r.jsonl"),
-                                              report=os.path.join(tmp, "r.html"))
-        opts.echo = False
-        rep = bench.bench(opts)
+        rep = bench.bench(st_docs_options(check, tmp))
         rows = [RunResult.from_dict(r) for r in load_results(rep.results_path, as_frame=False)]
     if len(rows) != 1:
         return Outcome(check.name, check.kind, "failed", error=f"{len(rows)} result rows, expected 1")
