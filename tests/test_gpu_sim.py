@@ -585,3 +585,24 @@ def test_st_docs_on_one_gpu_runs_its_single_row_on_the_gpu(gpu_box, tmp_path):
     planned = bench.plan(opts)
     assert [(it.config.strategy, it.config.device, it.unavailable) for it in planned] == [("single", "cuda", None)]
     assert box.driver_calls == []
+
+
+def test_plain_baseline_and_stnb_single_use_the_same_gpu(gpu_box, monkeypatch):
+    """The gpu-check's ratio: with CUDA_VISIBLE_DEVICES=3 the plain script used to be pinned to visible
+    ordinal 0 (physical GPU 0, an H100 here) while stnb.run(strategy='single') ran on physical GPU 3 (the
+    A100). Each environment is applied and the GPU it leaves visible is read back."""
+    from stnb.gpucheck import checks
+
+    box = gpu_box([H100, H100, H100, A100])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+
+    def seen_with(env):
+        with monkeypatch.context() as m:
+            m.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])
+            return [(g["name"], g["uuid"]) for g in hardware.gpus()]
+
+    stnb_gpu = seen_with(hardware.single_gpu_env())
+    assert stnb_gpu == [(A100[0], A100[2])]
+    assert seen_with(checks.plain_env("cuda")) == stnb_gpu
+    assert checks.plain_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert box.driver_calls == []

@@ -231,10 +231,19 @@ def check_notebook(check, machine) -> Outcome:
                    error="; ".join(f"{e['ename']}: {e['evalue']}" for e in errors))
 
 
-def _plain_run(p: dict, model_path: str, gpu_index: int) -> float:
+def plain_env(device: str) -> dict:
+    """The plain script's environment: pinned to the GPU stnb.run(strategy='single') uses
+    (``hardware.single_gpu_env``: the first entry of CUDA_VISIBLE_DEVICES as the user wrote it, not
+    the renumbered visible ordinal, which names another GPU when CUDA_VISIBLE_DEVICES=3)."""
+    from ..hardware import single_gpu_env
+
+    pin = single_gpu_env() if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
+
+
+def _plain_run(p: dict, model_path: str) -> float:
     device = p.get("device", "cuda")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu_index) if device == "cuda" else "",
-               TOKENIZERS_PARALLELISM="false")
+    env = plain_env(device)
     cmd = [sys.executable, "-m", "stnb.gpucheck.plain", "--model", model_path, "--batch-size",
            str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
@@ -263,7 +272,7 @@ def check_ratio(check, machine) -> Outcome:
         order = ("plain", "stnb") if i % 2 == 0 else ("stnb", "plain")
         for who in order:
             if who == "plain":
-                plain.append(_plain_run(p, model_path, machine.gpus[0]["index"] if machine.gpus else 0))
+                plain.append(_plain_run(p, model_path))
             else:
                 last = run(cfg, echo=False)
                 problems = _judge_training(last, check)
