@@ -606,3 +606,30 @@ def test_plain_baseline_and_stnb_single_use_the_same_gpu(gpu_box, monkeypatch):
     assert seen_with(checks.plain_env("cuda")) == stnb_gpu
     assert checks.plain_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
     assert box.driver_calls == []
+
+
+def _fsdp2_scaler_step():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False)
+    fully_shard(lin, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what accelerate gives FSDP2 under fp16
+    before = lin.weight.to_local().clone()
+    scaler.scale(lin(torch.ones(2, 8)).sum()).backward()
+    if dist.get_rank() == 1:
+        lin.weight.grad.to_local()[0, 0] = float("inf")  # an overflow in rank 1's shard only
+    scaler.step(opt)
+    scaler.update()
+    return {"scale": scaler.get_scale(), "stepped": not torch.equal(before, lin.weight.to_local())}
+
+
+def test_fsdp2_grad_scaler_skips_an_overflow_on_every_rank():
+    """The T4 rows train FSDP2 in fp16: accelerate gives FSDP2 torch's plain GradScaler (not the
+    ShardedGradScaler). An inf in one rank's gradient shard must make every rank skip the step and halve
+    the same scale, or the shards would step apart and the next reduce-scatter would mix two scales."""
+    out = stnb.launch(_fsdp2_scaler_step, num_processes=2, device="cpu", echo=False)
+    assert out == [{"scale": 512.0, "stepped": False}] * 2
