@@ -4,12 +4,12 @@ PLAN (``planning.plan``, a pure function of the machine) -> RUN (``checks.run_al
 (``report.build``: JSON + a short table). Without a GPU it says why, runs nothing, marks nothing
 passed and exits 0. Otherwise the exit status is 1 when any planned check failed.
 
-1 GPU: hardware report, an NCCL all_reduce, ``single`` in bf16 and fp16, ``ddp`` and ``fsdp`` with one
-NCCL rank each, the launch fault matrix on NCCL ranks (a rank raises / is SIGKILLed / stalls in a
+1 GPU: hardware report, an NCCL all_reduce, ``single`` in bf16 and fp16, ``fsdp`` with one NCCL rank
+(``ddp`` with one rank is listed as not run: accelerate wraps DDP only with 2+ processes), the launch fault matrix on NCCL ranks (a rank raises / is SIGKILLed / stalls in a
 collective: the error arrives in seconds and no process is left), notebook 00's cells, plain
 sentence-transformers vs ``stnb.run(strategy="single")`` (goal stnb >= 0.98 of plain) and the
 ``bench --preset st-docs`` single-GPU row. 2+ GPUs add ``dp``, ``ddp``/``fsdp`` over every GPU, the
-fp16 / bf16 / embedding_rows comm hooks and the speed-up table. Under 8 minutes on one GPU.
+fp16 / bf16 / embedding_rows comm hooks and the speed-up table, in bf16 (fp16 on GPUs without bf16: T4). Under 8 minutes on one GPU.
 """
 
 from __future__ import annotations

@@ -121,10 +121,11 @@ def check_train(check, machine) -> Outcome:
 
 
 def check_train_direct(check, machine) -> Outcome:
-    """ddp / fsdp with ONE NCCL rank. TrainConfig.validate refuses both for users (a 1-rank fsdp
-    "shards nothing"; stnb.hardware lists ddp/fsdp as needing 2 ranks), so this runs what stnb.run
-    would run after validation: stnb.launch(training.train_rank, ...) on 1 GPU with a process group,
-    then results.merge. It exercises NCCL init, the DDP / FSDP2 wrapping and the trainer on CUDA."""
+    """fsdp with ONE NCCL rank. TrainConfig.validate refuses it for users (a 1-rank fsdp "shards
+    nothing"; stnb.hardware lists ddp/fsdp as needing 2 ranks), so this runs what stnb.run would run
+    after validation: stnb.launch(training.train_rank, ...) on 1 GPU with a process group, then
+    results.merge. It exercises NCCL init, FSDP2's sharding and the trainer on CUDA. (The plan does
+    not run 1-rank ddp: planning.ONE_RANK_DDP.)"""
     from ..launch import launch
     from ..models import resolve_model
     from ..results import merge
