@@ -633,3 +633,47 @@ def test_fsdp2_grad_scaler_skips_an_overflow_on_every_rank():
     the same scale, or the shards would step apart and the next reduce-scatter would mix two scales."""
     out = stnb.launch(_fsdp2_scaler_step, num_processes=2, device="cpu", echo=False)
     assert out == [{"scale": 512.0, "stepped": False}] * 2
+
+
+def _sigterm_handler():
+    import signal
+
+    h = signal.getsignal(signal.SIGTERM)
+    return "default" if h == signal.SIG_DFL else repr(h)
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_rank_dies_of_sigterm_at_once(nproc):
+    """torch elastic installs a Python SIGTERM handler before it forks the ranks, and forked ranks
+    inherit it. A peer blocked in a CUDA / NCCL wait never returns to Python to run it, so when a rank
+    fails, elastic's SIGTERM does nothing and its SIGKILL comes 30 s later. In a rank SIGTERM must kill."""
+    assert stnb.launch(_sigterm_handler, num_processes=nproc, device="cpu", echo=False) == ["default"] * nproc
+
+
+def _raise_while_peer_blocked_in_c():
+    """Rank 1 raises; rank 0 waits in a C call that never returns to Python (a locked pthread mutex,
+    locked again: a futex wait retried on EINTR, like a CUDA / NCCL wait)."""
+    import ctypes
+    import time as _time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        _time.sleep(0.5)
+        raise ValueError("the real failure, on rank 1")
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # PTHREAD_MUTEX_INITIALIZER is all zeros
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+    return 0
+
+
+def test_peer_blocked_in_c_is_stopped_and_the_raise_is_named():
+    """torch elastic SIGTERMs the blocked peer, which now dies of it at once (see above): the error still
+    names the rank that raised, not the peer the launcher stopped."""
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_raise_while_peer_blocked_in_c, num_processes=2, device="cpu", stall_timeout=120,
+                    timeout=180, echo=False)
+    err = e.value
+    assert (err.rank, err.kind) == (1, "raised"), str(err)
+    assert str(err).startswith("rank 1 raised ValueError: the real failure, on rank 1")

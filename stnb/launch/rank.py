@@ -119,6 +119,10 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", str(local_rank)))
     ch.check_in(local_rank)
+    # a forked rank inherits torch elastic's Python SIGTERM handler (installed in the launching process
+    # before it forks); a rank blocked in a CUDA / NCCL wait never returns to Python to run it, so when a
+    # peer fails, elastic's SIGTERM would do nothing and its SIGKILL comes 30 s later. SIGTERM kills.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(opts.env)
     redirect_output(ch.path("log", local_rank))
     stack_file = open(ch.path("stack", local_rank), "w")
