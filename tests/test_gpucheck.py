@@ -265,4 +265,10 @@ def test_ratio_check_runs_the_plain_script_and_stnb_on_cpu():
     out = checks.RUNNERS["ratio"](gpucheck.Check("ratio", "ratio", dict(p, strategy="single")), Machine())
     assert out.status == "passed", out.error
     m = out.metrics
-    assert m["ratio"] == pytest.approx(m["stnb_runs"][0] / m["plain_runs"][0]) and m["plain_runs"][0] > 0
+    assert m["plain_runs"][0] > 0 and m["stnb_runs"][0] > 0
+    # like with like: both trainers logged (read the loss of) every step, as stnb's recipe does
+    assert m["logged_steps"] == {"plain": [p["steps"]], "stnb": [p["steps"]]}
+    # the ratio is of median step times over the measured steps, not of one run's mean
+    assert m["measured_steps"] == {"plain": p["steps"] - p["warmup_steps_excluded"]} | {
+        "stnb": p["steps"] - p["warmup_steps_excluded"]}
+    assert m["ratio"] == pytest.approx(m["samples_per_second"] / m["plain_samples_per_second"])

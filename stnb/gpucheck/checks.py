@@ -242,13 +242,17 @@ def plain_env(device: str) -> dict:
     return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
 
 
-def _plain_run(p: dict, model_path: str) -> float:
+def _plain_run(p: dict, model_path: str) -> dict:
+    """One run of the plain script (logging as often as stnb's recipe); its JSON line."""
+    from ..recipe import LOGGING_STEPS
+
     device = p.get("device", "cuda")
     env = plain_env(device)
     cmd = [sys.executable, "-m", "stnb.gpucheck.plain", "--model", model_path, "--batch-size",
            str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
-           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"])]
+           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
+           "--logging-steps", str(LOGGING_STEPS)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if out.returncode != 0:
@@ -256,37 +260,48 @@ def _plain_run(p: dict, model_path: str) -> float:
     data = json.loads(out.stdout.strip().splitlines()[-1])
     if data["device"] != device:
         raise RuntimeError(f"the plain script ran on {data['device']}, not {device}")
-    return data["samples_per_second"]
+    return data
 
 
 def check_ratio(check, machine) -> Outcome:
-    """Plain sentence-transformers and stnb.run(strategy='single'), same model, data, batch and
-    precision, interleaved (plain, stnb, stnb, plain, ...); ratio of the medians."""
+    """Plain sentence-transformers and stnb.run(strategy='single'), same model, data, batch, precision
+    and logging (every step, as stnb's recipe logs), interleaved (plain, stnb, stnb, plain, ...). The
+    ratio is that of the median step times, pooled over the measured steps of every repeat (a median
+    is not moved by the odd slow step: a collection, a first-time kernel)."""
     from ..models import resolve_model
     from ..runner import run
 
     p = check.params
     cfg = _config(p)
     model_path = resolve_model(cfg.model)
-    plain, ours, last = [], [], None
+    warm = p["warmup_steps_excluded"]
+    plain, ours, plain_steps, our_steps, logged, last = [], [], [], [], {"plain": [], "stnb": []}, None
     for i in range(p["repeats"]):
         order = ("plain", "stnb") if i % 2 == 0 else ("stnb", "plain")
         for who in order:
             if who == "plain":
-                plain.append(_plain_run(p, model_path))
+                data = _plain_run(p, model_path)
+                plain.append(data["samples_per_second"])
+                plain_steps += data["step_times"]
+                logged["plain"].append(data["logged_steps"])
             else:
                 last = run(cfg, echo=False)
                 problems = _judge_training(last, check)
                 if problems:
                     return Outcome(check.name, check.kind, "failed", error="stnb run: " + "; ".join(problems))
                 ours.append(last.samples_per_second)
-    ratio = statistics.median(ours) / statistics.median(plain)
-    metrics = dict(_result_metrics(last, 1), samples_per_second=statistics.median(ours), ratio=ratio,
-                   plain_samples_per_second=statistics.median(plain), stnb_runs=ours, plain_runs=plain)
+                our_steps += last.step_times[warm:]
+                logged["stnb"].append(len(last.losses))
+    batch = p["per_device_batch_size"]
+    plain_sps, our_sps = batch / statistics.median(plain_steps), batch / statistics.median(our_steps)
+    ratio = our_sps / plain_sps
+    metrics = dict(_result_metrics(last, 1), samples_per_second=our_sps, ratio=ratio,
+                   plain_samples_per_second=plain_sps, stnb_runs=ours, plain_runs=plain,
+                   measured_steps={"plain": len(plain_steps), "stnb": len(our_steps)}, logged_steps=logged)
     ok = ratio >= p["goal"]
     return Outcome(check.name, check.kind, "passed" if ok else "failed", metrics=metrics,
-                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; medians of {p['repeats']}: "
-                          f"{statistics.median(ours):.1f} vs {statistics.median(plain):.1f} samples/s)",
+                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; median step of {len(our_steps)} / "
+                          f"{len(plain_steps)} measured steps: {our_sps:.1f} vs {plain_sps:.1f} samples/s)",
                    error="" if ok else f"stnb / plain = {ratio:.3f} < {p['goal']}")
 
 
