@@ -677,3 +677,37 @@ def test_peer_blocked_in_c_is_stopped_and_the_raise_is_named():
     err = e.value
     assert (err.rank, err.kind) == (1, "raised"), str(err)
     assert str(err).startswith("rank 1 raised ValueError: the real failure, on rank 1")
+
+
+def _rank0_busy_then_barrier(how: str):
+    """Rank 0 evaluates / saves for 4 s (heartbeating: it is working); rank 1 waits for it."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    from stnb.launch import wait_for_all
+
+    if dist.get_rank() == 0:
+        for _ in range(40):
+            _time.sleep(0.1)
+            stnb.heartbeat()
+    try:
+        wait_for_all() if how == "wait_for_all" else dist.barrier()
+        return "arrived"
+    except Exception as e:  # noqa: BLE001 - what the wait raised is the result
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("how,arrives", [("barrier", False), ("wait_for_all", True)])
+def test_waiting_for_rank0s_save_outlives_the_collective_timeout(monkeypatch, how, arrives):
+    """NCCL ranks get a bounded collective timeout (peerfail.collective_timeout, 300 s), and rank 0's
+    evaluation and save after training are waited for in a barrier: a large model's save could make the
+    others' barrier abort after training finished. The bound is shortened to 1.5 s here (gloo ranks get
+    it too): a plain barrier is cut short, stnb's wait_for_all (what training uses) is not."""
+    import datetime
+
+    from stnb.launch import rank as rank_module
+
+    monkeypatch.setattr(rank_module, "collective_timeout", lambda stall: datetime.timedelta(seconds=1.5))
+    out = stnb.launch(_rank0_busy_then_barrier, how, num_processes=2, device="cpu", echo=False, stall_timeout=60)
+    assert (out[1] == "arrived") is arrives, out
