@@ -711,3 +711,61 @@ def test_waiting_for_rank0s_save_outlives_the_collective_timeout(monkeypatch, ho
     monkeypatch.setattr(rank_module, "collective_timeout", lambda stall: datetime.timedelta(seconds=1.5))
     out = stnb.launch(_rank0_busy_then_barrier, how, num_processes=2, device="cpu", echo=False, stall_timeout=60)
     assert (out[1] == "arrived") is arrives, out
+
+
+def _predicted_failures(machine, plan, tmp) -> list:
+    """Why a planned row that runs would fail on this (simulated) machine by construction, asked of the
+    code the row itself goes through: TrainConfig.validate, the launch's capacity check, the precision
+    check, bench's plan, and accelerate's DDP rule (more than one process)."""
+    from stnb import bench
+    from stnb.gpucheck import checks, planning
+
+    why = []
+    for c in plan:
+        if c.skip:
+            continue
+        p, name = c.params, c.name
+        try:
+            if c.kind in ("train", "ratio"):
+                checks.train_config(p).validate()
+            if c.kind == "train_direct":
+                why += [f"{name}: {x}" for x in hardware.gpu_problems(p["mixed_precision"])]
+            n = p.get("nproc") or p.get("num_processes") or 1
+            if c.kind in ("allreduce", "fault", "train_direct") and hardware.capacity_problem("cuda", n):
+                why.append(f"{name}: {hardware.capacity_problem('cuda', n)}")
+            if p.get("strategy") == "ddp" and n < 2:
+                why.append(f"{name}: accelerate does not wrap one process in DDP")
+            if c.kind == "st_docs":
+                items = bench.plan(checks.st_docs_options(c, tmp))
+                if [(it.config.device, it.unavailable) for it in items] != [("cuda", None)]:
+                    why.append(f"{name}: bench plans {[(it.name, it.config.device, it.unavailable) for it in items]}")
+            if c.kind == "hardware" and planning.unsupported(machine):
+                why.append(f"{name}: unsupported GPU")
+            if c.kind == "notebook" and not os.path.isfile(p["path"]):
+                why.append(f"{name}: no notebook at {p['path']}")
+        except ConfigError as e:
+            why.append(f"{name}: {e}")
+    return why
+
+
+@pytest.mark.parametrize("box", [[H100], [T4, T4], [T4]], ids=["1x H100", "2x T4", "1x T4"])
+def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, box, tmp_path, capsys):
+    """`make gpu-check` on 1x H100, Kaggle's 2x T4 and 1x T4: the plan (printed by `gpu-check --plan`)
+    lists the rows that will run, and none of them is bound to fail on that machine."""
+    from stnb.__main__ import main
+    from stnb.gpucheck import planning
+
+    sim = gpu_box(box)
+    machine = planning.detect()
+    plan = planning.plan(machine)
+    assert main(["gpu-check", "--plan"]) == 0
+    printed = capsys.readouterr().out
+    with capsys.disabled():
+        print(f"\n{printed}")
+    running = [c for c in plan if not c.skip]
+    assert running and all(c.name in printed for c in plan)
+    assert f"{len(running)} row(s) will run" in printed
+    assert _predicted_failures(machine, plan, str(tmp_path)) == []
+    if len(box) == 2:  # the T4 pair trains dp / ddp / fsdp in fp16
+        assert {"dp x2 fp16", "ddp x2 fp16", "fsdp x2 fp16"} <= {c.name for c in running}
+    assert sim.driver_calls == []

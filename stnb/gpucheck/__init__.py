@@ -19,9 +19,10 @@ import sys
 import time
 
 from .planning import BUDGET_S, Check, Machine, detect, plan
-from .report import Outcome, build, exit_code, table, write
+from .report import Outcome, build, exit_code, plan_table, table, write
 
-__all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_check", "plan", "table", "write"]
+__all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_check", "plan", "plan_table", "table",
+           "write"]
 
 DEFAULT_REPORT = os.path.join("artifacts", "gpu-check", "report.json")
 
@@ -53,10 +54,16 @@ def add_cli(subparsers) -> None:
     p.add_argument("--report", default=DEFAULT_REPORT, help=f"JSON report path (default {DEFAULT_REPORT})")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds after which no further check starts (those fail as not started)")
+    p.add_argument("--plan", action="store_true", help="print the rows this machine would run (and why any would "
+                   "not), run nothing")
     p.set_defaults(func=cmd_gpu_check)
 
 
 def cmd_gpu_check(a) -> int:
+    if a.plan:
+        machine = detect()
+        print(plan_table(machine, plan(machine)))
+        return 0
     rep = gpu_check(a.report, a.budget)
     print(table(rep))
     print(f"report: {rep['report_path']}")

@@ -64,7 +64,8 @@ def _judge_training(res, check) -> list:
     return problems
 
 
-def _config(params: dict):
+def train_config(params: dict):
+    """The TrainConfig a training row runs (device cuda unless the row says otherwise)."""
     from ..config import TrainConfig
 
     keep = {k: v for k, v in params.items() if k not in ("goal", "repeats")}
@@ -111,7 +112,7 @@ def check_allreduce(check, machine) -> Outcome:
 def check_train(check, machine) -> Outcome:
     from ..runner import run
 
-    cfg = _config(check.params)
+    cfg = train_config(check.params)
     res = run(cfg, echo=False)
     problems = _judge_training(res, check)
     gpus = check.gpus
@@ -131,7 +132,7 @@ def check_train_direct(check, machine) -> Outcome:
     from ..results import merge
     from ..training import train_rank
 
-    cfg = _config(check.params)
+    cfg = train_config(check.params)
     t0 = time.time()
     parts = launch(train_rank, cfg, resolve_model(cfg.model), t0, num_processes=1, device=cfg.device,
                    timeout=cfg.timeout, stall_timeout=cfg.stall_timeout, echo=False, distributed=True)
@@ -272,7 +273,7 @@ def check_ratio(check, machine) -> Outcome:
     from ..runner import run
 
     p = check.params
-    cfg = _config(p)
+    cfg = train_config(p)
     model_path = resolve_model(cfg.model)
     warm = p["warmup_steps_excluded"]
     plain, ours, plain_steps, our_steps, logged, last = [], [], [], [], {"plain": [], "stnb": []}, None
