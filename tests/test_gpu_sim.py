@@ -748,10 +748,11 @@ def _predicted_failures(machine, plan, tmp) -> list:
     return why
 
 
-@pytest.mark.parametrize("box", [[H100], [T4, T4], [T4]], ids=["1x H100", "2x T4", "1x T4"])
-def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, box, tmp_path, capsys):
+@pytest.mark.parametrize("label,box", [("1x H100", [H100]), ("2x T4", [T4, T4]), ("1x T4", [T4])])
+def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, label, box, tmp_path, capsys):
     """`make gpu-check` on 1x H100, Kaggle's 2x T4 and 1x T4: the plan (printed by `gpu-check --plan`)
-    lists the rows that will run, and none of them is bound to fail on that machine."""
+    lists the rows that will run, and none of them is bound to fail on that machine. docs/gpu.md's
+    table gives the same count of rows that run."""
     from stnb.__main__ import main
     from stnb.gpucheck import planning
 
@@ -766,6 +767,9 @@ def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, box, tmp_path, capsys)
     assert running and all(c.name in printed for c in plan)
     assert f"{len(running)} row(s) will run" in printed
     assert _predicted_failures(machine, plan, str(tmp_path)) == []
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        [row] = [line for line in f if line.startswith(f"| {label} |")]
+    assert row.split("|")[2].strip().startswith(f"{len(running)}:"), row
     if len(box) == 2:  # the T4 pair trains dp / ddp / fsdp in fp16
         assert {"dp x2 fp16", "ddp x2 fp16", "fsdp x2 fp16"} <= {c.name for c in running}
     assert sim.driver_calls == []
