@@ -773,3 +773,72 @@ def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, label, box, tmp_path, 
     if len(box) == 2:  # the T4 pair trains dp / ddp / fsdp in fp16
         assert {"dp x2 fp16", "ddp x2 fp16", "fsdp x2 fp16"} <= {c.name for c in running}
     assert sim.driver_calls == []
+
+
+# ---- the notebook's order: the GPU box first, then the imports -----------------------------------
+
+NOTEBOOK_ORDER = r"""
+import importlib, json, os, sys
+import torch   # a CUDA build of torch on a GPU machine, from here on; only then the rest is imported
+
+parent, calls = os.getpid(), []
+
+def driver(name, in_rank=None):
+    def call(*args, **kwargs):
+        if os.getpid() != parent:  # a forked CPU rank: a driver that sees no GPU
+            return in_rank
+        calls.append(name)
+        raise RuntimeError(f"simulated GPU box: {name} starts the CUDA driver in the notebook process")
+    return call
+
+torch.version.cuda = "12.8"
+torch._C._cuda_getArchFlags = lambda: "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+torch._C._cuda_getDeviceCount = driver("cudaGetDeviceCount", 0)
+torch._C._cuda_init = driver("cuInit")
+torch.cuda._lazy_init = driver("torch.cuda._lazy_init")
+# a binding a CUDA build's torch._C has, which torch._dynamo imports (by name) once torch looks CUDA-built
+torch._C._cuda_getCurrentRawStream = driver("cudaGetCurrentRawStream")
+torch.cuda._raw_device_count_nvml = lambda: 1
+torch.cuda._raw_device_uuid_nvml = lambda: ["GPU-h100"]
+
+steps = {}
+def step(name, fn):
+    try:
+        fn()
+        steps[name] = "ok"
+    except Exception as e:  # what failed, and where
+        steps[name] = f"{type(e).__name__}: {e}"[:400]
+
+step("import stnb", lambda: importlib.import_module("stnb"))
+import stnb
+step("stnb.setup()", stnb.setup)
+step("hardware_report", lambda: stnb.hardware_report().device == "cuda" or 1 / 0)
+for mod in ("sentence_transformers", "sentence_transformers.sentence_transformer.losses",
+            "sentence_transformers.sentence_transformer.evaluation", "transformers.trainer", "accelerate",
+            "stnb.widgets", "stnb.bench", "stnb.gpucheck"):
+    step(f"import {mod}", lambda mod=mod: importlib.import_module(mod))
+step("validate", lambda: stnb.TrainConfig(strategy="single", model="tiny", device="cuda",
+                                          mixed_precision="bf16").validate())
+step("gpu-check plan", lambda: stnb.gpucheck.plan(stnb.gpucheck.detect()))
+step("run on CPU ranks", lambda: stnb.run(strategy="single", device="cpu", model="tiny", steps=2,
+                                          warmup_steps_excluded=1, train_size=16, dev_size=4, evaluate=False,
+                                          per_device_batch_size=4, echo=False).verified or 1 / 0)
+print(json.dumps({"steps": steps, "driver_calls": calls}))
+"""
+
+
+def test_the_notebook_order_gpu_first_then_imports(tmp_path):
+    """The other tests here import the training stack before the machine looks like a GPU box, so a
+    CUDA call made while importing would go unseen. In a notebook the CUDA build is there first: a fresh
+    interpreter becomes the GPU box right after `import torch`, then imports stnb and the training stack,
+    sets up, plans and runs. Nothing may reach the driver, and every step must work."""
+    _fake_smi(str(tmp_path), [H100])
+    env = {**os.environ, "PYTHONPATH": ROOT, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    for var in ("CUDA_VISIBLE_DEVICES", "STNB_FORCE_CPU", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", NOTEBOOK_ORDER], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["driver_calls"] == []
+    assert {k: v for k, v in out["steps"].items() if v != "ok"} == {}
