@@ -141,7 +141,7 @@ def _silent_ranks(ev: Evidence) -> dict:
     peer", SignalException)."""
     wd, ch, first, codes = ev.watchdog, ev.ch, ev.first, ev.outcome.exit_codes
     returned = wd.returned_at or time.time()
-    stopped = _stopped_peers(wd.ended, first)
+    stopped = _stopped_peers(wd.ended, first, ev.nproc)
     silent = {r: code for r, (t, code) in wd.ended.items()
               if t <= returned and (first is None or t <= first["time"] + 1.0) and ch.is_silent(r)
               and r not in stopped}
@@ -158,10 +158,11 @@ def _silent_ranks(ev: Evidence) -> dict:
     return silent
 
 
-def _stopped_peers(ended: dict, first: dict | None) -> set:
+def _stopped_peers(ended: dict, first: dict | None, nproc: int) -> set:
     """Local ranks torch elastic stopped: ended by SIGTERM (or with no exit code read) once the failing
-    rank had ended (the rank that recorded ``first``, else the first rank to end). A rank's SIGTERM is
-    the default action (``rank.rank_main``), so it leaves no record; such a rank is not a cause."""
+    rank had ended (the rank that recorded ``first``, else the first rank to end), or not seen to end
+    at all before the launcher returned (still running when the failing rank ended). A rank's SIGTERM
+    is the default action (``rank.rank_main``), so it leaves no record; such a rank is not a cause."""
     stopping = (None, -signal.SIGTERM)
     if first is not None:
         failed = first.get("local_rank")
@@ -170,7 +171,8 @@ def _stopped_peers(ended: dict, first: dict | None) -> set:
     if failed not in ended:
         return set()
     t0 = ended[failed][0]
-    return {r for r, (t, code) in ended.items() if r != failed and code in stopping and t >= t0}
+    unseen = {r for r in range(nproc) if r not in ended}
+    return unseen | {r for r, (t, code) in ended.items() if r != failed and code in stopping and t >= t0}
 
 
 def ended_silently(ev: Evidence):
