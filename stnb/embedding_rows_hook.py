@@ -18,6 +18,13 @@ hooks (fp16/bf16/PowerSGD) shrink every element instead of skipping the zero row
 
 Works with gloo and NCCL, with ``gradient_as_bucket_view`` and with gradient accumulation (``no_sync``: the
 accumulated gradient is what reaches the hook). Measured on CPU only (see README, "Measured here").
+
+Cost on CUDA: how many rows travel is data the host must read, so each bucket holding embedding matrices
+makes one host synchronisation per embedding width (one ``nonzero()``; a BERT-like model's embeddings share
+one width), counted in ``stats()['host_syncs']``. Those buckets are the last of each backward pass (the
+embeddings' gradients are computed last), so no backward compute is left to overlap with: the host waits for
+the GPU to finish the backward, then queues the row all-reduce (tests/test_embedding_rows_hook.py counts the
+syncing aten ops on CPU).
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ class RowSyncState:
         self.calls = 0
         self.dense_elements = 0  # what DDP's default hook would have all-reduced
         self.sent_elements = 0  # what this hook all-reduced
+        self.host_syncs = 0  # nonzero() calls: on CUDA each makes the host wait for the GPU mid-backward
 
     def stats(self) -> dict:
         saved = 1.0 - self.sent_elements / self.dense_elements if self.dense_elements else 0.0
         return {"bucket_calls": self.calls, "dense_elements": self.dense_elements,
-                "sent_elements": self.sent_elements, "traffic_saved": round(saved, 4)}
+                "sent_elements": self.sent_elements, "traffic_saved": round(saved, 4),
+                "host_syncs": self.host_syncs}
 
 
 def embedding_weights(model) -> list:
@@ -86,11 +95,10 @@ def embedding_rows_hook(state: RowSyncState, bucket):
     # 1. the union of touched rows across ranks (a mask: one byte per row)
     masks = torch.cat([g.ne(0).any(dim=1) for _, g in rows_of]).to(torch.uint8)
     dist.all_reduce(masks, op=dist.ReduceOp.MAX, group=group)
-    picked, at = [], 0
-    for _, g in rows_of:
-        idx = masks[at:at + g.shape[0]].nonzero().squeeze(1)
-        at += g.shape[0]
-        picked.append(idx)
+    # the union's rows as element offsets into the bucket, one group per embedding width: one nonzero()
+    # (the only host synchronisation: on CUDA the host waits there for the GPU) per width, not per matrix
+    picked = _picked_elements(rows_of, masks)
+    state.host_syncs += len(picked)
 
     # 2. everything that has to travel: the dense gradients (in place, as contiguous runs) and the rows
     futures = []
@@ -98,23 +106,38 @@ def embedding_rows_hook(state: RowSyncState, bucket):
         part = buf[s:e].div_(world)
         state.sent_elements += part.numel()
         futures.append(dist.all_reduce(part, group=group, async_op=True).get_future())
-    compact = torch.cat([g.index_select(0, idx).reshape(-1) for (_, g), idx in zip(rows_of, picked)])
-    compact.div_(world)
+    elements = torch.cat(picked)
+    compact = buf.index_select(0, elements).div_(world)
     state.sent_elements += compact.numel()
     futures.append(dist.all_reduce(compact, group=group, async_op=True).get_future())
 
     def finish(_):
         for f in futures:
             f.wait()  # re-raises a failed all-reduce
-        at = 0
-        for (_, g), idx in zip(rows_of, picked):
-            n = idx.numel() * g.shape[1]
-            if n:
-                g.index_copy_(0, idx, compact[at:at + n].view(idx.numel(), g.shape[1]))
-            at += n
+        buf.index_copy_(0, elements, compact)
         return buf
 
     return torch.futures.collect_all(futures).then(finish)
+
+
+def _picked_elements(rows_of: list, masks) -> list:
+    """For each embedding width in the bucket: the flat-buffer offsets of every element of the rows the
+    union ``masks`` marks (rows_of: (start, 2-D gradient view); masks: one entry per row, in order).
+    Row ``r`` of a gradient view starting at ``start`` with width ``d`` holds elements start + r*d ..
+    start + r*d + d - 1. Everything stays on the device except each width's nonzero() size."""
+    device = masks.device
+    bounds, at = [], 0
+    for start, g in rows_of:
+        bounds.append((at, at + g.shape[0], start, g.shape[1]))
+        at += g.shape[0]
+    out = []
+    for d in sorted({b[3] for b in bounds}):
+        mine = [b for b in bounds if b[3] == d]
+        mask = torch.cat([masks[lo:hi] for lo, hi, _, _ in mine])
+        row_start = torch.cat([start + torch.arange(hi - lo, device=device) * d for lo, hi, start, _ in mine])
+        rows = mask.nonzero().squeeze(1)
+        out.append((row_start.index_select(0, rows)[:, None] + torch.arange(d, device=device)).reshape(-1))
+    return out
 
 
 def _merge_runs(spans: list) -> list:

@@ -36,6 +36,7 @@ PEAK_TFLOPS = {
     "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
     "T4": {"bf16": None, "fp16": 65.0, "tf32": None, "fp32": 8.1},
@@ -44,6 +45,7 @@ PEAK_TFLOPS = {
 }
 # device name (as torch / nvidia-smi print it) -> table row; first match wins
 _NAME_RULES = (
+    (r"H200.*NVL", "H200 NVL"),     # the PCIe card: lower clocks than the SXM part
     (r"H200", "H200"),
     (r"H100.*NVL", "H100 NVL"),
     (r"H100.*PCIE", "H100 PCIe"),
@@ -58,7 +60,10 @@ PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 
 
 def known_gpu(name: str) -> str | None:
-    """The PEAK_TFLOPS row for a device name ('NVIDIA H100 80GB HBM3' -> 'H100 SXM'), or None."""
+    """The PEAK_TFLOPS row for a device name ('NVIDIA H100 80GB HBM3' -> 'H100 SXM'), or None. A MIG
+    slice ('... MIG 1g.10gb') has a fraction of its GPU's SMs: None, so its peak is measured."""
+    if re.search(r"\bMIG\b", name or ""):
+        return None
     for pattern, row in _NAME_RULES:
         if re.search(pattern, name or "", re.IGNORECASE):
             return row
@@ -118,7 +123,8 @@ def device_peak(device: str, mixed_precision: str) -> dict | None:
     source = f"datasheet ({known_gpu(name)}, {precision} dense)"
     if peak is None:
         peak = measure_peak(device, precision)
-        source = f"measured: {precision} 4096^3 matmul on this GPU ({name} is not in stnb.mfu.PEAK_TFLOPS)"
+        why = "a MIG slice" if " MIG " in f" {name} " else "not in stnb.mfu.PEAK_TFLOPS"
+        source = f"measured: {precision} 4096^3 matmul on this GPU ({name}: {why})"
     return {"gpu": name, "precision": precision, "flops_per_s": peak, "source": source}
 
 

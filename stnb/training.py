@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from .config import TrainConfig
-from .launch import rank_context, report_progress
+from .launch import rank_context, report_progress, wait_for_all
 
 
 def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: float | None = None,
@@ -87,7 +87,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         scratch = initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
         model.save(scratch)
     if distributed:
-        dist.barrier()
+        wait_for_all()  # rank 0 evaluated (and saved the initial model)
 
     frozen = strategies.freeze_unused_pooler(model) if build is None else []
     model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
@@ -132,7 +132,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
                 initial = checks.state_of(load_like(final_model, initial_path, device="cpu", max_seq_length=max_len))
                 saved = save_checked(final_model, config.save_to, device, checks.state_of(final_model), initial)
         if distributed:
-            dist.barrier()
+            wait_for_all()  # rank 0 evaluated and saved: not bounded by the collective timeout
     finally:
         if build is None:
             shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder

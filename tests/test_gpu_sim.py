@@ -35,6 +35,7 @@ from stnb.errors import ConfigError
 T4 = ("Tesla T4", 15360, "GPU-7e1a", "7.5")
 A100 = ("NVIDIA A100-SXM4-40GB", 40960, "GPU-a100", "8.0")
 P100 = ("Tesla P100-PCIE-16GB", 16384, "GPU-9100", "6.0")
+H100 = ("NVIDIA H100 80GB HBM3", 81559, "GPU-h100", "9.0")
 CU128_ARCHS = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"   # a cu128-style build: no Pascal, no Volta
 CU126_ARCHS = "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90"
 
@@ -546,3 +547,298 @@ def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
     assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert peerfail.collective_timeout(30).total_seconds() == peerfail.MIN_COLLECTIVE_TIMEOUT_S
     assert peerfail.collective_timeout(600).total_seconds() == 1200
+
+
+# ---- issue 18: the GPU path, second reading ----------------------------------------------------------
+
+def _rank_device():
+    return stnb.rank_context().device
+
+
+def test_launch_auto_skips_a_gpu_the_torch_build_cannot_run(gpu_box):
+    """A P100 with a cu128-style build: hardware_report() says cpu, and stnb.launch(device='auto')
+    must agree (it used to count GPUs only, and sent the function to a GPU without kernels)."""
+    box = gpu_box([P100])
+    assert stnb.hardware_report().device == "cpu"
+    [device] = stnb.launch(_rank_device, num_processes=1, device="auto", distributed=False, echo=False)
+    assert device == "cpu" and stnb.last_launch().device == "cpu"
+    gpu_box([P100], archs=CU126_ARCHS)  # a build with sm_60 kernels: auto is the GPU
+    assert stnb.launch(_rank_device, num_processes=1, device="auto", distributed=False, echo=False) == ["cuda"]
+    assert box.driver_calls == []
+
+
+def test_st_docs_on_one_gpu_runs_its_single_row_on_the_gpu(gpu_box, tmp_path):
+    """bench --preset st-docs measures GPUs: on 1 GPU with device auto its single row runs there (dp / ddp /
+    fsdp are listed as not runnable, with the reason); it used to run everything on CPU ranks. The gpu-check's
+    st-docs row plans the same way."""
+    from stnb import bench
+    from stnb.gpucheck import checks, planning
+
+    box = gpu_box([H100])
+    items = bench.plan(bench.BenchOptions.from_preset("st-docs"))
+    single = [it for it in items if it.config.strategy == "single"]
+    assert single and all(it.config.device == "cuda" and it.unavailable is None for it in single)
+    ddp = [it for it in items if it.config.strategy == "ddp"]
+    assert ddp and all("needs at least 2" in (it.unavailable or "") for it in ddp)
+    [row] = [c for c in planning.plan(planning.detect()) if c.kind == "st_docs"]
+    opts = checks.st_docs_options(row, str(tmp_path))
+    planned = bench.plan(opts)
+    assert [(it.config.strategy, it.config.device, it.unavailable) for it in planned] == [("single", "cuda", None)]
+    assert box.driver_calls == []
+
+
+def test_plain_baseline_and_stnb_single_use_the_same_gpu(gpu_box, monkeypatch):
+    """The gpu-check's ratio: with CUDA_VISIBLE_DEVICES=3 the plain script used to be pinned to visible
+    ordinal 0 (physical GPU 0, an H100 here) while stnb.run(strategy='single') ran on physical GPU 3 (the
+    A100). Each environment is applied and the GPU it leaves visible is read back."""
+    from stnb.gpucheck import checks
+
+    box = gpu_box([H100, H100, H100, A100])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+
+    def seen_with(env):
+        with monkeypatch.context() as m:
+            m.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])
+            return [(g["name"], g["uuid"]) for g in hardware.gpus()]
+
+    stnb_gpu = seen_with(hardware.single_gpu_env())
+    assert stnb_gpu == [(A100[0], A100[2])]
+    assert seen_with(checks.plain_env("cuda")) == stnb_gpu
+    assert checks.plain_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert box.driver_calls == []
+
+
+def _fsdp2_scaler_step():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False)
+    fully_shard(lin, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what accelerate gives FSDP2 under fp16
+    before = lin.weight.to_local().clone()
+    scaler.scale(lin(torch.ones(2, 8)).sum()).backward()
+    if dist.get_rank() == 1:
+        lin.weight.grad.to_local()[0, 0] = float("inf")  # an overflow in rank 1's shard only
+    scaler.step(opt)
+    scaler.update()
+    return {"scale": scaler.get_scale(), "stepped": not torch.equal(before, lin.weight.to_local())}
+
+
+def test_fsdp2_grad_scaler_skips_an_overflow_on_every_rank():
+    """The T4 rows train FSDP2 in fp16: accelerate gives FSDP2 torch's plain GradScaler (not the
+    ShardedGradScaler). An inf in one rank's gradient shard must make every rank skip the step and halve
+    the same scale, or the shards would step apart and the next reduce-scatter would mix two scales."""
+    out = stnb.launch(_fsdp2_scaler_step, num_processes=2, device="cpu", echo=False)
+    assert out == [{"scale": 512.0, "stepped": False}] * 2
+
+
+def _sigterm_handler():
+    import signal
+
+    h = signal.getsignal(signal.SIGTERM)
+    return "default" if h == signal.SIG_DFL else repr(h)
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_rank_dies_of_sigterm_at_once(nproc):
+    """torch elastic installs a Python SIGTERM handler before it forks the ranks, and forked ranks
+    inherit it. A peer blocked in a CUDA / NCCL wait never returns to Python to run it, so when a rank
+    fails, elastic's SIGTERM does nothing and its SIGKILL comes 30 s later. In a rank SIGTERM must kill."""
+    assert stnb.launch(_sigterm_handler, num_processes=nproc, device="cpu", echo=False) == ["default"] * nproc
+
+
+def _raise_while_peer_blocked_in_c():
+    """Rank 1 raises; rank 0 waits in a C call that never returns to Python (a locked pthread mutex,
+    locked again: a futex wait retried on EINTR, like a CUDA / NCCL wait)."""
+    import ctypes
+    import time as _time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        _time.sleep(0.5)
+        raise ValueError("the real failure, on rank 1")
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # PTHREAD_MUTEX_INITIALIZER is all zeros
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+    return 0
+
+
+def test_peer_blocked_in_c_is_stopped_and_the_raise_is_named():
+    """torch elastic SIGTERMs the blocked peer, which now dies of it at once (see above): the error still
+    names the rank that raised, not the peer the launcher stopped."""
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.launch(_raise_while_peer_blocked_in_c, num_processes=2, device="cpu", stall_timeout=120,
+                    timeout=180, echo=False)
+    err = e.value
+    assert (err.rank, err.kind) == (1, "raised"), str(err)
+    assert str(err).startswith("rank 1 raised ValueError: the real failure, on rank 1")
+
+
+def _rank0_busy_then_barrier(how: str):
+    """Rank 0 evaluates / saves for 4 s (heartbeating: it is working); rank 1 waits for it."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    from stnb.launch import wait_for_all
+
+    if dist.get_rank() == 0:
+        for _ in range(40):
+            _time.sleep(0.1)
+            stnb.heartbeat()
+    try:
+        wait_for_all() if how == "wait_for_all" else dist.barrier()
+        return "arrived"
+    except Exception as e:  # noqa: BLE001 - what the wait raised is the result
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("how,arrives", [("barrier", False), ("wait_for_all", True)])
+def test_waiting_for_rank0s_save_outlives_the_collective_timeout(monkeypatch, how, arrives):
+    """NCCL ranks get a bounded collective timeout (peerfail.collective_timeout, 300 s), and rank 0's
+    evaluation and save after training are waited for in a barrier: a large model's save could make the
+    others' barrier abort after training finished. The bound is shortened to 1.5 s here (gloo ranks get
+    it too): a plain barrier is cut short, stnb's wait_for_all (what training uses) is not."""
+    import datetime
+
+    from stnb.launch import rank as rank_module
+
+    monkeypatch.setattr(rank_module, "collective_timeout", lambda stall: datetime.timedelta(seconds=1.5))
+    out = stnb.launch(_rank0_busy_then_barrier, how, num_processes=2, device="cpu", echo=False, stall_timeout=60)
+    assert (out[1] == "arrived") is arrives, out
+
+
+def _predicted_failures(machine, plan, tmp) -> list:
+    """Why a planned row that runs would fail on this (simulated) machine by construction, asked of the
+    code the row itself goes through: TrainConfig.validate, the launch's capacity check, the precision
+    check, bench's plan, and accelerate's DDP rule (more than one process)."""
+    from stnb import bench
+    from stnb.gpucheck import checks, planning
+
+    why = []
+    for c in plan:
+        if c.skip:
+            continue
+        p, name = c.params, c.name
+        try:
+            if c.kind in ("train", "ratio"):
+                checks.train_config(p).validate()
+            if c.kind == "train_direct":
+                why += [f"{name}: {x}" for x in hardware.gpu_problems(p["mixed_precision"])]
+            n = p.get("nproc") or p.get("num_processes") or 1
+            if c.kind in ("allreduce", "fault", "train_direct") and hardware.capacity_problem("cuda", n):
+                why.append(f"{name}: {hardware.capacity_problem('cuda', n)}")
+            if p.get("strategy") == "ddp" and n < 2:
+                why.append(f"{name}: accelerate does not wrap one process in DDP")
+            if c.kind == "st_docs":
+                items = bench.plan(checks.st_docs_options(c, tmp))
+                if [(it.config.device, it.unavailable) for it in items] != [("cuda", None)]:
+                    why.append(f"{name}: bench plans {[(it.name, it.config.device, it.unavailable) for it in items]}")
+            if c.kind == "hardware" and planning.unsupported(machine):
+                why.append(f"{name}: unsupported GPU")
+            if c.kind == "notebook" and not os.path.isfile(p["path"]):
+                why.append(f"{name}: no notebook at {p['path']}")
+        except ConfigError as e:
+            why.append(f"{name}: {e}")
+    return why
+
+
+@pytest.mark.parametrize("label,box", [("1x H100", [H100]), ("2x T4", [T4, T4]), ("1x T4", [T4])])
+def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, label, box, tmp_path, capsys):
+    """`make gpu-check` on 1x H100, Kaggle's 2x T4 and 1x T4: the plan (printed by `gpu-check --plan`)
+    lists the rows that will run, and none of them is bound to fail on that machine. docs/gpu.md's
+    table gives the same count of rows that run."""
+    from stnb.__main__ import main
+    from stnb.gpucheck import planning
+
+    sim = gpu_box(box)
+    machine = planning.detect()
+    plan = planning.plan(machine)
+    assert main(["gpu-check", "--plan"]) == 0
+    printed = capsys.readouterr().out
+    with capsys.disabled():
+        print(f"\n{printed}")
+    running = [c for c in plan if not c.skip]
+    assert running and all(c.name in printed for c in plan)
+    assert f"{len(running)} row(s) will run" in printed
+    assert _predicted_failures(machine, plan, str(tmp_path)) == []
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        [row] = [line for line in f if line.startswith(f"| {label} |")]
+    assert row.split("|")[2].strip().startswith(f"{len(running)}:"), row
+    if len(box) == 2:  # the T4 pair trains dp / ddp / fsdp in fp16
+        assert {"dp x2 fp16", "ddp x2 fp16", "fsdp x2 fp16"} <= {c.name for c in running}
+    assert sim.driver_calls == []
+
+
+# ---- the notebook's order: the GPU box first, then the imports -----------------------------------
+
+NOTEBOOK_ORDER = r"""
+import importlib, json, os, sys
+import torch   # a CUDA build of torch on a GPU machine, from here on; only then the rest is imported
+
+parent, calls = os.getpid(), []
+
+def driver(name, in_rank=None):
+    def call(*args, **kwargs):
+        if os.getpid() != parent:  # a forked CPU rank: a driver that sees no GPU
+            return in_rank
+        calls.append(name)
+        raise RuntimeError(f"simulated GPU box: {name} starts the CUDA driver in the notebook process")
+    return call
+
+torch.version.cuda = "12.8"
+torch._C._cuda_getArchFlags = lambda: "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+torch._C._cuda_getDeviceCount = driver("cudaGetDeviceCount", 0)
+torch._C._cuda_init = driver("cuInit")
+torch.cuda._lazy_init = driver("torch.cuda._lazy_init")
+# a binding a CUDA build's torch._C has, which torch._dynamo imports (by name) once torch looks CUDA-built
+torch._C._cuda_getCurrentRawStream = driver("cudaGetCurrentRawStream")
+torch.cuda._raw_device_count_nvml = lambda: 1
+torch.cuda._raw_device_uuid_nvml = lambda: ["GPU-h100"]
+
+steps = {}
+def step(name, fn):
+    try:
+        fn()
+        steps[name] = "ok"
+    except Exception as e:  # what failed, and where
+        steps[name] = f"{type(e).__name__}: {e}"[:400]
+
+step("import stnb", lambda: importlib.import_module("stnb"))
+import stnb
+step("stnb.setup()", stnb.setup)
+step("hardware_report", lambda: stnb.hardware_report().device == "cuda" or 1 / 0)
+for mod in ("sentence_transformers", "sentence_transformers.sentence_transformer.losses",
+            "sentence_transformers.sentence_transformer.evaluation", "transformers.trainer", "accelerate",
+            "stnb.widgets", "stnb.bench", "stnb.gpucheck"):
+    step(f"import {mod}", lambda mod=mod: importlib.import_module(mod))
+step("validate", lambda: stnb.TrainConfig(strategy="single", model="tiny", device="cuda",
+                                          mixed_precision="bf16").validate())
+step("gpu-check plan", lambda: stnb.gpucheck.plan(stnb.gpucheck.detect()))
+step("run on CPU ranks", lambda: stnb.run(strategy="single", device="cpu", model="tiny", steps=2,
+                                          warmup_steps_excluded=1, train_size=16, dev_size=4, evaluate=False,
+                                          per_device_batch_size=4, echo=False).verified or 1 / 0)
+print(json.dumps({"steps": steps, "driver_calls": calls}))
+"""
+
+
+def test_the_notebook_order_gpu_first_then_imports(tmp_path):
+    """The other tests here import the training stack before the machine looks like a GPU box, so a
+    CUDA call made while importing would go unseen. In a notebook the CUDA build is there first: a fresh
+    interpreter becomes the GPU box right after `import torch`, then imports stnb and the training stack,
+    sets up, plans and runs. Nothing may reach the driver, and every step must work."""
+    _fake_smi(str(tmp_path), [H100])
+    env = {**os.environ, "PYTHONPATH": ROOT, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    for var in ("CUDA_VISIBLE_DEVICES", "STNB_FORCE_CPU", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", NOTEBOOK_ORDER], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["driver_calls"] == []
+    assert {k: v for k, v in out["steps"].items() if v != "ok"} == {}

@@ -43,7 +43,7 @@ def test_plan_one_gpu():
                    "fsdp x1 nccl bf16", "fault: a rank raises (x1 nccl)", "fault: a rank is killed (x1 nccl)",
                    "fault: a rank stalls (x1 nccl)", "notebook 00", "plain sentence-transformers vs stnb single",
                    "bench st-docs single"]
-    assert not any(c.skip for c in ch), "an H100 can run every 1-GPU check"
+    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16"], "an H100 runs every other 1-GPU check"
     by = {c.name: c for c in ch}
     assert by["single fp16"].params["mixed_precision"] == "fp16" and by["single fp16"].params["strategy"] == "single"
     # 1 rank of ddp / fsdp: through the direct path (TrainConfig refuses them for users)
@@ -69,10 +69,51 @@ def test_plan_gpu_without_bf16():
     ch = gpucheck.plan(Machine(gpus=gpus(T4, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
     by = {c.name: c for c in ch}
     assert "compute capability >= 8.0" in by["single bf16"].skip and "Tesla T4 has 7.5" in by["single bf16"].skip
-    assert by["ddp x2 no hook bf16"].skip and not by["ddp x2 no hook fp16"].skip
-    assert by["single no"].params["mixed_precision"] == "no"  # the speed-up base of the fp32 rows
+    # fp16 is the T4's only fast precision: every multi-GPU row trains in it (dp's autocast, FSDP2's fp16
+    # policy and the GradScaler), against the single fp16 row
+    for row in ("dp x2 fp16", "ddp x2 fp16", "fsdp x2 fp16", "ddp x2 fp16 hook fp16",
+                "ddp x2 fp16 hook embedding_rows", "fsdp x1 nccl fp16"):
+        assert by[row].params["mixed_precision"] == "fp16" and not by[row].skip, row
+    assert by["ddp x2 fp16 hook bf16"].skip
+    assert not [c.name for c in ch if c.params.get("mixed_precision") == "no"]
+    assert by["single fp16"].params["mixed_precision"] == "fp16"  # the speed-up base of those rows
     assert by["plain sentence-transformers vs stnb single"].params["mixed_precision"] == "fp16"
-    assert not any(c.skip for c in ch if "bf16" not in c.name)
+    assert not any(c.skip for c in ch if "bf16" not in c.name and "x1" not in c.name)
+
+
+def _accelerate_wraps_in_ddp(num_processes: int) -> bool:
+    """accelerate's own decision for a rank on CUDA GPUs (distributed type MULTI_GPU), asked of its
+    properties: Accelerator.prepare_model wraps in DDP when ``multi_device``, which needs
+    ``use_distributed``, which needs num_processes > 1. (On CPU, MULTI_CPU wraps unconditionally:
+    that is why a 1-rank ddp passes on gloo ranks.)"""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, num_processes=num_processes)
+    acc = SimpleNamespace(use_distributed=PartialState.use_distributed.fget(state),
+                          distributed_type=DistributedType.MULTI_GPU)
+    return Accelerator.multi_device.fget(acc)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_every_ddp_row_planned_is_one_accelerate_wraps(n):
+    """A ddp row that runs expects DistributedDataParallel (strategies.verify); with one NCCL rank
+    accelerate never wraps, so such a row would fail by construction: it is not run, and says why."""
+    assert _accelerate_wraps_in_ddp(2) and not _accelerate_wraps_in_ddp(1)
+    ch = gpucheck.plan(Machine(gpus=gpus(H100, n), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    ddp = [c for c in ch if c.params.get("strategy") == "ddp"]
+    assert ddp
+    for c in ddp:
+        ranks = c.params.get("num_processes") or 1
+        if c.skip is None:
+            assert _accelerate_wraps_in_ddp(ranks), f"{c.name}: accelerate would not wrap {ranks} rank(s) in DDP"
+        else:
+            assert ranks == 1 and "more than one process" in c.skip
+    one = {c.name: c for c in ch}["fsdp x1 nccl bf16"]
+    assert one.skip is None  # stnb shards FSDP2 itself: one rank of it is a real FSDP module
 
 
 def test_plan_gpu_the_torch_build_cannot_run():
@@ -224,4 +265,10 @@ def test_ratio_check_runs_the_plain_script_and_stnb_on_cpu():
     out = checks.RUNNERS["ratio"](gpucheck.Check("ratio", "ratio", dict(p, strategy="single")), Machine())
     assert out.status == "passed", out.error
     m = out.metrics
-    assert m["ratio"] == pytest.approx(m["stnb_runs"][0] / m["plain_runs"][0]) and m["plain_runs"][0] > 0
+    assert m["plain_runs"][0] > 0 and m["stnb_runs"][0] > 0
+    # like with like: both trainers logged (read the loss of) every step, as stnb's recipe does
+    assert m["logged_steps"] == {"plain": [p["steps"]], "stnb": [p["steps"]]}
+    # the ratio is of median step times over the measured steps, not of one run's mean
+    assert m["measured_steps"] == {"plain": p["steps"] - p["warmup_steps_excluded"]} | {
+        "stnb": p["steps"] - p["warmup_steps_excluded"]}
+    assert m["ratio"] == pytest.approx(m["samples_per_second"] / m["plain_samples_per_second"])

@@ -157,6 +157,15 @@ def test_peak_table_lookup():
         mfu.table_peak("NVIDIA L4", "int8")
 
 
+def test_peak_of_an_h200_nvl_and_of_a_mig_slice():
+    """The H200 NVL (PCIe card, lower clocks) is not the H200 SXM; a MIG slice has a fraction of its GPU's
+    SMs, so the datasheet of the whole GPU would understate its MFU: it is measured instead."""
+    assert mfu.known_gpu("NVIDIA H200 NVL") == "H200 NVL"
+    assert mfu.table_peak("NVIDIA H200 NVL", "bf16") < mfu.table_peak("NVIDIA H200", "bf16")
+    for name in ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA A100-SXM4-40GB MIG 3g.20gb"):
+        assert mfu.known_gpu(name) is None and mfu.table_peak(name, "bf16") is None, name
+
+
 def test_summarize_mfu_from_rank_results():
     peak = {"gpu": "NVIDIA L4", "precision": "bf16", "flops_per_s": 121e12, "source": "datasheet"}
     ranks = [{"train_flops": [9e12, 1e12, 2e12], "train_tokens": [10, 20, 30], "peak": peak},

@@ -33,6 +33,9 @@ PRESETS = {
                     steps=60, warmup=5, repeats=3, sweep_repeats=1, train_size=5749),
 }
 
+#: presets that measure GPUs: with device 'auto' they run on the GPU(s) even where DDP cannot (1 GPU)
+GPU_PRESETS = ("st-docs",)
+
 ST_DOCS_NOTE = (f"sentence-transformers docs, 'Distributed Training' comparison: {reference.MODEL}, "
                 f"max_seq_length {reference.MAX_SEQ_LENGTH}, {reference.PER_DEVICE_BATCH_SIZE} per device, "
                 "single / DP / DDP (FSDP added here); they trained "
@@ -54,7 +57,7 @@ def check_preset(name: str, device: str = "auto") -> None:
     """
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(map(repr, PRESETS))}")
-    if name != "st-docs" or device == "cpu":
+    if name not in GPU_PRESETS or device == "cpu":
         return
     from ..hardware import gpu_count
 
@@ -122,11 +125,14 @@ class BenchOptions:
 def bench_device(opts: BenchOptions) -> tuple:
     """(device, note): the device the bench runs on. With device 'auto' and a single GPU, DDP/FSDP
     (2 ranks, one per GPU) cannot run there, so the comparisons run on CPU ranks, as the notebooks do;
-    the note says so. device='cuda' runs what the GPUs allow and marks the rest not runnable."""
+    the note says so. device='cuda' runs what the GPUs allow and marks the rest not runnable, and so
+    does a preset that measures GPUs (``GPU_PRESETS``: 'st-docs') with device 'auto'."""
     from ..hardware import default_device, device_for_ranks, gpu_count
 
     if opts.device != "auto":
         return opts.device, ""
+    if opts.preset in GPU_PRESETS:  # it measures GPUs: on 1 GPU the single row, the rest not runnable
+        return default_device(), ""
     device = device_for_ranks(2)
     if device != default_device():
         return device, (f"{gpu_count()} GPU: DDP/FSDP need 2 ranks (one per GPU), so the bench compares on "

@@ -4,12 +4,12 @@ PLAN (``planning.plan``, a pure function of the machine) -> RUN (``checks.run_al
 (``report.build``: JSON + a short table). Without a GPU it says why, runs nothing, marks nothing
 passed and exits 0. Otherwise the exit status is 1 when any planned check failed.
 
-1 GPU: hardware report, an NCCL all_reduce, ``single`` in bf16 and fp16, ``ddp`` and ``fsdp`` with one
-NCCL rank each, the launch fault matrix on NCCL ranks (a rank raises / is SIGKILLed / stalls in a
+1 GPU: hardware report, an NCCL all_reduce, ``single`` in bf16 and fp16, ``fsdp`` with one NCCL rank
+(``ddp`` with one rank is listed as not run: accelerate wraps DDP only with 2+ processes), the launch fault matrix on NCCL ranks (a rank raises / is SIGKILLed / stalls in a
 collective: the error arrives in seconds and no process is left), notebook 00's cells, plain
 sentence-transformers vs ``stnb.run(strategy="single")`` (goal stnb >= 0.98 of plain) and the
 ``bench --preset st-docs`` single-GPU row. 2+ GPUs add ``dp``, ``ddp``/``fsdp`` over every GPU, the
-fp16 / bf16 / embedding_rows comm hooks and the speed-up table. Under 8 minutes on one GPU.
+fp16 / bf16 / embedding_rows comm hooks and the speed-up table, in bf16 (fp16 on GPUs without bf16: T4). Under 8 minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import sys
 import time
 
 from .planning import BUDGET_S, Check, Machine, detect, plan
-from .report import Outcome, build, exit_code, table, write
+from .report import Outcome, build, exit_code, plan_table, table, write
 
-__all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_check", "plan", "table", "write"]
+__all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_check", "plan", "plan_table", "table",
+           "write"]
 
 DEFAULT_REPORT = os.path.join("artifacts", "gpu-check", "report.json")
 
@@ -53,10 +54,16 @@ def add_cli(subparsers) -> None:
     p.add_argument("--report", default=DEFAULT_REPORT, help=f"JSON report path (default {DEFAULT_REPORT})")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds after which no further check starts (those fail as not started)")
+    p.add_argument("--plan", action="store_true", help="print the rows this machine would run (and why any would "
+                   "not), run nothing")
     p.set_defaults(func=cmd_gpu_check)
 
 
 def cmd_gpu_check(a) -> int:
+    if a.plan:
+        machine = detect()
+        print(plan_table(machine, plan(machine)))
+        return 0
     rep = gpu_check(a.report, a.budget)
     print(table(rep))
     print(f"report: {rep['report_path']}")

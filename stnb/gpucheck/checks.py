@@ -64,7 +64,8 @@ def _judge_training(res, check) -> list:
     return problems
 
 
-def _config(params: dict):
+def train_config(params: dict):
+    """The TrainConfig a training row runs (device cuda unless the row says otherwise)."""
     from ..config import TrainConfig
 
     keep = {k: v for k, v in params.items() if k not in ("goal", "repeats")}
@@ -111,7 +112,7 @@ def check_allreduce(check, machine) -> Outcome:
 def check_train(check, machine) -> Outcome:
     from ..runner import run
 
-    cfg = _config(check.params)
+    cfg = train_config(check.params)
     res = run(cfg, echo=False)
     problems = _judge_training(res, check)
     gpus = check.gpus
@@ -121,16 +122,17 @@ def check_train(check, machine) -> Outcome:
 
 
 def check_train_direct(check, machine) -> Outcome:
-    """ddp / fsdp with ONE NCCL rank. TrainConfig.validate refuses both for users (a 1-rank fsdp
-    "shards nothing"; stnb.hardware lists ddp/fsdp as needing 2 ranks), so this runs what stnb.run
-    would run after validation: stnb.launch(training.train_rank, ...) on 1 GPU with a process group,
-    then results.merge. It exercises NCCL init, the DDP / FSDP2 wrapping and the trainer on CUDA."""
+    """fsdp with ONE NCCL rank. TrainConfig.validate refuses it for users (a 1-rank fsdp "shards
+    nothing"; stnb.hardware lists ddp/fsdp as needing 2 ranks), so this runs what stnb.run would run
+    after validation: stnb.launch(training.train_rank, ...) on 1 GPU with a process group, then
+    results.merge. It exercises NCCL init, FSDP2's sharding and the trainer on CUDA. (The plan does
+    not run 1-rank ddp: planning.ONE_RANK_DDP.)"""
     from ..launch import launch
     from ..models import resolve_model
     from ..results import merge
     from ..training import train_rank
 
-    cfg = _config(check.params)
+    cfg = train_config(check.params)
     t0 = time.time()
     parts = launch(train_rank, cfg, resolve_model(cfg.model), t0, num_processes=1, device=cfg.device,
                    timeout=cfg.timeout, stall_timeout=cfg.stall_timeout, echo=False, distributed=True)
@@ -231,14 +233,27 @@ def check_notebook(check, machine) -> Outcome:
                    error="; ".join(f"{e['ename']}: {e['evalue']}" for e in errors))
 
 
-def _plain_run(p: dict, model_path: str, gpu_index: int) -> float:
+def plain_env(device: str) -> dict:
+    """The plain script's environment: pinned to the GPU stnb.run(strategy='single') uses
+    (``hardware.single_gpu_env``: the first entry of CUDA_VISIBLE_DEVICES as the user wrote it, not
+    the renumbered visible ordinal, which names another GPU when CUDA_VISIBLE_DEVICES=3)."""
+    from ..hardware import single_gpu_env
+
+    pin = single_gpu_env() if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
+
+
+def _plain_run(p: dict, model_path: str) -> dict:
+    """One run of the plain script (logging as often as stnb's recipe); its JSON line."""
+    from ..recipe import LOGGING_STEPS
+
     device = p.get("device", "cuda")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu_index) if device == "cuda" else "",
-               TOKENIZERS_PARALLELISM="false")
+    env = plain_env(device)
     cmd = [sys.executable, "-m", "stnb.gpucheck.plain", "--model", model_path, "--batch-size",
            str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
-           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"])]
+           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
+           "--logging-steps", str(LOGGING_STEPS)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if out.returncode != 0:
@@ -246,38 +261,62 @@ def _plain_run(p: dict, model_path: str, gpu_index: int) -> float:
     data = json.loads(out.stdout.strip().splitlines()[-1])
     if data["device"] != device:
         raise RuntimeError(f"the plain script ran on {data['device']}, not {device}")
-    return data["samples_per_second"]
+    return data
 
 
 def check_ratio(check, machine) -> Outcome:
-    """Plain sentence-transformers and stnb.run(strategy='single'), same model, data, batch and
-    precision, interleaved (plain, stnb, stnb, plain, ...); ratio of the medians."""
+    """Plain sentence-transformers and stnb.run(strategy='single'), same model, data, batch, precision
+    and logging (every step, as stnb's recipe logs), interleaved (plain, stnb, stnb, plain, ...). The
+    ratio is that of the median step times, pooled over the measured steps of every repeat (a median
+    is not moved by the odd slow step: a collection, a first-time kernel)."""
     from ..models import resolve_model
     from ..runner import run
 
     p = check.params
-    cfg = _config(p)
+    cfg = train_config(p)
     model_path = resolve_model(cfg.model)
-    plain, ours, last = [], [], None
+    warm = p["warmup_steps_excluded"]
+    plain, ours, plain_steps, our_steps, logged, last = [], [], [], [], {"plain": [], "stnb": []}, None
     for i in range(p["repeats"]):
         order = ("plain", "stnb") if i % 2 == 0 else ("stnb", "plain")
         for who in order:
             if who == "plain":
-                plain.append(_plain_run(p, model_path, machine.gpus[0]["index"] if machine.gpus else 0))
+                data = _plain_run(p, model_path)
+                plain.append(data["samples_per_second"])
+                plain_steps += data["step_times"]
+                logged["plain"].append(data["logged_steps"])
             else:
                 last = run(cfg, echo=False)
                 problems = _judge_training(last, check)
                 if problems:
                     return Outcome(check.name, check.kind, "failed", error="stnb run: " + "; ".join(problems))
                 ours.append(last.samples_per_second)
-    ratio = statistics.median(ours) / statistics.median(plain)
-    metrics = dict(_result_metrics(last, 1), samples_per_second=statistics.median(ours), ratio=ratio,
-                   plain_samples_per_second=statistics.median(plain), stnb_runs=ours, plain_runs=plain)
+                our_steps += last.step_times[warm:]
+                logged["stnb"].append(len(last.losses))
+    batch = p["per_device_batch_size"]
+    plain_sps, our_sps = batch / statistics.median(plain_steps), batch / statistics.median(our_steps)
+    ratio = our_sps / plain_sps
+    metrics = dict(_result_metrics(last, 1), samples_per_second=our_sps, ratio=ratio,
+                   plain_samples_per_second=plain_sps, stnb_runs=ours, plain_runs=plain,
+                   measured_steps={"plain": len(plain_steps), "stnb": len(our_steps)}, logged_steps=logged)
     ok = ratio >= p["goal"]
     return Outcome(check.name, check.kind, "passed" if ok else "failed", metrics=metrics,
-                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; medians of {p['repeats']}: "
-                          f"{statistics.median(ours):.1f} vs {statistics.median(plain):.1f} samples/s)",
+                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; median step of {len(our_steps)} / "
+                          f"{len(plain_steps)} measured steps: {our_sps:.1f} vs {plain_sps:.1f} samples/s)",
                    error="" if ok else f"stnb / plain = {ratio:.3f} < {p['goal']}")
+
+
+def st_docs_options(check, folder: str):
+    """The bench options of the st-docs row: its single row, on the check's device (never 'auto': on
+    one GPU, bench's 'auto' compares on CPU ranks), results kept in ``folder``."""
+    from .. import bench
+
+    opts = bench.BenchOptions.from_preset("st-docs", strategies=("single",), steps=check.params["steps"],
+                                          warmup=check.params["warmup"], device=_dev(check),
+                                          results=os.path.join(folder, "r.jsonl"),
+                                          report=os.path.join(folder, "r.html"))
+    opts.echo = False
+    return opts
 
 
 def check_st_docs(check, machine) -> Outcome:
@@ -286,11 +325,7 @@ def check_st_docs(check, machine) -> Outcome:
     from ..results import RunResult, load_results
 
     with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-st-docs-") as tmp:
-        opts = bench.BenchOptions.from_preset("st-docs", strategies=("single",), steps=check.params["steps"],
-                                              warmup=check.params["warmup"], results=os.path.join(tmp, "r.jsonl"),
-                                              report=os.path.join(tmp, "r.html"))
-        opts.echo = False
-        rep = bench.bench(opts)
+        rep = bench.bench(st_docs_options(check, tmp))
         rows = [RunResult.from_dict(r) for r in load_results(rep.results_path, as_frame=False)]
     if len(rows) != 1:
         return Outcome(check.name, check.kind, "failed", error=f"{len(rows)} result rows, expected 1")

@@ -4,9 +4,12 @@
         --max-seq-length 128 --mixed-precision bf16 --train-size 2000 --seed 42
 
 What a user writes without stnb: SentenceTransformer + CosineSimilarityLoss +
-SentenceTransformerTrainer, default logging. Only the data comes from stnb (the same synthetic
-pairs stnb.run trains on). Samples/s is timed like stnb's RunResult: batch x measured steps over
-the time from the end of the last warm-up step to the end of the last step. Prints one JSON line.
+SentenceTransformerTrainer. Only the data comes from stnb (the same synthetic pairs stnb.run trains
+on). ``--logging-steps`` (the trainer's default: 500) is given stnb's own (``recipe.LOGGING_STEPS``,
+every step) by the gpu-check, so both pay the same per-step loss read and logging path. Each step is
+timed like stnb's RunResult (from the end of the step before to the end of this one); samples/s is
+batch x measured steps over the time from the end of the last warm-up step to the end of the last
+step. Prints one JSON line: samples_per_second, step_times (the measured steps), logged_steps.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--dev-size", type=int, default=64, help="as stnb.run's config: the same split of the same pairs")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--logging-steps", type=int, default=500, help="the trainer's default unless given")
     a = p.parse_args(argv)
 
     import torch
@@ -55,13 +59,16 @@ def main(argv=None) -> int:
         output_dir=tempfile.mkdtemp(prefix="stnb-plain-"), per_device_train_batch_size=a.batch_size,
         max_steps=a.steps, learning_rate=a.lr, seed=a.seed, report_to="none", save_strategy="no",
         disable_tqdm=True, bf16=a.mixed_precision == "bf16", fp16=a.mixed_precision == "fp16",
-        use_cpu=device == "cpu")
+        use_cpu=device == "cpu", logging_steps=a.logging_steps)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
                                          loss=CosineSimilarityLoss(model), callbacks=[StepClock()])
     trainer.train()
     measured = len(ends) - a.warmup
     span = ends[-1] - ends[a.warmup - 1] if measured > 0 and a.warmup >= 1 else None
+    step_times = [b - e for e, b in zip(ends[a.warmup - 1:], ends[a.warmup:])] if a.warmup >= 1 else []
+    logged = sum(1 for entry in trainer.state.log_history if "loss" in entry)
     print(json.dumps({"samples_per_second": a.batch_size * measured / span if span else None, "steps": len(ends),
+                      "step_times": step_times, "logged_steps": logged, "logging_steps": args.logging_steps,
                       "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}))
     return 0
 

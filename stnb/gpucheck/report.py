@@ -115,6 +115,22 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plan_table(machine, checks: list) -> str:
+    """The plan, before anything runs: each row that will run (with its GPUs and precision) and each
+    row that will not, with the reason (``python -m stnb gpu-check --plan``)."""
+    gpus = ", ".join(g["name"] for g in machine.gpus) or "none"
+    lines = [f"stnb gpu-check plan: GPUs: {gpus} (torch CUDA {machine.torch_cuda or 'none: CPU-only build'})"]
+    if not checks:
+        lines.append(f"nothing to run: {machine.no_gpu_reason or 'no GPU'}")
+    for c in checks:
+        precision = c.params.get("mixed_precision", "")
+        lines.append(f"{c.name[:45]:<46}{'not run' if c.skip else 'runs':<9}{c.gpus:>2} GPU  {precision:<5}"
+                     + (f"  {c.skip}" if c.skip else ""))
+    run = sum(1 for c in checks if not c.skip)
+    lines.append(f"{run} row(s) will run, {len(checks) - run} will not (each with its reason)")
+    return "\n".join(lines)
+
+
 def write(report: dict, path) -> str:
     """Write the report as JSON, atomically; returns the path."""
     from ..files import write_atomic

@@ -46,8 +46,9 @@ from __future__ import annotations
 from .channel import RankState
 from .forksafe import check_fork_safe
 from .launcher import LaunchInfo, free_port, last_launch, launch
+from .peerfail import wait_for_all
 from .rank import RankContext, heartbeat, rank_context, report_progress
 from .supervise import child_subreaper
 
-__all__ = ["launch", "heartbeat", "report_progress", "rank_context", "last_launch", "free_port",
+__all__ = ["launch", "wait_for_all", "heartbeat", "report_progress", "rank_context", "last_launch", "free_port",
            "check_fork_safe", "child_subreaper", "LaunchInfo", "RankContext", "RankState"]

@@ -141,18 +141,38 @@ def _silent_ranks(ev: Evidence) -> dict:
     peer", SignalException)."""
     wd, ch, first, codes = ev.watchdog, ev.ch, ev.first, ev.outcome.exit_codes
     returned = wd.returned_at or time.time()
+    stopped = _stopped_peers(wd.ended, first, ev.nproc)
     silent = {r: code for r, (t, code) in wd.ended.items()
-              if t <= returned and (first is None or t <= first["time"] + 1.0) and ch.is_silent(r)}
+              if t <= returned and (first is None or t <= first["time"] + 1.0) and ch.is_silent(r)
+              and r not in stopped}
     for r, code in codes.items():
         # (a rank killed by a signal after another rank's own error is a consequence: NCCL's watchdog
         # aborts the process of a peer left waiting)
-        if code not in (0, None) and ch.is_silent(r) and (r in silent or first is None
+        if code not in (0, None) and ch.is_silent(r) and r not in stopped and (r in silent or first is None
                                                           or (code < 0 and is_secondary(first))):
             silent[r] = code if silent.get(r) is None else silent[r]
     if first is not None and not silent and is_secondary(first):
         # the rank that raised says its peer went away; the peer that left no trace is the cause
-        silent = {r: codes.get(r) for r in range(ev.nproc) if ch.is_silent(r) and ch.started(r)}
+        silent = {r: codes.get(r) for r in range(ev.nproc) if ch.is_silent(r) and ch.started(r)
+                  and r not in stopped}
     return silent
+
+
+def _stopped_peers(ended: dict, first: dict | None, nproc: int) -> set:
+    """Local ranks torch elastic stopped: ended by SIGTERM (or with no exit code read) once the failing
+    rank had ended (the rank that recorded ``first``, else the first rank to end), or not seen to end
+    at all before the launcher returned (still running when the failing rank ended). A rank's SIGTERM
+    is the default action (``rank.rank_main``), so it leaves no record; such a rank is not a cause."""
+    stopping = (None, -signal.SIGTERM)
+    if first is not None:
+        failed = first.get("local_rank")
+    else:  # the first to end; on a tie, the one not ended by SIGTERM
+        failed = min(ended, key=lambda r: (ended[r][0], ended[r][1] in stopping), default=None)
+    if failed not in ended:
+        return set()
+    t0 = ended[failed][0]
+    unseen = {r for r in range(nproc) if r not in ended}
+    return unseen | {r for r, (t, code) in ended.items() if r != failed and code in stopping and t >= t0}
 
 
 def ended_silently(ev: Evidence):

@@ -164,7 +164,7 @@ def port_in_use(host: str, port: int) -> bool:
 def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes, node_rank,
                     master_addr, master_port) -> str:
     """Refuse bad arguments before anything starts; return the device ('cpu' or 'cuda') to use."""
-    from ..hardware import capacity_problem, gpu_count
+    from ..hardware import capacity_problem, default_device
 
     if not callable(fn):
         raise ConfigError(f"launch needs a callable as its first argument, got {type(fn).__name__}")
@@ -181,8 +181,8 @@ def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_p
         raise ConfigError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
     if not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
         raise ConfigError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
-    if device == "auto":
-        device = "cuda" if gpu_count() else "cpu"
+    if device == "auto":  # what hardware_report() says: a GPU this torch build has no kernels for is not one
+        device = default_device()
     problem = capacity_problem(device, num_processes)
     if problem:
         raise ConfigError(problem)

@@ -7,14 +7,17 @@ consequence alone points at the ranks that never joined the collective.
 
 NCCL process groups get settings that make a peer *fail* instead of hanging for NCCL's default 10
 minutes: asynchronous error handling (the watchdog aborts the communicator and ends the process) and
-a bounded collective timeout.
+a bounded collective timeout (gloo groups get the same bound). Waiting for rank 0's evaluation and
+save is not such a collective: ``wait_for_all`` waits on a gloo group of its own, made when the rank
+joins (``open_wait_group``), which that bound does not cut short.
 """
 
 from __future__ import annotations
 
 import datetime
 
-__all__ = ["SECONDARY_MESSAGES", "is_secondary", "origin", "nccl_env", "collective_timeout"]
+__all__ = ["SECONDARY_MESSAGES", "is_secondary", "origin", "nccl_env", "collective_timeout", "open_wait_group",
+           "wait_for_all"]
 
 #: what a collective raises in a rank whose peer died, hung or aborted (gloo, then NCCL / c10d)
 SECONDARY_MESSAGES = (
@@ -28,6 +31,11 @@ SECONDARY_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 #: NCCL collectives wait at most this long (or twice the stall timeout, if longer): rank 0 may
 #: evaluate or save while the others wait in a barrier; the stall watchdog catches real hangs sooner
 MIN_COLLECTIVE_TIMEOUT_S = 300.0
+#: how long ranks wait for each other in ``wait_for_all`` (rank 0 evaluating / saving a large model);
+#: a real hang is ended sooner by the stall watchdog (no rank moves) or the launch's timeout
+WAIT_TIMEOUT_S = 24 * 3600.0
+
+_WAIT_GROUP = None  # set in a rank by open_wait_group
 
 
 def is_secondary(record: dict) -> bool:
@@ -57,3 +65,20 @@ def collective_timeout(stall_timeout: float | None) -> datetime.timedelta:
     """The process-group timeout for NCCL ranks."""
     seconds = max(MIN_COLLECTIVE_TIMEOUT_S, 2 * stall_timeout) if stall_timeout else 600.0
     return datetime.timedelta(seconds=seconds)
+
+
+def open_wait_group() -> None:
+    """In every rank, right after ``init_process_group``: the gloo group ``wait_for_all`` waits on."""
+    global _WAIT_GROUP
+    import torch.distributed as dist
+
+    _WAIT_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=WAIT_TIMEOUT_S))
+
+
+def wait_for_all() -> None:
+    """Every rank waits here until all have arrived, however long rank 0 takes to evaluate or save: on
+    the wait group (a barrier on the default group is a collective, which the collective timeout,
+    300 s, would abort after training finished). Outside stnb.launch: a barrier on the default group."""
+    import torch.distributed as dist
+
+    dist.barrier(group=_WAIT_GROUP)

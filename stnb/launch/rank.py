@@ -27,7 +27,7 @@ from .byvalue import result_bytes, unpack
 from .channel import DONE, FAILED, Channel
 from .detach import detach_from_kernel
 from .output import redirect_output
-from .peerfail import collective_timeout, nccl_env
+from .peerfail import collective_timeout, nccl_env, open_wait_group
 
 _CTX: "RankContext | None" = None  # set inside a rank
 _LAUNCHER_TOKEN: "str | None" = None  # made in the launching process; a forked rank inherits it
@@ -119,6 +119,10 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", str(local_rank)))
     ch.check_in(local_rank)
+    # a forked rank inherits torch elastic's Python SIGTERM handler (installed in the launching process
+    # before it forks); a rank blocked in a CUDA / NCCL wait never returns to Python to run it, so when a
+    # peer fails, elastic's SIGTERM would do nothing and its SIGKILL comes 30 s later. SIGTERM kills.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(opts.env)
     redirect_output(ch.path("log", local_rank))
     stack_file = open(ch.path("stack", local_rank), "w")
@@ -192,13 +196,12 @@ def _join_world(opts: RankOptions, rank: int, local_rank: int) -> None:
 
     from ..checks import observe_world, world_problems
 
-    kw = {}
     if opts.backend == "nccl":  # a peer that fails ends NCCL collectives instead of hanging them
         os.environ.update(nccl_env())
-        kw["timeout"] = collective_timeout(opts.stall_timeout)
     if opts.device == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=opts.backend, **kw)
+    dist.init_process_group(backend=opts.backend, timeout=collective_timeout(opts.stall_timeout))
+    open_wait_group()  # waiting for rank 0's evaluation / save is not bounded by that timeout
     # the world the caller asked for (opts, not the environment the group was built from)
     # against the processes that answer in the group
     problems = world_problems(opts.world_size, observe_world())
