@@ -349,3 +349,34 @@ def _first(*values):
 def _check_count(name, value, lo):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def stage_table(results):
+    """Each run's model state per rank, measured from its tensors, as a fraction of the whole model's,
+    beside the fraction its strategy predicts (``Strategy.held``): the ZeRO stages side by side.
+
+    ``results``: RunResults (or their dicts) of the same model. Returns a DataFrame, one row per run and
+    part (params, grads, optimizer_state): strategy, world_size, part, measured_fraction (the largest
+    rank's bytes over the whole part's, from the run's own model shape), predicted_fraction, measured_mib.
+    """
+    import pandas as pd
+
+    rows = []
+    for res in results:
+        r = _as_dict(res)
+        shape = (r.get("verification") or {}).get("model_shape")
+        breakdown = [b for b in (r.get("memory_breakdown") or []) if b]
+        if not shape or not breakdown:
+            raise ConfigError(f"run {r.get('strategy')!r} has no memory measurement (status {r.get('status', 'ok')!r})")
+        s = strategies.get(r["strategy"])
+        ws = int(r.get("world_size") or 1)
+        whole = predict(strategies.baseline_name(), int(shape["param_count"]), 1, int(shape["trainable_param_count"]),
+                        bytes_per_param=int(shape.get("bytes_per_param") or 4),
+                        optimizer=optimizer_kind(shape.get("optimizer") or "adamw"))
+        held = s.held(ws)
+        for part in ("params", "grads", "optimizer_state"):
+            biggest = max(b.get(part, 0) for b in breakdown)
+            rows.append({"strategy": r["strategy"], "world_size": ws, "part": part,
+                         "measured_fraction": biggest / whole[part] if whole[part] else None,
+                         "predicted_fraction": held[part], "measured_mib": biggest / 2**20})
+    return pd.DataFrame(rows)

@@ -146,3 +146,17 @@ def test_a_strategy_without_its_verification_cannot_register():
     with pytest.raises(TypeError, match="does not implement its verification .*check_ranks"):
         strategies.register(Unverified)
     assert "unverified" not in strategies.names()
+
+
+def test_stage_table_puts_measured_fractions_beside_the_predicted_ones(runs):
+    t = stnb.memory.stage_table(list(runs.values()))
+    got = {(r.strategy, r.part): (r.measured_fraction, r.predicted_fraction) for r in t.itertuples()}
+    assert got[("ddp", "optimizer_state")][0] == pytest.approx(1.0, abs=0.01)
+    assert got[("fsdp", "params")][1] == 0.5 and got[("fsdp", "params")][0] == pytest.approx(0.5, abs=0.01)
+    assert got[("zero2", "grads")][0] == pytest.approx(0.5, abs=0.01)
+    # ZeRO-1 partitions whole tensors: the largest rank holds at most 1/N plus the largest tensor's share
+    shape = runs["zero1"].verification["model_shape"]
+    largest = max(v["largest_param_numel"] for v in runs["zero1"].verification["ranks"])
+    measured, predicted = got[("zero1", "optimizer_state")]
+    assert predicted == 0.5 and measured <= predicted + largest / shape["trainable_param_count"] + 0.01
+    assert got[("zero1", "params")][0] == pytest.approx(1.0, abs=0.01)

@@ -132,6 +132,7 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     if opts.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # a strategy may need accelerate off CPU mode (deepspeed)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, when installed, would probe for a GPU and warn
     import torch
 
     if opts.device == "cpu":
