@@ -66,12 +66,14 @@ def check_trainer(trainer, name: str = "build") -> None:
     if kind is None:
         hint = (" (it returned the result of trainer.train(): return the trainer itself and let stnb train it)"
                 if type(trainer).__name__ == "TrainOutput" else "")
-        model = getattr(trainer, "model", None)
-        fits = model_types.of_model(model) if model is not None else None
-        ending = fits.example if fits is not None else " or ".join(f"`return {t.trainer}(...)`"
-                                                                     for t in model_types.TYPES[:2])
+        # a model returned instead of its trainer, or a trainer of the wrong family holding a known model
+        fits = model_types.of_model(trainer) or model_types.of_model(getattr(trainer, "model", None))
+        if fits is not None:
+            raise BuildError(f"your build function {name}() returned {type(trainer).__name__}, not a {fits.trainer}"
+                             f"{hint}; end it with `{fits.example}`")
         raise BuildError(f"your build function {name}() returned {type(trainer).__name__}{hint}; stnb trains the "
-                         f"sentence-transformers trainers {model_types.known_trainers()}; end it with {ending}")
+                         f"sentence-transformers trainers {model_types.known_trainers()}; end it with "
+                         + " or ".join(f"`return {t.trainer}(...)`" for t in model_types.TYPES))
     if getattr(trainer, "model_init", None) is not None:
         raise BuildError(f"{name}() returned a trainer with model_init: the trainer would build a new model in "
                          "train(), after stnb applied the strategy to this one; pass model=... instead")
