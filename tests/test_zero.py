@@ -160,3 +160,24 @@ def test_stage_table_puts_measured_fractions_beside_the_predicted_ones(runs):
     measured, predicted = got[("zero1", "optimizer_state")]
     assert predicted == 0.5 and measured <= predicted + largest / shape["trainable_param_count"] + 0.01
     assert got[("zero1", "params")][0] == pytest.approx(1.0, abs=0.01)
+
+
+def test_no_module_outside_strategies_compares_a_strategy_name():
+    """Everything asks the registry: a comparison against a strategy's name (``strategy == "ddp"``,
+    ``s in ("ddp", "fsdp")``) outside stnb/strategies/ is a fact living in the wrong place."""
+    import ast
+    import pathlib
+
+    names = set(strategies.names()) | {"zero3", "deepspeed"}
+    root = pathlib.Path(stnb.__file__).parent
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        if "strategies" in f.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                consts = [c for s in sides for c in ([s] if isinstance(s, ast.Constant) else getattr(s, "elts", []))]
+                if any(isinstance(c, ast.Constant) and c.value in names for c in consts):
+                    found.append(f"{f.relative_to(root)}:{node.lineno}")
+    assert not found, f"strategy names compared outside stnb/strategies/: {found}"
