@@ -62,6 +62,48 @@ def test_results_ordered_by_rank_not_by_completion():
     assert cpu_launch(rankfns.rank_value, 10, num_processes=2, echo=False) == [0, 10]
 
 
+def test_progress_shows_each_rank_its_own_step():
+    """The per-rank bars read each rank's own row: ranks at different steps are shown at different
+    steps (a lagging rank is visible), with their own total and loss, and 'done' once they returned."""
+    seen = []
+    cpu_launch(rankfns.report_own_step, 50, num_processes=2, echo=False, on_progress=seen.append)
+    assert seen, "on_progress was never called"
+    last = seen[-1]  # the launch's final call, after both ranks returned
+    assert [s.rank for s in last] == [0, 1]
+    assert [s.step for s in last] == [3, 7]
+    assert [s.total for s in last] == [50, 51]
+    assert [s.loss for s in last] == [0.25, 1.25]
+    assert [s.state for s in last] == ["done", "done"]
+    # while running, every rank's step was already its own (the calls twice a second)
+    running = [states for states in seen[:-1] if all(s.step for s in states)]
+    assert running and all([s.step for s in states] == [3, 7] for states in running)
+
+
+def test_channel_rows_are_per_rank():
+    """In one process: what rank r reports is what the parent reads for rank r, and nothing else."""
+    from stnb.launch.channel import Channel
+
+    with Channel(3) as ch:
+        fresh = ch.states()
+        assert [(s.step, s.total, s.loss, s.state) for s in fresh] == [(0, 0, None, "starting")] * 3
+        assert [s.seconds_since_progress for s in fresh] == [0.0] * 3  # no beat yet: not "stalled for ages"
+        ch.report(1, 7, 40, 0.5)
+        ch.report(2, 2, None, None)  # no total, no loss: the earlier values stay
+        ch.report(2, 4, None, None)
+        ch.check_in(2)
+        states = ch.states()
+        assert [s.step for s in states] == [0, 7, 4]
+        assert [s.total for s in states] == [0, 40, 0]
+        assert [s.loss for s in states] == [None, 0.5, None]
+        assert [s.state for s in states] == ["starting", "starting", "running"]
+        assert [ch.heartbeats(r) for r in range(3)] == [0.0, 1.0, 2.0]
+        assert ch.pids() == {2: os.getpid()} and not ch.started(0) and ch.started(2)
+        assert 0.0 <= states[2].seconds_since_progress < 60
+        ch.set_state(1, 3.0)
+        ch.set_state(0, 2.0)
+        assert [s.state for s in ch.states()] == ["done", "failed", "running"]
+
+
 def test_single_process_launch():
     res = cpu_launch(rankfns.info, num_processes=1, echo=False)
     assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1
