@@ -22,6 +22,7 @@ from stnb.config import TrainConfig
 from stnb.errors import ConfigError
 from stnb.launch import free_port
 from stnb.results import RunResult, load_results, results_frame
+from stnb.strategy_table import ONE_PROCESS, STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -224,6 +225,42 @@ def test_export_script_embeds_config_and_prints_commands(tmp_path, capsys):
     with pytest.raises(ConfigError, match="steps"):
         stnb.export_script(cfg.replace(steps=0), tmp_path / "bad.py", echo=False)
     assert not (tmp_path / "bad.py").exists()
+
+
+def _script_constants(path) -> dict:
+    tree = ast.parse(Path(path).read_text())
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_exported_script_trains_the_strategy_asked(tmp_path, strategy):
+    """Each strategy's script embeds that strategy (an FSDP user never gets a DDP script), with the
+    rest of the config unchanged, and the commands fit it: one process, or the config's world size."""
+    one_process = strategy in ONE_PROCESS
+    cfg = TrainConfig(**dict(TINY, strategy=strategy, num_processes=None if one_process else 2,
+                             device="cuda" if strategy == "dp" else "cpu"))
+    out = tmp_path / f"{strategy}.py"
+    script = stnb.export_script(cfg, out, echo=False)
+    config = _script_constants(out)["CONFIG"]
+    assert config["strategy"] == strategy
+    assert TrainConfig.from_dict(config) == cfg
+    assert script.nproc_per_node == (1 if one_process else 2)
+    assert (script.multi_node == {}) == one_process
+
+
+def test_exported_fsdp_script_trains_fsdp(tmp_path):
+    """`python train.py` of an exported FSDP config trains FSDP: each rank held a shard, verified."""
+    cfg = TrainConfig(**dict(TINY, strategy="fsdp", evaluate=False))
+    script = tmp_path / "train.py"
+    stnb.export_script(cfg, script, echo=False)
+    [(rc, out, err)] = _run_together([[sys.executable, str(script)]], cwd=tmp_path)
+    assert rc == 0, _failure(0, rc, out, err)
+    d = _last_json(out)
+    assert d["config"]["strategy"] == "fsdp" and d["verified"] is True, d["verification"]
+    ranks = d["verification"]["ranks"]
+    assert len(ranks) == 2 and all(r["wrapper"] != "DistributedDataParallel" for r in ranks)
+    assert sum(r["local_param_count"] for r in ranks) == ranks[0]["total_param_count"]
 
 
 def test_export_cli_takes_the_run_options(tmp_path, capsys):
