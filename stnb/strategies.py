@@ -10,7 +10,8 @@ fsdp    FSDP2 ``fully_shard``: each transformer block and then the root are shar
         silently runs DDP; stnb does not rely on them. The model is marked as owning its
         placement and gradient reduction (``is_distributed_loading_by_transformers``), the
         Trainer's contract for models sharded before training, so the Trainer neither moves
-        nor re-wraps it. Verification checks every parameter is a shard of about 1/N.
+        nor re-wraps it. Verification checks every parameter's local shard is exactly the piece
+        its layout gives the rank (``checks.shard_problems``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from __future__ import annotations
 import functools
 
 from .errors import VerificationError
-
-FSDP_SHARD_TOLERANCE = 0.05  # local fraction may exceed 1/N by this much (uneven splits)
 
 
 def local_numel(p) -> int:
@@ -85,7 +84,7 @@ def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int =
     import torch
     import torch.distributed as dist
 
-    from .checks import observe_world, world_problems
+    from .checks import observe_world, shard_problems, world_problems
 
     world = world if world is not None else observe_world()
     local, total = param_counts(model)
@@ -124,11 +123,8 @@ def verify(strategy: str, wrapped, model, world_size_expected: int, n_gpu: int =
         not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
         if not_sharded:
             problems.append(f"{len(not_sharded)} parameter(s) are not sharded, e.g. {not_sharded[:3]}")
-        ideal = 1.0 / world_size_expected
-        info["ideal_fraction"] = ideal
-        if total and local / total > ideal + FSDP_SHARD_TOLERANCE:
-            problems.append(f"rank holds {local / total:.3f} of the parameters; sharded over "
-                            f"{world_size_expected} ranks it should hold about {ideal:.3f}")
+        info["ideal_fraction"] = 1.0 / world_size_expected
+        problems += shard_problems(model, world_size_expected)  # exact local size per parameter
     info["problems"] = problems
     info["ok"] = not problems
     if problems:
