@@ -104,6 +104,35 @@ def test_channel_rows_are_per_rank():
         assert [s.state for s in ch.states()] == ["done", "failed", "running"]
 
 
+def test_channel_files_per_rank():
+    """What a rank leaves (result, error record, stack) is read back for that rank only; a rank that left
+    nothing is silent; the folder goes with the channel."""
+    import pickle
+
+    from stnb.launch.channel import Channel
+
+    with Channel(2) as ch:
+        assert ch.is_silent(0) and ch.is_silent(1) and not ch.has_result(0)
+        assert ch.read_error(0) is None and ch.read_stack(0) == ""
+        with pytest.raises(FileNotFoundError):
+            ch.read_result(0)
+        ch.write_result(1, pickle.dumps({"rank": 1}))
+        ch.write_error(0, {"type": "ValueError", "message": "bad"})
+        with open(ch.path("stack", 0), "w") as f:
+            f.write("Thread 1 ...")
+        assert ch.read_result(1) == {"rank": 1} and ch.has_result(1) and not ch.has_result(0)
+        assert ch.read_error(0) == {"type": "ValueError", "message": "bad"} and ch.read_error(1) is None
+        assert ch.read_stack(0) == "Thread 1 ..." and ch.read_stack(1) == ""
+        assert not ch.is_silent(0) and not ch.is_silent(1)
+        assert oct(os.stat(ch.path("result", 1)).st_mode & 0o777) == oct(0o600)
+        assert oct(os.stat(ch.path("error", 0)).st_mode & 0o777) == oct(0o600)
+        ch.mark_progress(1, 1234.5)
+        assert ch.last_progress(1) == 1234.5 and ch.last_progress(0) == 0.0
+        folder = ch.dir
+        assert ch.path("log", 1) == os.path.join(folder, "log-1")
+    assert not os.path.exists(folder)
+
+
 def test_single_process_launch():
     res = cpu_launch(rankfns.info, num_processes=1, echo=False)
     assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1

@@ -278,6 +278,23 @@ def test_export_cli_takes_the_run_options(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_export_cli_defaults_and_the_required_out(tmp_path, capsys):
+    """Without --nnodes / --master-addr / --master-port: 2 nodes at $MASTER_ADDR:29500; --nproc-per-node
+    is a number; --out is required (argparse's exit 2, naming it)."""
+    from stnb.__main__ import main
+
+    out = tmp_path / "defaults.py"
+    assert main(["export", *CLI_TINY, "--nproc-per-node", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--nnodes=2 --nproc_per_node=3 --node_rank=1 --master_addr=$MASTER_ADDR --master_port=29500" in printed
+    assert "--node_rank=2" not in printed
+    with pytest.raises(SystemExit) as e:
+        main(["export", *CLI_TINY])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    script = stnb.export_script(TrainConfig(**TINY), tmp_path / "t.py", echo=False)
+    assert script.node_commands() == script.node_commands("torchrun") != script.node_commands("accelerate")
+
+
 # ---------------------------------------------------------------------------------------
 # real multi-process runs
 

@@ -1,5 +1,5 @@
-"""strategies.verify and the shard checks in this process, in seconds: what each strategy promises,
-and every refusal's words (the 2-rank versions are in test_verification.py).
+"""strategies.verify and stnb.checks in this process, in seconds: what each strategy promises, every
+refusal's words, the digests and world checks (the 2-rank versions are in test_verification.py).
 
 A world of one gloo process is made for the FSDP2 / DDP wrappers (fully_shard and
 DistributedDataParallel need a process group) and destroyed after each test.
@@ -121,3 +121,76 @@ def test_shard_problems_name_the_mesh_the_size_and_whole_parameters(world_of_one
     assert checks.expected_local_numel(m[1].weight) == 6  # not a DTensor: the whole tensor
     msg = _refused("fsdp", m, m)
     assert "its shard is 15" in msg and "not split by any placement" in msg
+
+
+# ---- weights compared across ranks, world observed: the pure parts ------------------------------
+
+
+def test_compare_digests_names_each_differing_tensor_and_the_ranks_in_rank_0_order():
+    same = checks.compare_digests([{"a": "1", "b": "2"}, {"a": "1", "b": "2"}])
+    assert same["identical"] is True and same["differing"] == [] and same["first_differing"] is None
+    assert same["tensors"] == 2 and len(set(same["model_digests"])) == 1
+    rep = checks.compare_digests([{"b": "2", "a": "1"}, {"b": "2", "a": "X"}, {"b": "Y", "a": "X"},
+                                  {"b": "2", "a": "1"}])
+    assert rep["identical"] is False and rep["tensors"] == 2
+    # rank 0's order of tensors, and only the ranks that differ from rank 0 (rank 3 does not)
+    assert rep["differing"] == [{"tensor": "b", "ranks": [2]}, {"tensor": "a", "ranks": [1, 2]}]
+    assert rep["first_differing"] == "b"
+    d = rep["model_digests"]
+    assert len(d) == 4 and d[0] == d[3] and len({d[0], d[1], d[2]}) == 3
+
+
+def test_compare_digests_a_tensor_missing_on_a_rank_differs():
+    rep = checks.compare_digests([{"a": "1"}, {"a": "1", "z": "3"}, {"a": "1", "c": "4"}])
+    assert rep["tensors"] == 3 and rep["first_differing"] == "c"  # extra names sorted after rank 0's
+    assert rep["differing"] == [{"tensor": "c", "ranks": [2]}, {"tensor": "z", "ranks": [1]}]
+    gone = checks.compare_digests([{"a": "1", "b": "2"}, {"a": "1"}])
+    assert gone["differing"] == [{"tensor": "b", "ranks": [1]}]
+
+
+def test_model_digest_depends_on_names_and_digests_not_on_order():
+    assert checks.model_digest({"a": "1", "b": "2"}) == checks.model_digest({"b": "2", "a": "1"})
+    assert checks.model_digest({"a": "1"}) != checks.model_digest({"b": "1"})
+    assert checks.model_digest({"a": "1"}) != checks.model_digest({"a": "2"})
+    # a name and a digest never run together: ('ab', 'c') is not ('a', 'bc')
+    assert checks.model_digest({"ab": "c"}) != checks.model_digest({"a": "bc"})
+    assert checks.model_digest({"a": "b", "c": "d"}) != checks.model_digest({"a": "b\0c", "": "d"})
+
+
+def test_tensor_digests_see_values_dtype_and_shape():
+    m, same = _model(), _model()
+    d = checks.tensor_digests(m)
+    assert list(d) == ["0.weight", "0.bias", "1.weight", "1.bias"] and d == checks.tensor_digests(same)
+    with torch.no_grad():
+        same[1].bias[0] += 1e-6
+    assert [n for n in d if d[n] != checks.tensor_digests(same)[n]] == ["1.bias"]
+    holder = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(3, 2))])
+    a, b = checks.tensor_digests(holder).values()
+    assert a != b  # same bytes, other shape
+    ints = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.int32), requires_grad=False)])
+    assert next(iter(checks.tensor_digests(ints).values())) != a  # same bytes, other dtype
+
+
+def test_without_a_process_group_the_world_is_this_process():
+    assert checks.observe_world() == ALONE
+    m = _model()
+    assert checks.gather_digests(m) == [checks.tensor_digests(m)]
+
+
+def test_world_and_digests_observed_in_a_world_of_one(world_of_one):
+    assert checks.observe_world() == ALONE
+    m = _model()
+    assert checks.gather_digests(m) == [checks.tensor_digests(m)]
+
+
+@pytest.mark.parametrize("requested, observed, words", [
+    (2, {"process_group_size": 2, "processes": 2, "ranks": [0, 1]}, []),
+    (3, {"process_group_size": 2, "processes": 2, "ranks": [0, 1]},
+     ["world size 3 was requested, but the process group has 2 rank(s)",
+      "world size 3 was requested, but 2 process(es) answered in the group"]),
+    (2, {"process_group_size": 2, "processes": 1, "ranks": [0, 1]},
+     ["world size 2 was requested, but 1 process(es) answered in the group"]),
+    (2, {"process_group_size": 2, "processes": 2, "ranks": [0, 2]}, ["the group's ranks are [0, 2], not 0..1"]),
+])
+def test_world_problems_name_each_mismatch(requested, observed, words):
+    assert checks.world_problems(requested, observed) == words
