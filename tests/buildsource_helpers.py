@@ -1,0 +1,89 @@
+"""Functions and globals for tests/test_buildsource.py: build functions as a notebook would hold them
+(their source is found by inspect), and the globals they read."""
+
+from sentence_transformers.sentence_transformer import losses
+
+SIZE = 3
+TEXT = "hello"
+TABLE = {"k": [1, 2.5, None, "s", b"x", (1, 2), {4}, True, 1j], 7: ("t",)}
+MNRL = losses.MultipleNegativesRankingLoss
+
+
+def _nest(levels):
+    x = 0
+    for _ in range(levels):
+        x = [x]
+    return x
+
+
+DEEP_20 = _nest(20)  # the number at depth 20: still a literal
+DEEP_21 = _nest(21)  # one level more: refused
+OBJECT_IN_A_LIST = [1, object()]
+OBJECT_AS_VALUE = {"a": object()}
+OBJECT_AS_KEY = {object(): 1}
+
+
+class Outer:
+    class Inner:
+        pass
+
+
+Inner = Outer.Inner
+
+
+def tag(f):  # a decorator that changes nothing, but the def statement carries it
+    return f
+
+
+def reads_body_and_comprehension():
+    squares = [SIZE * i for i in range(4)]  # SIZE read in the comprehension's own code
+    return squares, TEXT
+
+
+def with_defaults(a=SIZE, *, b=TEXT, c):  # a keyword-only argument without a default, too
+    return a, b, c
+
+
+def reads_literal_table():
+    return TABLE
+
+
+def reads_deep_20():
+    return DEEP_20
+
+
+def reads_deep_21():
+    return DEEP_21
+
+
+def reads_object_in_a_list():
+    return OBJECT_IN_A_LIST
+
+
+def reads_object_as_value():
+    return OBJECT_AS_VALUE
+
+
+def reads_object_as_key():
+    return OBJECT_AS_KEY
+
+
+def reads_nested_class():
+    return Inner
+
+
+def reads_a_loss_class():
+    return MNRL
+
+
+def notebook_helper():
+    return SIZE + 1
+
+
+def reads_notebook_helper():
+    return notebook_helper()
+
+
+@tag
+def decorated_build():
+    return None

@@ -1,0 +1,106 @@
+"""stnb.buildsource.build_source: what a build function needs goes into the script (imports, literals,
+helper functions), found wherever the function reads it; what exists only in the kernel is refused,
+named. Fast: nothing runs but the source analysis (the exported script is run in test_export_build)."""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+
+import pytest
+
+import buildsource_helpers as h
+from stnb.buildsource import build_source
+from stnb.errors import ConfigError
+
+
+def _script_names(text) -> dict:
+    """{name: literal value} of the script's top-level literal assignments."""
+    out = {}
+    for n in ast.parse(text).body:
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name):
+            try:
+                out[n.targets[0].id] = ast.literal_eval(n.value)
+            except ValueError:
+                pass
+    return out
+
+
+def test_globals_read_in_the_body_and_in_a_comprehension_both_go_along():
+    src = build_source(h.reads_body_and_comprehension)
+    assert _script_names(src.text) == {"SIZE": 3, "TEXT": "hello"}
+    assert src.name == "reads_body_and_comprehension" and src.functions == ["reads_body_and_comprehension"]
+
+
+def test_globals_read_by_default_values_go_along():
+    assert _script_names(build_source(h.with_defaults).text) == {"SIZE": 3, "TEXT": "hello"}
+
+
+def test_containers_of_literals_are_copied_and_read_back_equal():
+    assert _script_names(build_source(h.reads_literal_table).text)["TABLE"] == h.TABLE
+    assert _script_names(build_source(h.reads_deep_20).text)["DEEP_20"] == h.DEEP_20
+
+
+@pytest.mark.parametrize("fn, name", [(h.reads_deep_21, "DEEP_21"), (h.reads_object_in_a_list, "OBJECT_IN_A_LIST"),
+                                      (h.reads_object_as_value, "OBJECT_AS_VALUE"),
+                                      (h.reads_object_as_key, "OBJECT_AS_KEY")])
+def test_containers_holding_objects_or_nested_too_deep_are_refused(fn, name):
+    kind = type(getattr(h, name))
+    with pytest.raises(ConfigError, match=rf"reads global\(s\) that exist only in this kernel: {name} \(a "
+                                          rf"builtins\.{kind.__name__} object built in the notebook\)"):
+        build_source(fn)
+
+
+def test_a_class_is_imported_from_the_shortest_module_that_exports_it():
+    src = build_source(h.reads_a_loss_class)
+    assert src.imports == ["from sentence_transformers.sentence_transformer.losses import "
+                           "MultipleNegativesRankingLoss as MNRL"]
+
+
+def test_a_nested_class_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"Inner \(buildsource_helpers\.Outer\.Inner: nested; import it at the "
+                                          r"top level of a module\)"):
+        build_source(h.reads_nested_class)
+
+
+def test_a_helper_defined_in_the_notebook_goes_along_as_source(monkeypatch):
+    """In a kernel, cell functions live in __main__: their source is copied, never imported from __main__."""
+    monkeypatch.setattr(h.notebook_helper, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "notebook_helper", h.notebook_helper, raising=False)
+    src = build_source(h.reads_notebook_helper)
+    assert src.functions == ["notebook_helper", "reads_notebook_helper"]  # defined before it is called
+    assert not any("__main__" in line for line in src.imports)
+    assert "def notebook_helper():" in src.text and _script_names(src.text) == {"SIZE": 3}
+
+
+def test_a_decorated_function_is_refused_naming_the_decorator():
+    with pytest.raises(ConfigError) as e:
+        build_source(h.decorated_build)
+    assert str(e.value) == ("decorated_build() is decorated (tag); export a plain function and apply the "
+                            "decorator's effect inside it")
+
+
+def _with_source_lines(name, lines):
+    """A function whose source, as inspect finds it, is ``lines`` (getsource found the wrong lines)."""
+    filename = f"<stnb-test-{name}>"
+    ns = {}
+    exec(compile(f"def {name}():\n    return 1\n", filename, "exec"), ns)
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return ns[name]
+
+
+@pytest.mark.parametrize("lines", [["x = 1\n"], ["def other():\n", "    return 2\n"]])
+def test_source_that_is_not_the_def_statement_is_refused(lines):
+    fn = _with_source_lines("wrong_lines", lines)
+    with pytest.raises(ConfigError) as e:
+        build_source(fn)
+    assert str(e.value) == ("the source found for wrong_lines() is not its def statement; define it with def "
+                            "in a cell")
+
+
+def test_source_that_does_not_parse_is_refused():
+    fn = _with_source_lines("broken", ["def broken():\n", "    return 1 1\n"])
+    with pytest.raises(ConfigError, match=r"^the source found for broken\(\) does not parse \(.+\); define it with "
+                                          r"def in a cell$"):
+        build_source(fn)
