@@ -295,6 +295,38 @@ def test_export_cli_defaults_and_the_required_out(tmp_path, capsys):
     assert script.node_commands() == script.node_commands("torchrun") != script.node_commands("accelerate")
 
 
+def test_exported_script_prints_the_commands_a_user_runs():
+    from stnb.export import ExportedScript
+
+    two = ExportedScript(path="train.py", nproc_per_node=2, num_nodes=2, master_addr="10.0.0.1", master_port=29500,
+                         commands={"python": "python train.py", "torchrun": "torchrun --standalone train.py"},
+                         multi_node={"torchrun": ["torchrun n0", "torchrun n1"], "accelerate": ["acc n0", "acc n1"]})
+    assert str(two) == "\n".join([
+        "wrote train.py", "", "one node:", "  python train.py", "  torchrun --standalone train.py", "",
+        "2 nodes, 2 process(es) each (node 0 at 10.0.0.1; run line i on node i):",
+        "  torchrun:", "    node 0: torchrun n0", "    node 1: torchrun n1",
+        "  accelerate:", "    node 0: acc n0", "    node 1: acc n1", "",
+        "rank 0 prints the RunResult as JSON on its last line (stnb.RunResult.from_dict(json.loads(line)))"])
+    one = ExportedScript(path="t.py", nproc_per_node=1, num_nodes=2, master_addr="h", master_port=1,
+                         commands={"python": "python t.py"})
+    assert "nodes" not in str(one) and str(one).startswith("wrote t.py\n\none node:\n  python t.py\n\nrank 0")
+
+
+def test_export_cli_passes_every_option_on(tmp_path, capsys):
+    from stnb.__main__ import main
+
+    out = tmp_path / "opts.py"
+    args = ["export", *CLI_TINY, "--out", str(out), "--results", str(tmp_path / "r.jsonl"), "--nnodes", "3",
+            "--nproc-per-node", "3", "--master-addr", "10.1.1.1", "--master-port", "29777"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed
+    assert "--nnodes=3 --nproc_per_node=3 --node_rank=2 --master_addr=10.1.1.1 --master_port=29777" in printed
+    assert _script_constants(out)["RESULTS_FILE"] == str(tmp_path / "r.jsonl")
+    assert main(args) == 2 and "already exists" in capsys.readouterr().err  # no --force: refused
+    assert main(args + ["--force"]) == 0
+
+
 # ---------------------------------------------------------------------------------------
 # real multi-process runs
 
