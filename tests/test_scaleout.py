@@ -327,6 +327,38 @@ def test_export_cli_passes_every_option_on(tmp_path, capsys):
     assert main(args + ["--force"]) == 0
 
 
+def test_one_process_commands_for_cpu_and_gpu(tmp_path):
+    cpu = stnb.export_script(TrainConfig(**dict(TINY, strategy="single", num_processes=None)), tmp_path / "c.py",
+                             echo=False)
+    assert cpu.commands == {"python": f"python {tmp_path / 'c.py'}",
+                            "torchrun": f"torchrun --standalone --nproc_per_node=1 {tmp_path / 'c.py'}",
+                            "accelerate": f"accelerate launch --cpu --num_processes=1 {tmp_path / 'c.py'}"}
+    gpu = stnb.export_script(TrainConfig(**dict(TINY, strategy="dp", num_processes=None, device="cuda")),
+                             tmp_path / "g.py", echo=False)
+    assert gpu.commands["accelerate"] == f"accelerate launch --num_processes=1 {tmp_path / 'g.py'}"
+
+
+def test_export_cli_help_says_what_each_option_does():
+    import argparse
+
+    from stnb.export import add_cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_cli(sub)
+    export = sub.choices["export"]
+    helps = {a.dest: a.help for a in export._actions if a.dest in ("out", "nnodes", "nproc_per_node", "master_addr",
+                                                                   "master_port", "force")}
+    assert helps == {
+        "out": "the script to write, e.g. train.py",
+        "nnodes": "nodes in the printed multi-node commands (default 2)",
+        "nproc_per_node": "processes per node in the printed commands (default: --nproc, or the default world size)",
+        "master_addr": "node 0's address for the multi-node commands",
+        "master_port": None,
+        "force": "overwrite --out if it exists"}
+    assert [a.help for a in sub._choices_actions] == ["write a standalone training script for torchrun / "
+                                                      "accelerate launch"]
+
+
 # ---------------------------------------------------------------------------------------
 # real multi-process runs
 
