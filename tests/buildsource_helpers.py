@@ -87,3 +87,11 @@ def reads_notebook_helper():
 @tag
 def decorated_build():
     return None
+
+
+def build(n=2):  # named like the script's entry point: the partial gets another name
+    return n
+
+
+def takes_one(n):
+    return n

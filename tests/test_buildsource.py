@@ -104,3 +104,38 @@ def test_source_that_does_not_parse_is_refused():
     with pytest.raises(ConfigError, match=r"^the source found for broken\(\) does not parse \(.+\); define it with "
                                           r"def in a cell$"):
         build_source(fn)
+
+
+def test_a_partial_is_exported_as_a_call_of_the_function_with_its_literal_arguments():
+    import functools
+
+    src = build_source(functools.partial(h.takes_one, n={"k": [1, "a"]}))
+    assert src.name == "build" and src.imports == ["import functools"]
+    assert src.text.endswith("\n\n\nbuild = functools.partial(takes_one, n={'k': [1, 'a']})\n")
+    assert src.literals == [] and src.functions == ["takes_one"]
+    own = build_source(functools.partial(h.build, 3))
+    assert own.name == "build_partial" and own.text.endswith("build_partial = functools.partial(build, 3)\n")
+    # the parts are separated by two blank lines, each without blank lines at its ends
+    assert "\n\n\n\n" not in src.text and src.text.startswith("import functools\n\n\ndef takes_one(n):")
+
+
+def test_a_partial_binding_an_object_is_refused():
+    import functools
+
+    with pytest.raises(ConfigError) as e:
+        build_source(functools.partial(h.takes_one, n=h.OBJECT_AS_VALUE))
+    assert str(e.value) == (f"the functools.partial of takes_one binds {repr(h.OBJECT_AS_VALUE)[:60]}, which exist "
+                            "only in this kernel; bind only numbers, strings, lists and dicts of them, or build "
+                            "those objects inside the function")
+
+
+def test_a_script_holds_literals_and_functions_in_order():
+    src = build_source(h.reads_body_and_comprehension)
+    assert src.literals == ["SIZE = 3", "TEXT = 'hello'"]
+    assert src.text == ("SIZE = 3\nTEXT = 'hello'\n\n\n" + _source_of(h.reads_body_and_comprehension))
+
+
+def _source_of(fn):
+    import inspect
+
+    return inspect.getsource(fn).rstrip() + "\n"
