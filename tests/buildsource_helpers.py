@@ -1,6 +1,7 @@
 """Functions and globals for tests/test_buildsource.py: build functions as a notebook would hold them
 (their source is found by inspect), and the globals they read."""
 
+from sentence_transformers import SentenceTransformer as SentenceTransformerModel
 from sentence_transformers.sentence_transformer import losses
 
 SIZE = 3
@@ -95,3 +96,28 @@ def build(n=2):  # named like the script's entry point: the partial gets another
 
 def takes_one(n):
     return n
+
+
+class Flag(int):  # an int subclass: its repr reads back as a plain int, equal but not the same type
+    pass
+
+
+FLAG_AS_VALUE = {"a": Flag(3)}
+FLAG_AS_KEY = {Flag(3): "a"}
+FLAGS_IN_A_LIST = [Flag(3)]
+
+
+def reads_flag_as_value():
+    return FLAG_AS_VALUE
+
+
+def reads_flag_as_key():
+    return FLAG_AS_KEY
+
+
+def reads_flags_in_a_list():
+    return FLAGS_IN_A_LIST
+
+
+def reads_a_top_level_class():
+    return SentenceTransformerModel

@@ -44,7 +44,10 @@ def test_containers_of_literals_are_copied_and_read_back_equal():
 
 @pytest.mark.parametrize("fn, name", [(h.reads_deep_21, "DEEP_21"), (h.reads_object_in_a_list, "OBJECT_IN_A_LIST"),
                                       (h.reads_object_as_value, "OBJECT_AS_VALUE"),
-                                      (h.reads_object_as_key, "OBJECT_AS_KEY")])
+                                      (h.reads_object_as_key, "OBJECT_AS_KEY"),
+                                      # an int subclass reads back equal as a plain int: still not a literal
+                                      (h.reads_flag_as_value, "FLAG_AS_VALUE"), (h.reads_flag_as_key, "FLAG_AS_KEY"),
+                                      (h.reads_flags_in_a_list, "FLAGS_IN_A_LIST")])
 def test_containers_holding_objects_or_nested_too_deep_are_refused(fn, name):
     kind = type(getattr(h, name))
     with pytest.raises(ConfigError, match=rf"reads global\(s\) that exist only in this kernel: {name} \(a "
@@ -56,6 +59,11 @@ def test_a_class_is_imported_from_the_shortest_module_that_exports_it():
     src = build_source(h.reads_a_loss_class)
     assert src.imports == ["from sentence_transformers.sentence_transformer.losses import "
                            "MultipleNegativesRankingLoss as MNRL"]
+
+
+def test_a_class_exported_by_the_top_package_is_imported_from_it():
+    assert build_source(h.reads_a_top_level_class).imports == [
+        "from sentence_transformers import SentenceTransformer as SentenceTransformerModel"]
 
 
 def test_a_nested_class_is_refused_with_the_fix():

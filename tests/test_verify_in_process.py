@@ -92,6 +92,9 @@ def test_fsdp_and_ddp_verified_in_a_world_of_one(world_of_one):
     assert checks.shard_problems(m, 1) == []
     assert [checks.expected_local_numel(p) for p in m.parameters()] == [15, 3, 6, 2]
 
+    # a DTensor's digest is its local shard's (here, a mesh of one: the whole tensor)
+    assert checks.tensor_digests(m) == checks.tensor_digests(_model())
+
     plain = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(plain)
     assert strategies.verify("ddp", ddp, plain, 1, world=ALONE)["wrapper"] == "DistributedDataParallel"
