@@ -238,6 +238,15 @@ def test_a_loss_object_gets_no_stnb_loss_suggested():
     assert "use loss=" not in str(e.value)
 
 
+def test_no_stnb_loss_is_suggested_when_none_fits():
+    """Triplets with a score: mnrl takes no label and cosine takes two texts; neither is offered."""
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["anchor", "positive", "negative", "score"], "mnrl")
+    assert "use loss=" not in str(e.value)
+    assert str(e.value).endswith("low-score rows trained as positives, or drop it explicitly with "
+                                 "columns={'score': None}")
+
+
 def test_text_columns_leave_out_the_labels():
     from datasets import Dataset
 
