@@ -121,3 +121,57 @@ def reads_flags_in_a_list():
 
 def reads_a_top_level_class():
     return SentenceTransformerModel
+
+
+import email.mime  # noqa: E402
+import json  # noqa: E402
+import json as js  # noqa: E402
+import types as _types  # noqa: E402
+
+from email import mime  # noqa: E402
+import email.mime as em  # noqa: E402
+
+MADE_HERE = _types.ModuleType("made_here")  # a module object that no import can give back
+ORDERED = {"b": 1, "a": 2}
+LONG = list(range(40))
+AT_LIMIT = "x" * (200_000 - 2)  # repr adds the two quotes: exactly LITERAL_MAX_CHARS characters
+OVER_LIMIT = "x" * 200_000
+
+
+def reads_modules():
+    return json, js, mime, em
+
+
+def reads_made_here():
+    return MADE_HERE
+
+
+def reads_ordered_and_long():
+    return ORDERED, LONG
+
+
+def reads_at_limit():
+    return AT_LIMIT
+
+
+def reads_over_limit():
+    return OVER_LIMIT
+
+
+def countdown(n):  # calls itself: its source goes in once
+    return n if n <= 0 else countdown(n - 1)
+
+
+class CellClass:  # made to look defined in a notebook cell by the tests (__module__ = "__main__")
+    pass
+
+
+def reads_cell_class():
+    return CellClass
+
+
+def reads_alias():
+    return alias_of_helper()
+
+
+alias_of_helper = notebook_helper

@@ -147,3 +147,46 @@ def _source_of(fn):
     import inspect
 
     return inspect.getsource(fn).rstrip() + "\n"
+
+
+def test_modules_are_imported_as_the_function_names_them():
+    assert build_source(h.reads_modules).imports == ["import email.mime as em", "import json", "import json as js",
+                                                     "from email import mime"]
+
+
+def test_a_module_no_import_gives_back_is_refused():
+    with pytest.raises(ConfigError, match=r"MADE_HERE \(module 'made_here', not importable\)"):
+        build_source(h.reads_made_here)
+
+
+def test_literals_keep_their_order_and_wrap_at_110_columns():
+    import pprint
+
+    src = build_source(h.reads_ordered_and_long)
+    assert src.literals == [f"LONG = {pprint.pformat(h.LONG, width=110)}", "ORDERED = {'b': 1, 'a': 2}"]
+    assert max(len(line) for line in src.literals[0].splitlines()) <= 110 < len(repr(h.LONG))
+
+
+def test_a_literal_up_to_the_limit_is_copied_and_a_longer_one_refused():
+    assert len(build_source(h.reads_at_limit).literals[0]) == len("AT_LIMIT = ") + 200_000
+    with pytest.raises(ConfigError, match=r"OVER_LIMIT \(a str of 200,002 characters: too large to copy into a "
+                                          r"script\)"):
+        build_source(h.reads_over_limit)
+
+
+def test_a_recursive_function_goes_in_once():
+    src = build_source(h.countdown)
+    assert src.functions == ["countdown"] and src.text.count("def countdown(") == 1
+
+
+def test_a_class_defined_in_a_cell_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(h.CellClass, "__module__", "__main__")
+    with pytest.raises(ConfigError, match=r"CellClass \(defined in a cell; move it to a \.py module and import it\)"):
+        build_source(h.reads_cell_class)
+
+
+def test_a_notebook_function_under_another_name_is_refused(monkeypatch):
+    monkeypatch.setattr(h.notebook_helper, "__module__", "__main__")
+    with pytest.raises(ConfigError, match=r"alias_of_helper \(the function notebook_helper under another name; "
+                                          r"call it by its own name\)"):
+        build_source(h.reads_alias)
