@@ -237,7 +237,7 @@ def test_fsdp_fractions_come_from_the_local_shards():
 def test_fsdp_shards_are_exactly_the_pieces_their_layout_gives_each_rank():
     ranks = stnb.launch(fsdp_shard_rank, tiny_path(), num_processes=2, device="cpu", timeout=180, echo=False)
     for r in ranks:
-        assert r["problems"] == [] and r["info"]["ok"]
+        assert r["problems"] == [] and r["info"]["ok"] and r["info"]["ideal_fraction"] == 0.5
         assert all(have == want for have, want in r["exact"].values()), r["exact"]
         assert "sharded over a mesh other than the 3 ranks requested" in r["three_requested"][0]
     # the two ranks' pieces of each parameter make the whole

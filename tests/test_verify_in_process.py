@@ -49,6 +49,24 @@ def test_single_reports_what_it_saw():
     assert strategies.param_counts(m) == (26, 26)
 
 
+def test_the_world_given_is_the_one_compared_and_without_one_it_is_observed():
+    m = _model()
+    two = {"process_group_size": 2, "processes": 2, "ranks": [0, 1]}
+    assert strategies.verify("single", m, m, 2, world=two)["world_size_seen"] == 2
+    assert strategies.verify("single", m, m, 1)["world_size_seen"] == 1  # observed: no process group, this process
+    empty = torch.nn.Sequential()
+    assert strategies.verify("single", empty, empty, 1, world=ALONE)["local_param_fraction"] is None
+
+
+def test_dp_reads_the_devices_data_parallel_drives():
+    m = _model()
+    dp = torch.nn.DataParallel(m)
+    dp.device_ids = [0, 1]  # what DataParallel holds on a machine with two GPUs
+    assert strategies.verify("dp", dp, m, 1, world=ALONE)["device_ids"] == [0, 1]
+    dp.device_ids = [0]
+    assert "DataParallel over 1 device(s); needs >= 2" in _refused("dp", dp, m)
+
+
 def test_single_refuses_a_wrapper():
     m = _model()
     assert "single run was wrapped in DataParallel" in _refused("single", torch.nn.DataParallel(m), m)
@@ -67,11 +85,10 @@ def test_ddp_needs_distributed_data_parallel():
 
 def test_the_world_requested_is_compared_with_the_one_seen():
     m = _model()
-    msg = _refused("single", m, m, world_size=2)
-    assert "world size 2 was requested, but the process group has 1 rank(s)" in msg
-    assert "world size 2 was requested, but 1 process(es) answered in the group" in msg
     # every problem is named, joined by '; '
-    assert msg.count("; ") == 1
+    assert _refused("single", m, m, world_size=2) == (
+        "strategy 'single' failed verification: world size 2 was requested, but the process group has 1 rank(s); "
+        "world size 2 was requested, but 1 process(es) answered in the group")
 
 
 def test_fsdp_refuses_a_plain_model_naming_what_is_missing():
@@ -98,7 +115,8 @@ def test_fsdp_and_ddp_verified_in_a_world_of_one(world_of_one):
     plain = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(plain)
     assert strategies.verify("ddp", ddp, plain, 1, world=ALONE)["wrapper"] == "DistributedDataParallel"
-    assert "the model was wrapped in DistributedDataParallel: FSDP silently became DDP" in _refused("fsdp", ddp, m)
+    assert _refused("fsdp", ddp, m) == ("strategy 'fsdp' failed verification: the model was wrapped in "
+                                        "DistributedDataParallel: FSDP silently became DDP")
     assert "single run was wrapped in DistributedDataParallel" in _refused("single", ddp, plain)
 
 
@@ -197,3 +215,42 @@ def test_world_and_digests_observed_in_a_world_of_one(world_of_one):
 ])
 def test_world_problems_name_each_mismatch(requested, observed, words):
     assert checks.world_problems(requested, observed) == words
+
+
+def test_shard_problems_name_three_examples_and_check_every_parameter(world_of_one):
+    """A plain parameter first does not end the check; four wrong parameters: counted, three named."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = torch.nn.Linear(2, 2)
+    m = torch.nn.Sequential(plain, torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    for layer in list(m)[1:]:
+        for leaf in ("weight", "bias"):
+            p = getattr(layer, leaf)
+            setattr(layer, leaf, torch.nn.Parameter(DTensor.from_local(p[:1].detach().clone(), mesh, [Shard(0)],
+                                                                       run_check=False, shape=p.shape,
+                                                                       stride=p.stride())))
+    problems = checks.shard_problems(m, 2)
+    assert problems[0] == ("4 parameter(s) are sharded over a mesh other than the 2 ranks requested, e.g. "
+                           "['1.weight (1)', '1.bias (1)', '2.weight (1)']")
+    assert problems[1] == ("rank holds 10 parameter values where its shards hold exactly 26: 4 parameter(s) differ, "
+                           "e.g. ['1.weight holds 5, its shard is 15', '1.bias holds 1, its shard is 3', "
+                           "'2.weight holds 3, its shard is 6']")
+    for layer in list(m)[1:]:
+        for leaf in ("weight", "bias"):
+            p = getattr(layer, leaf)
+            setattr(layer, leaf, torch.nn.Parameter(DTensor.from_local(torch.zeros(p.shape), mesh, [Replicate()],
+                                                                       run_check=False)))
+    assert checks.shard_problems(m, 1) == ["4 parameter(s) are not split by any placement (every rank holds them "
+                                           "whole), e.g. ['1.weight', '1.bias', '2.weight']"]
+
+
+def test_ipython_shows_an_exported_script_as_its_commands():
+    from IPython.lib.pretty import pretty
+
+    from stnb.export import ExportedScript
+
+    s = ExportedScript(path="t.py", nproc_per_node=1, num_nodes=2, master_addr="h", master_port=1,
+                       commands={"python": "python t.py"})
+    assert pretty(s) == str(s)
