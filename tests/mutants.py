@@ -217,10 +217,13 @@ _RETRIES = os.path.join(MUTANTS_DIR, "rank-retries.json")  # {mutant: killed}, f
 RETRY_SECONDS = [0.0]
 
 
+RANK_RETRIES = [True]  # --no-rank-retries: such survivors stay unexplained (faster, and said so)
+
+
 def killed_in_ranks(mutant: str) -> bool:
     """Run the 2-rank tests of ``mutant``'s function (RANK_TESTS) with the mutant active; True when they fail."""
     tests = RANK_TESTS.get(function_of(mutant))
-    if not tests:
+    if not tests or not RANK_RETRIES[0]:
         return False
     done = json.load(open(_RETRIES)) if os.path.exists(_RETRIES) else {}
     if mutant not in done:
@@ -321,6 +324,9 @@ def report(modules, seconds: float | None, selectors: list | None = None) -> int
           "reaches; (text only): of those, the ones that changed only the words of a message")
     if seconds is not None:
         print(f"time: {seconds:.0f} s mutmut, {RETRY_SECONDS[0]:.0f} s of 2-rank retries")
+    if not RANK_RETRIES[0]:
+        print("2-rank retries were skipped (--no-rank-retries): survivors of functions that run in ranks "
+              "count as unexplained")
     if unexplained:
         print(f"\n{len(unexplained)} unexplained mutant(s) (see one with: mutmut show NAME):")
         for name, why in unexplained:
@@ -352,8 +358,11 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", action="store_true", help="print the last run's table, run nothing")
     p.add_argument("--sample", type=int, metavar="N", help="run N mutants drawn from the modules' (with --seed)")
     p.add_argument("--seed", type=int, default=19, help="seed of the --sample draw (default 19)")
+    p.add_argument("--no-rank-retries", action="store_true",
+                   help="do not try survivors of functions that run in ranks against their 2-rank tests")
     p.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     a = p.parse_args(argv)
+    RANK_RETRIES[0] = not a.no_rank_retries
     by_name = {m.name: m for m in MODULES}
     unknown = [n for n in a.modules if n not in by_name]
     if unknown:
