@@ -46,12 +46,15 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser lab test notebooks bench hardware gpu-check clean distclean FORCE
+.PHONY: help venv install browser lab test mutants notebooks bench hardware gpu-check clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
 	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci)"
+	@echo "  make mutants    mutmut over the modules that decide what users are told: survival rate per module;"
+	@echo "                  exit 1 on a survivor neither killed nor listed in tests/mutants_equivalent.toml"
+	@echo "                  (MUTANTS=\"results checks\" for some modules; docs/testing.md)"
 	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
@@ -106,6 +109,14 @@ lab: install
 test: install browser
 	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks $(PYTEST_ARGS)
 
+# ---------------------------------------------------------------- mutants --
+
+# Modules to mutate (default: every one tests/mutants.py lists), e.g. make mutants MUTANTS="results checks"
+MUTANTS ?=
+
+mutants: install
+	$(TEST_ENV) $(PY) tests/mutants.py $(MUTANTS)
+
 # -------------------------------------------------------------- notebooks --
 
 # Outputs readers see without running anything; tests/test_notebook_outputs.py checks they are
@@ -131,7 +142,7 @@ gpu-check: install
 
 clean:
 	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
-	rm -rf build dist *.egg-info .pytest_cache artifacts
+	rm -rf build dist *.egg-info .pytest_cache artifacts mutants
 
 distclean: clean
 	rm -rf $(VENV)

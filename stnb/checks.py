@@ -3,6 +3,10 @@
 world size   the world the caller requested against the process group each rank is in, and the
              processes that actually answer a collective in it (counted by pid, not read back
              from the launcher's environment);
+shards       every FSDP parameter's local shard holds exactly the elements its layout gives this rank
+             (placements, global shape, mesh coordinate: torch.chunk's split, so the last rank's
+             piece is smaller, or empty, when a dimension does not divide), on a mesh of the
+             requested world size;
 weights      per-tensor sha256 of every parameter's bytes, compared across ranks: one flipped
              bit, one swapped row or one weight off by 3e-4 is a mismatch, named by tensor;
 saved model  the reloaded weights equal the trained ones bit for bit, and differ from the
@@ -51,6 +55,85 @@ def world_problems(requested: int, observed: dict) -> list:
         problems.append(f"world size {requested} was requested, but {procs} process(es) answered in the group")
     if observed["ranks"] != list(range(size)):
         problems.append(f"the group's ranks are {observed['ranks']}, not 0..{size - 1}")
+    return problems
+
+
+# ---- FSDP shards: the exact local size ---------------------------------------------------------
+
+
+def chunk_size(n: int, chunks: int, index: int) -> int:
+    """Length of piece ``index`` when ``n`` is split into ``chunks`` as ``torch.chunk`` (and DTensor's
+    ``Shard``) split it: pieces of ceil(n / chunks), the last non-empty one shorter, any after it empty."""
+    full = -(-n // chunks)  # ceil
+    start = min(full * index, n)
+    return min(n, start + full) - start
+
+
+def shard_numel(shape, placements, coordinate, mesh_shape) -> int:
+    """Elements one rank holds of a tensor of global ``shape`` laid out by ``placements`` (one per mesh
+    dimension: Shard(dim) splits ``dim`` among that mesh dimension's ranks; Replicate and Partial keep
+    it whole) at mesh ``coordinate``. ValueError for a placement whose layout this does not know."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    local = list(shape)
+    for placement, index, size in zip(placements, coordinate, mesh_shape):
+        if type(placement) is Shard:
+            local[placement.dim] = chunk_size(local[placement.dim], size, index)
+        elif not isinstance(placement, (Replicate, Partial)):
+            raise ValueError(f"no exact size known for placement {placement!r}")
+    numel = 1
+    for d in local:
+        numel *= d
+    return numel
+
+
+def expected_local_numel(param) -> int:
+    """Elements this rank should hold of ``param``: the whole tensor unless it is a DTensor, whose
+    placements, global shape and this rank's mesh coordinate give its shard exactly."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.numel()
+    mesh = param.device_mesh
+    return shard_numel(param.shape, param.placements, mesh.get_coordinate(), mesh.shape)
+
+
+def shard_problems(model, world_size: int) -> list:
+    """Problems (empty: none) with this rank's shards of ``model``'s DTensor parameters: a mesh other
+    than ``world_size`` ranks, a parameter no mesh dimension shards (each rank holds it whole), or a
+    local shard that is not exactly ``expected_local_numel``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    wrong_mesh, wrong_size, unknown, whole = [], [], [], []
+    held = expected = 0
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        if not any(isinstance(pl, Shard) for pl in p.placements):
+            whole.append(name)
+        if p.device_mesh.size() != world_size:
+            wrong_mesh.append(f"{name} ({p.device_mesh.size()})")
+        try:
+            want = expected_local_numel(p)
+        except ValueError as e:
+            unknown.append(f"{name}: {e}")
+            continue
+        have = p.to_local().numel()
+        held, expected = held + have, expected + want
+        if have != want:
+            wrong_size.append(f"{name} holds {have}, its shard is {want}")
+    problems = []
+    if wrong_mesh:
+        problems.append(f"{len(wrong_mesh)} parameter(s) are sharded over a mesh other than the {world_size} ranks "
+                        f"requested, e.g. {wrong_mesh[:3]}")
+    if whole:
+        problems.append(f"{len(whole)} parameter(s) are not split by any placement (every rank holds them "
+                        f"whole), e.g. {whole[:3]}")
+    if wrong_size:
+        problems.append(f"rank holds {held} parameter values where its shards hold exactly {expected}: "
+                        f"{len(wrong_size)} parameter(s) differ, e.g. {wrong_size[:3]}")
+    if unknown:
+        problems.append(f"{len(unknown)} parameter(s) have a layout stnb cannot check, e.g. {unknown[:3]}")
     return problems
 
 

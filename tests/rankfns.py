@@ -82,6 +82,17 @@ def rank_value(scale: int = 10) -> int:
     return r * scale
 
 
+def report_own_step(total: int = 50) -> int:
+    """Each rank reports a step, total and loss of its own (rank r: step 3 + 4r, loss r + 0.25), so
+    the parent's per-rank progress shows whether it reads every rank's row or one rank's for all."""
+    import stnb
+
+    r = _rank()
+    stnb.report_progress(3 + 4 * r, total + r, r + 0.25)
+    _idle(0.8)  # long enough for the watchdog's twice-a-second on_progress call while running
+    return r
+
+
 def sleep_then_return(seconds: float = 3.0) -> int:
     _idle(seconds)
     return _rank()

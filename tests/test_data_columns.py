@@ -195,3 +195,60 @@ def test_dropping_the_negative_changes_the_training(triplet_runs):
     assert without.dev_metric == "dev_cosine_ndcg@10"  # unscored pairs: retrieval among the dev positives
     # same seed, same rows, same order: only the negatives differ, and the loss sees it from step 1
     assert with_negatives.losses[0] != pytest.approx(without.losses[0], rel=1e-4)
+
+
+# ---- the words of a refusal: the columns found, what the loss reads, and the fix --------------------
+
+HEAD = "data data has columns {found}; loss {loss!r} ({name}) reads {shape}. "
+MNRL_SHAPE = "(anchor, positive[, negative_1, ..., negative_n])"
+
+
+@pytest.mark.parametrize("found, loss, message", [
+    (["anchor", "positive", "score"], "mnrl",
+     HEAD.format(found=["anchor", "positive", "score"], loss="mnrl", name="MultipleNegativesRankingLoss",
+                 shape=MNRL_SHAPE)
+     + "MultipleNegativesRankingLoss takes no label: it treats every row as a positive pair, so the 'score' column "
+       "would be ignored and low-score rows trained as positives; use loss='cosine' (CosineSimilarityLoss, which "
+       "trains on it), or drop it explicitly with columns={'score': None}"),
+    (["sentence1", "sentence2"], "cosine",
+     HEAD.format(found=["sentence1", "sentence2"], loss="cosine", name="CosineSimilarityLoss",
+                 shape="(sentence1, sentence2, score)")
+     + "There is no label column (label, labels, score, scores); add a score column or map yours, e.g. "
+       "columns={'similarity': 'score'}, or use loss='mnrl' (MultipleNegativesRankingLoss, which needs none)"),
+    (["anchor", "positive", "negative"], "cosine",
+     HEAD.format(found=["anchor", "positive", "negative"], loss="cosine", name="CosineSimilarityLoss",
+                 shape="(sentence1, sentence2, score)")
+     + "The column(s) ['negative'] would not be used by CosineSimilarityLoss; use loss='mnrl' "
+       "(MultipleNegativesRankingLoss, which uses them), or drop them explicitly with columns={'negative': None}"),
+])
+def test_refusals_suggest_the_stnb_loss_that_fits_the_data(found, loss, message):
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(found, loss)
+    assert str(e.value) == message
+
+
+def test_a_loss_object_gets_no_stnb_loss_suggested():
+    class MultipleNegativesRankingLoss:  # a user's loss object: looked up by its class name
+        pass
+
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["anchor", "positive", "score"], MultipleNegativesRankingLoss())
+    assert str(e.value).endswith("low-score rows trained as positives, or drop it explicitly with "
+                                 "columns={'score': None}")
+    assert "use loss=" not in str(e.value)
+
+
+def test_no_stnb_loss_is_suggested_when_none_fits():
+    """Triplets with a score: mnrl takes no label and cosine takes two texts; neither is offered."""
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["anchor", "positive", "negative", "score"], "mnrl")
+    assert "use loss=" not in str(e.value)
+    assert str(e.value).endswith("low-score rows trained as positives, or drop it explicitly with "
+                                 "columns={'score': None}")
+
+
+def test_text_columns_leave_out_the_labels():
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"score": [0.5], "sentence1": ["a"], "label": [1], "sentence2": ["b"]})
+    assert columns.text_columns(ds) == ["sentence1", "sentence2"]

@@ -62,6 +62,77 @@ def test_results_ordered_by_rank_not_by_completion():
     assert cpu_launch(rankfns.rank_value, 10, num_processes=2, echo=False) == [0, 10]
 
 
+def test_progress_shows_each_rank_its_own_step():
+    """The per-rank bars read each rank's own row: ranks at different steps are shown at different
+    steps (a lagging rank is visible), with their own total and loss, and 'done' once they returned."""
+    seen = []
+    cpu_launch(rankfns.report_own_step, 50, num_processes=2, echo=False, on_progress=seen.append)
+    assert seen, "on_progress was never called"
+    last = seen[-1]  # the launch's final call, after both ranks returned
+    assert [s.rank for s in last] == [0, 1]
+    assert [s.step for s in last] == [3, 7]
+    assert [s.total for s in last] == [50, 51]
+    assert [s.loss for s in last] == [0.25, 1.25]
+    assert [s.state for s in last] == ["done", "done"]
+    # while running, every rank's step was already its own (the calls twice a second)
+    running = [states for states in seen[:-1] if all(s.step for s in states)]
+    assert running and all([s.step for s in states] == [3, 7] for states in running)
+
+
+def test_channel_rows_are_per_rank():
+    """In one process: what rank r reports is what the parent reads for rank r, and nothing else."""
+    from stnb.launch.channel import Channel
+
+    with Channel(3) as ch:
+        fresh = ch.states()
+        assert [(s.step, s.total, s.loss, s.state) for s in fresh] == [(0, 0, None, "starting")] * 3
+        assert [s.seconds_since_progress for s in fresh] == [0.0] * 3  # no beat yet: not "stalled for ages"
+        ch.report(1, 7, 40, 0.5)
+        ch.report(2, 2, None, None)  # no total, no loss: the earlier values stay
+        ch.report(2, 4, None, None)
+        ch.check_in(2)
+        states = ch.states()
+        assert [s.step for s in states] == [0, 7, 4]
+        assert [s.total for s in states] == [0, 40, 0]
+        assert [s.loss for s in states] == [None, 0.5, None]
+        assert [s.state for s in states] == ["starting", "starting", "running"]
+        assert [ch.heartbeats(r) for r in range(3)] == [0.0, 1.0, 2.0]
+        assert ch.pids() == {2: os.getpid()} and not ch.started(0) and ch.started(2)
+        assert 0.0 <= states[2].seconds_since_progress < 60
+        ch.set_state(1, 3.0)
+        ch.set_state(0, 2.0)
+        assert [s.state for s in ch.states()] == ["done", "failed", "running"]
+
+
+def test_channel_files_per_rank():
+    """What a rank leaves (result, error record, stack) is read back for that rank only; a rank that left
+    nothing is silent; the folder goes with the channel."""
+    import pickle
+
+    from stnb.launch.channel import Channel
+
+    with Channel(2) as ch:
+        assert ch.is_silent(0) and ch.is_silent(1) and not ch.has_result(0)
+        assert ch.read_error(0) is None and ch.read_stack(0) == ""
+        with pytest.raises(FileNotFoundError):
+            ch.read_result(0)
+        ch.write_result(1, pickle.dumps({"rank": 1}))
+        ch.write_error(0, {"type": "ValueError", "message": "bad"})
+        with open(ch.path("stack", 0), "w") as f:
+            f.write("Thread 1 ...")
+        assert ch.read_result(1) == {"rank": 1} and ch.has_result(1) and not ch.has_result(0)
+        assert ch.read_error(0) == {"type": "ValueError", "message": "bad"} and ch.read_error(1) is None
+        assert ch.read_stack(0) == "Thread 1 ..." and ch.read_stack(1) == ""
+        assert not ch.is_silent(0) and not ch.is_silent(1)
+        assert oct(os.stat(ch.path("result", 1)).st_mode & 0o777) == oct(0o600)
+        assert oct(os.stat(ch.path("error", 0)).st_mode & 0o777) == oct(0o600)
+        ch.mark_progress(1, 1234.5)
+        assert ch.last_progress(1) == 1234.5 and ch.last_progress(0) == 0.0
+        folder = ch.dir
+        assert ch.path("log", 1) == os.path.join(folder, "log-1")
+    assert not os.path.exists(folder)
+
+
 def test_single_process_launch():
     res = cpu_launch(rankfns.info, num_processes=1, echo=False)
     assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1

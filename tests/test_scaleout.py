@@ -22,6 +22,7 @@ from stnb.config import TrainConfig
 from stnb.errors import ConfigError
 from stnb.launch import free_port
 from stnb.results import RunResult, load_results, results_frame
+from stnb.strategy_table import ONE_PROCESS, STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -226,6 +227,42 @@ def test_export_script_embeds_config_and_prints_commands(tmp_path, capsys):
     assert not (tmp_path / "bad.py").exists()
 
 
+def _script_constants(path) -> dict:
+    tree = ast.parse(Path(path).read_text())
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_exported_script_trains_the_strategy_asked(tmp_path, strategy):
+    """Each strategy's script embeds that strategy (an FSDP user never gets a DDP script), with the
+    rest of the config unchanged, and the commands fit it: one process, or the config's world size."""
+    one_process = strategy in ONE_PROCESS
+    cfg = TrainConfig(**dict(TINY, strategy=strategy, num_processes=None if one_process else 2,
+                             device="cuda" if strategy == "dp" else "cpu"))
+    out = tmp_path / f"{strategy}.py"
+    script = stnb.export_script(cfg, out, echo=False)
+    config = _script_constants(out)["CONFIG"]
+    assert config["strategy"] == strategy
+    assert TrainConfig.from_dict(config) == cfg
+    assert script.nproc_per_node == (1 if one_process else 2)
+    assert (script.multi_node == {}) == one_process
+
+
+def test_exported_fsdp_script_trains_fsdp(tmp_path):
+    """`python train.py` of an exported FSDP config trains FSDP: each rank held a shard, verified."""
+    cfg = TrainConfig(**dict(TINY, strategy="fsdp", evaluate=False))
+    script = tmp_path / "train.py"
+    stnb.export_script(cfg, script, echo=False)
+    [(rc, out, err)] = _run_together([[sys.executable, str(script)]], cwd=tmp_path)
+    assert rc == 0, _failure(0, rc, out, err)
+    d = _last_json(out)
+    assert d["config"]["strategy"] == "fsdp" and d["verified"] is True, d["verification"]
+    ranks = d["verification"]["ranks"]
+    assert len(ranks) == 2 and all(r["wrapper"] != "DistributedDataParallel" for r in ranks)
+    assert sum(r["local_param_count"] for r in ranks) == ranks[0]["total_param_count"]
+
+
 def test_export_cli_takes_the_run_options(tmp_path, capsys):
     from stnb.__main__ import main
 
@@ -239,6 +276,87 @@ def test_export_cli_takes_the_run_options(tmp_path, capsys):
     assert cfg["strategy"] == "ddp" and cfg["model"] == "tiny" and cfg["steps"] == 3 and cfg["evaluate"] is False
     assert main(["export", *CLI_TINY, "--out", str(out)]) == 2  # exists: refused, exit code 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_export_cli_defaults_and_the_required_out(tmp_path, capsys):
+    """Without --nnodes / --master-addr / --master-port: 2 nodes at $MASTER_ADDR:29500; --nproc-per-node
+    is a number; --out is required (argparse's exit 2, naming it)."""
+    from stnb.__main__ import main
+
+    out = tmp_path / "defaults.py"
+    assert main(["export", *CLI_TINY, "--nproc-per-node", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--nnodes=2 --nproc_per_node=3 --node_rank=1 --master_addr=$MASTER_ADDR --master_port=29500" in printed
+    assert "--node_rank=2" not in printed
+    with pytest.raises(SystemExit) as e:
+        main(["export", *CLI_TINY])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    script = stnb.export_script(TrainConfig(**TINY), tmp_path / "t.py", echo=False)
+    assert script.node_commands() == script.node_commands("torchrun") != script.node_commands("accelerate")
+
+
+def test_exported_script_prints_the_commands_a_user_runs():
+    from stnb.export import ExportedScript
+
+    two = ExportedScript(path="train.py", nproc_per_node=2, num_nodes=2, master_addr="10.0.0.1", master_port=29500,
+                         commands={"python": "python train.py", "torchrun": "torchrun --standalone train.py"},
+                         multi_node={"torchrun": ["torchrun n0", "torchrun n1"], "accelerate": ["acc n0", "acc n1"]})
+    assert str(two) == "\n".join([
+        "wrote train.py", "", "one node:", "  python train.py", "  torchrun --standalone train.py", "",
+        "2 nodes, 2 process(es) each (node 0 at 10.0.0.1; run line i on node i):",
+        "  torchrun:", "    node 0: torchrun n0", "    node 1: torchrun n1",
+        "  accelerate:", "    node 0: acc n0", "    node 1: acc n1", "",
+        "rank 0 prints the RunResult as JSON on its last line (stnb.RunResult.from_dict(json.loads(line)))"])
+    one = ExportedScript(path="t.py", nproc_per_node=1, num_nodes=2, master_addr="h", master_port=1,
+                         commands={"python": "python t.py"})
+    assert "nodes" not in str(one) and str(one).startswith("wrote t.py\n\none node:\n  python t.py\n\nrank 0")
+
+
+def test_export_cli_passes_every_option_on(tmp_path, capsys):
+    from stnb.__main__ import main
+
+    out = tmp_path / "opts.py"
+    args = ["export", *CLI_TINY, "--out", str(out), "--results", str(tmp_path / "r.jsonl"), "--nnodes", "3",
+            "--nproc-per-node", "3", "--master-addr", "10.1.1.1", "--master-port", "29777"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed
+    assert "--nnodes=3 --nproc_per_node=3 --node_rank=2 --master_addr=10.1.1.1 --master_port=29777" in printed
+    assert _script_constants(out)["RESULTS_FILE"] == str(tmp_path / "r.jsonl")
+    assert main(args) == 2 and "already exists" in capsys.readouterr().err  # no --force: refused
+    assert main(args + ["--force"]) == 0
+
+
+def test_one_process_commands_for_cpu_and_gpu(tmp_path):
+    cpu = stnb.export_script(TrainConfig(**dict(TINY, strategy="single", num_processes=None)), tmp_path / "c.py",
+                             echo=False)
+    assert cpu.commands == {"python": f"python {tmp_path / 'c.py'}",
+                            "torchrun": f"torchrun --standalone --nproc_per_node=1 {tmp_path / 'c.py'}",
+                            "accelerate": f"accelerate launch --cpu --num_processes=1 {tmp_path / 'c.py'}"}
+    gpu = stnb.export_script(TrainConfig(**dict(TINY, strategy="dp", num_processes=None, device="cuda")),
+                             tmp_path / "g.py", echo=False)
+    assert gpu.commands["accelerate"] == f"accelerate launch --num_processes=1 {tmp_path / 'g.py'}"
+
+
+def test_export_cli_help_says_what_each_option_does():
+    import argparse
+
+    from stnb.export import add_cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_cli(sub)
+    export = sub.choices["export"]
+    helps = {a.dest: a.help for a in export._actions if a.dest in ("out", "nnodes", "nproc_per_node", "master_addr",
+                                                                   "master_port", "force")}
+    assert helps == {
+        "out": "the script to write, e.g. train.py",
+        "nnodes": "nodes in the printed multi-node commands (default 2)",
+        "nproc_per_node": "processes per node in the printed commands (default: --nproc, or the default world size)",
+        "master_addr": "node 0's address for the multi-node commands",
+        "master_port": None,
+        "force": "overwrite --out if it exists"}
+    assert [a.help for a in sub._choices_actions] == ["write a standalone training script for torchrun / "
+                                                      "accelerate launch"]
 
 
 # ---------------------------------------------------------------------------------------

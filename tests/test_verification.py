@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,7 +65,75 @@ def fsdp_shard_rank(model_path: str) -> dict:
     strategies.shard_fsdp(model, "cpu", 2)
     info = strategies.verify("fsdp", model, model, 2)
     by_hand = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
-    return {"info": info, "local_by_hand": by_hand}
+    exact = {n: (p.to_local().numel(), checks.expected_local_numel(p)) for n, p in model.named_parameters()}
+    # dimensions that do not divide: 3 rows over 2 ranks are 2 rows and 1 row
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    odd = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    fully_shard(odd)
+    uneven = {n: (p.to_local().numel(), checks.expected_local_numel(p)) for n, p in odd.named_parameters()}
+    return {"info": info, "local_by_hand": by_hand, "exact": exact, "problems": checks.shard_problems(model, 2),
+            "three_requested": checks.shard_problems(model, 3), "uneven": uneven,
+            "uneven_problems": checks.shard_problems(odd, 2)}
+
+
+def _reshard(model, name, local_of):
+    """Replace parameter ``name`` of an FSDP-sharded model by a DTensor of the same global shape and
+    placements whose local piece is ``local_of(full tensor)``: a rank holding the wrong piece."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    p = getattr(module, leaf)
+    full = p.full_tensor().detach()  # a collective: every rank reshards the same parameters
+    local = local_of(full)
+    if local is None:
+        return
+    bad = DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                             stride=p.stride())
+    module._parameters[leaf] = torch.nn.Parameter(bad)
+
+
+def fsdp_wrong_shard_rank(model_path: str) -> dict:
+    """verify on FSDP models where a rank holds more (or other) than its shard, made after fully_shard."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    rank = dist.get_rank()
+    cases = {
+        # every rank holds the first three quarters of every parameter (0.75 of the model)
+        "three_quarters": lambda name, full: full[:math.ceil(0.75 * full.shape[0])],
+        # rank 0 holds one row more of one parameter than its shard: 0.5 + a few values
+        "one_extra_row": lambda name, full: (full[:full.shape[0] // 2 + 1] if rank == 0 and name == QUERY
+                                             else None),
+    }
+    out = {}
+    for case, local_of in cases.items():
+        model = load_model(model_path)
+        strategies.shard_fsdp(model, "cpu", 2)
+        for name, _ in list(model.named_parameters()):
+            _reshard(model, name, lambda full, name=name: local_of(name, full))
+        out[case] = _verify_message(model)
+    model = load_model(model_path)  # every rank holds the whole model, laid out as replicated
+    strategies.shard_fsdp(model, "cpu", 2)
+    for name, p in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(p.redistribute(p.device_mesh, [Replicate()]))
+    out["replicated"] = _verify_message(model)
+    return out
+
+
+def _verify_message(model):
+    try:
+        strategies.verify("fsdp", model, model, 2)
+    except strategies.VerificationError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,6 +232,84 @@ def test_fsdp_fractions_come_from_the_local_shards():
         assert r["info"]["local_param_count"] == r["local_by_hand"]
         assert r["info"]["local_param_fraction"] == pytest.approx(0.5, abs=0.05)
     assert sum(r["info"]["local_param_count"] for r in ranks) == total
+
+
+def test_fsdp_shards_are_exactly_the_pieces_their_layout_gives_each_rank():
+    ranks = stnb.launch(fsdp_shard_rank, tiny_path(), num_processes=2, device="cpu", timeout=180, echo=False)
+    for r in ranks:
+        assert r["problems"] == [] and r["info"]["ok"] and r["info"]["ideal_fraction"] == 0.5
+        assert all(have == want for have, want in r["exact"].values()), r["exact"]
+        assert "sharded over a mesh other than the 3 ranks requested" in r["three_requested"][0]
+    # the two ranks' pieces of each parameter make the whole
+    assert sum(want for r in ranks for _, want in r["exact"].values()) == ranks[0]["info"]["total_param_count"]
+    # where a dimension does not divide, FSDP's pieces are torch.chunk's: the last rank's is smaller or empty
+    for r in ranks:
+        assert r["uneven_problems"] == [] and all(have == want for have, want in r["uneven"].values())
+    assert [r["uneven"]["0.weight"][0] for r in ranks] == [10, 5]  # 3 rows of 5: 2 rows, 1 row
+    assert [r["uneven"]["1.weight"][0] for r in ranks] == [3, 0]  # 1 row of 3: rank 1 holds nothing
+    assert [r["uneven"]["1.bias"][0] for r in ranks] == [1, 0]
+
+
+@pytest.fixture(scope="module")
+def wrong_shards():
+    return stnb.launch(fsdp_wrong_shard_rank, tiny_path(), num_processes=2, device="cpu", timeout=180, echo=False)
+
+
+def test_verify_refuses_a_rank_holding_three_quarters_of_an_fsdp_model(wrong_shards):
+    for r in wrong_shards:
+        msg = r["three_quarters"]
+        assert msg and "strategy 'fsdp' failed verification" in msg
+        held, exact = map(int, re.search(r"rank holds (\d+) parameter values where its shards hold exactly (\d+)",
+                                         msg).groups())
+        assert held / (2 * exact) == pytest.approx(0.75, abs=0.01)  # the two ranks' shards make the model
+
+
+def test_verify_refuses_one_row_more_than_the_shard(wrong_shards):
+    """Exact, not within a tolerance: one extra row of one weight on rank 0 is refused, on rank 0 only."""
+    msg = wrong_shards[0]["one_extra_row"]
+    assert msg and "1 parameter(s) differ" in msg and QUERY in msg
+    assert wrong_shards[1]["one_extra_row"] is None
+
+
+def test_verify_refuses_parameters_every_rank_holds_whole(wrong_shards):
+    for r in wrong_shards:
+        assert r["replicated"] and "not split by any placement" in r["replicated"]
+
+
+@pytest.mark.parametrize("n", range(0, 12))
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5])
+def test_chunk_size_is_torch_chunk(n, chunks):
+    import torch
+
+    pieces = [len(c) for c in torch.arange(n).chunk(chunks)] if n else []
+    pieces += [0] * (chunks - len(pieces))  # torch.chunk leaves out the empty pieces at the end
+    assert [checks.chunk_size(n, chunks, i) for i in range(chunks)] == pieces
+
+
+def test_shard_numel_last_rank_smaller_or_empty():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    # 5 rows of 3 over 2 ranks: 3 rows and 2 rows; over 4 ranks: 2, 2, 1, 0 rows
+    assert [checks.shard_numel((5, 3), [Shard(0)], (r,), (2,)) for r in range(2)] == [9, 6]
+    assert [checks.shard_numel((5, 3), [Shard(0)], (r,), (4,)) for r in range(4)] == [6, 6, 3, 0]
+    assert [checks.shard_numel((3, 7), [Shard(1)], (r,), (2,)) for r in range(2)] == [12, 9]
+    assert checks.shard_numel((5, 3), [Replicate()], (1,), (2,)) == 15
+    assert checks.shard_numel((5, 3), [Partial()], (1,), (2,)) == 15
+    # a 2 x 3 mesh: dim 0 over the first mesh dimension, dim 1 over the second
+    sizes = {(i, j): checks.shard_numel((5, 7), [Shard(0), Shard(1)], (i, j), (2, 3)) for i in range(2) for j in range(3)}
+    assert sizes == {(0, 0): 9, (0, 1): 9, (0, 2): 3, (1, 0): 6, (1, 1): 6, (1, 2): 2}
+    assert sum(sizes.values()) == 35
+    # twice along one dimension: the second split applies to the first one's piece
+    assert [checks.shard_numel((7,), [Shard(0), Shard(0)], (i, j), (2, 2)) for i in range(2) for j in range(2)] \
+        == [2, 2, 2, 1]
+
+
+def test_shard_numel_refuses_a_layout_it_does_not_know():
+    class Strided:
+        pass
+
+    with pytest.raises(ValueError, match="no exact size known"):
+        checks.shard_numel((4,), [Strided()], (0,), (2,))
 
 
 def test_merge_refuses_fsdp_ranks_that_each_hold_the_whole_model():

@@ -62,7 +62,9 @@ class FullyShardedDataParallel(Strategy):
         import torch
         from torch.distributed.fsdp import FSDPModule
 
-        from .tensors import shard_problems
+        from torch.distributed.tensor import DTensor
+
+        from .. import checks
 
         model, wrapped = trainer.model, trainer.model_wrapped
         problems = []
@@ -70,8 +72,11 @@ class FullyShardedDataParallel(Strategy):
             problems.append("the model was wrapped in DistributedDataParallel: FSDP silently became DDP")
         if not isinstance(model, FSDPModule):
             problems.append(f"root module is {type(model).__name__}, not an FSDP2 module (fully_shard)")
-        expected, shard = shard_problems(model.named_parameters())
-        problems += shard
+        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if plain:
+            problems.append(f"{len(plain)} parameter(s) are not sharded, e.g. {plain[:3]}")
+        problems += checks.shard_problems(model, world_size)  # exact local size per parameter, mesh, layout
+        expected = sum(checks.expected_local_numel(p) for p in model.parameters())
         return {"expected_local_param_count": expected, "ideal_fraction": 1.0 / world_size}, problems
 
     def check_step(self, trainer, world_size):

@@ -28,52 +28,24 @@ def param_counts(model) -> tuple[int, int]:
     return local, total
 
 
-def chunk_length(size: int, parts: int, index: int) -> int:
-    """Length of piece ``index`` when ``size`` is split into ``parts`` as ``torch.chunk`` does (and DTensor's
-    ``Shard`` placement, and FSDP2): pieces of ceil(size / parts), the last ones shorter or empty.
-
-    >>> [chunk_length(10, 4, i) for i in range(4)]
-    [3, 3, 3, 1]
-    >>> [chunk_length(2, 4, i) for i in range(4)]
-    [1, 1, 0, 0]
-    """
-    full = -(-size // parts)
-    start = full * index
-    return max(0, min(size, start + full) - start)
-
-
-def expected_local_shape(global_shape, placements, mesh_sizes, coordinate) -> tuple:
-    """The local shape a rank at ``coordinate`` of a mesh must hold for a DTensor of ``global_shape``
-    placed by ``placements`` (Shard(dim) splits like torch.chunk; Replicate / Partial keep the size)."""
-    from torch.distributed.tensor import Shard
-
-    shape = list(global_shape)
-    for placement, size, index in zip(placements, mesh_sizes, coordinate):
-        if isinstance(placement, Shard):
-            shape[placement.dim] = chunk_length(shape[placement.dim], size, index)
-    return tuple(shape)
-
-
 def shard_problems(named_tensors, what: str = "parameter") -> tuple[int, list]:
-    """(elements expected on this rank, problems) for DTensors: each local shard's shape must be exactly
-    the one its placements and global shape give this rank; a plain tensor is reported as not sharded."""
+    """(elements expected on this rank, problems) for (name, tensor) pairs that must be DTensor shards: each
+    local shard holds exactly the elements its placements and global shape give this rank
+    (``checks.expected_local_numel``); a plain tensor is reported as not sharded."""
     from torch.distributed.tensor import DTensor
+
+    from ..checks import expected_local_numel
 
     expected_total, problems, plain = 0, [], []
     for name, t in named_tensors:
         if not isinstance(t, DTensor):
             plain.append(name)
             continue
-        mesh = t.device_mesh
-        want = expected_local_shape(t.shape, t.placements, mesh.shape, mesh.get_coordinate())
-        have = tuple(t.to_local().shape)
-        n = 1
-        for d in want:
-            n *= d
-        expected_total += n
+        want, have = expected_local_numel(t), t.to_local().numel()
+        expected_total += want
         if have != want:
-            problems.append(f"{what} {name!r}: this rank holds a local shard of shape {list(have)}, its placements "
-                            f"{list(t.placements)} over global shape {list(t.shape)} give {list(want)}")
+            problems.append(f"{what} {name!r}: this rank holds {have} values, its shard ({list(t.placements)} of "
+                            f"global shape {list(t.shape)}) holds {want}")
     if plain:
         problems.insert(0, f"{len(plain)} {what}(s) are not sharded, e.g. {plain[:3]}")
     return expected_total, problems

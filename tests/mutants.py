@@ -1,0 +1,393 @@
+"""``make mutants``: mutmut over the modules whose logic decides what users are told, with a survival
+rate per module and no unexplained survivor.
+
+mutmut (``[tool.mutmut]`` in pyproject.toml) copies ``stnb`` into ``mutants/``, makes every small
+fault it knows in the modules below (an operator, a constant, a condition, a returned value, an
+argument dropped...) and runs, for each mutant, only the tests that called the mutated function in
+one recorded run of the fast tests listed there. A mutant the tests do not fail is a survivor. Every
+survivor must either be killed by a test stating behaviour a user relies on, or be listed in
+``tests/mutants_equivalent.toml`` with the reason it cannot be observed; a survivor that is neither,
+a mutant no test reaches, or a list entry that matches no mutant any more makes this exit 1.
+
+    python tests/mutants.py                      # every module below (see docs/testing.md for the time)
+    python tests/mutants.py results checks       # some modules
+    python tests/mutants.py --changed main       # the modules that differ from git ref ``main``
+    python tests/mutants.py --report-only        # the table of the last run, without running again
+
+Equivalents are matched by the mutated function and the changed lines (not by mutmut's numbering,
+which moves whenever a function gains a line), so the list stays valid while the code around moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EQUIVALENT_FILE = os.path.join(ROOT, "tests", "mutants_equivalent.toml")
+MUTANTS_DIR = os.path.join(ROOT, "mutants")
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: str            # the file mutmut mutates
+    functions: tuple = ("*",)  # the functions (mutmut's mangled names) whose mutants count here
+
+    @property
+    def dotted(self) -> str:
+        return self.path[:-3].replace("/", ".")
+
+    @property
+    def globs(self) -> list:
+        return [f"{self.dotted}.{f}__mutmut_*" for f in self.functions]
+
+
+MODULES = (
+    # merge and throughput: what a run's result says (the JSONL file's locking and atomic writes are
+    # checked by the slow tests and tests/mutations.py: several processes racing, a process killed)
+    Module("results", "stnb/results.py", ("x_merge", "x_cross_rank_checks", "x__own_config", "xǁRunResultǁto_row",
+                                          "xǁRunResultǁunavailable", "x_results_frame")),
+    Module("launch/channel", "stnb/launch/channel.py"),
+    Module("export", "stnb/export.py"),
+    Module("buildsource", "stnb/buildsource.py"),
+    Module("checks", "stnb/checks.py"),
+    # the prediction and its comparison with the measurement (how the process's peak is read from
+    # the OS, PeakMemory and friends, is checked against a real run by the slow test_memory tests)
+    Module("memory", "stnb/memory.py", ("x_predict", "x_predict_table", "x_model_shape", "x_optimizer_kind",
+                                        "x_measure", "x_compare", "x__row", "x__as_dict", "x__first",
+                                        "x__check_count")),
+    Module("columns", "stnb/columns.py"),
+    # the strategies' verification (the rest of strategies.py prepares models: covered by training runs)
+    Module("strategies.verify", "stnb/strategies.py", ("x_verify", "x_param_counts", "x_local_numel")),
+    Module("plots/table", "stnb/plots/table.py"),
+)
+
+# Functions that run inside the ranks of a launch: mutmut records which tests call a function in the
+# test process only, so a mutant of these that its fast tests leave alive is tried once more against
+# the 2-rank tests that exercise it in the ranks (with the mutant active there: ranks inherit it).
+_FSDP_RANKS = ("tests/test_verification.py::test_fsdp_shards_are_exactly_the_pieces_their_layout_gives_each_rank",)
+_DIGEST_RANKS = ("tests/test_verification.py::test_weights_check_names_the_tensor_rank_1_changed",)
+_WORLD_RANKS = ("tests/test_verification.py::test_world_size_requested_is_compared_with_the_group_each_rank_is_in",)
+_LAUNCH_RANKS = ("tests/test_launch.py::test_progress_shows_each_rank_its_own_step",
+                 "tests/test_launch.py::test_rank_raises_launch_error_others_stopped_no_children")
+RANK_TESTS = {
+    "stnb.checks.x_observe_world": _WORLD_RANKS, "stnb.checks.x_world_problems": _WORLD_RANKS,
+    "stnb.checks.x_gather_digests": _DIGEST_RANKS, "stnb.checks.x_tensor_digests": _DIGEST_RANKS,
+    "stnb.checks.x_shard_problems": _FSDP_RANKS, "stnb.checks.x_expected_local_numel": _FSDP_RANKS,
+    "stnb.strategies.x_verify": _FSDP_RANKS, "stnb.strategies.x_param_counts": _FSDP_RANKS,
+    "stnb.strategies.x_local_numel": _FSDP_RANKS,
+    **{f"stnb.launch.channel.xǁChannelǁ{m}": _LAUNCH_RANKS
+       for m in ("check_in", "set_state", "bump", "report", "write_result", "write_error", "mark_progress")},
+}
+RANK_TEST_TIMEOUT_S = 300
+
+# mutmut's exit-code statuses, grouped as this report counts them
+CAUGHT = {"killed", "timeout", "caught by type check", "segfault"}
+
+
+def load_equivalents(path: str = EQUIVALENT_FILE) -> list:
+    """The listed equivalent mutants: [{function, before, after, reason}, ...]; every one needs all four."""
+    with open(path, "rb") as f:
+        entries = tomllib.load(f).get("equivalent", [])
+    for i, e in enumerate(entries):
+        missing = [k for k in ("function", "before", "after", "reason") if not str(e.get(k, "")).strip()]
+        if missing:
+            raise SystemExit(f"{path}: entry {i + 1} lacks {', '.join(missing)} (every equivalent needs its reason)")
+    return entries
+
+
+def changed_lines(diff: str) -> tuple:
+    """(removed lines, added lines) of a mutant's diff, stripped: what identifies it across renumbering."""
+    lines = diff.splitlines()
+    body = [ln for ln in lines if not ln.startswith(("---", "+++", "@@"))]
+    before = "\n".join(ln[1:].strip() for ln in body if ln.startswith("-"))
+    after = "\n".join(ln[1:].strip() for ln in body if ln.startswith("+"))
+    return before, after
+
+
+def text_only(before: str, after: str) -> bool:
+    """True when a mutant changed nothing but the text inside string literals (a message's words,
+    a label): the report counts these apart from changes to logic."""
+    import io
+    import tokenize
+
+    def tokens(code):
+        try:
+            return [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(code + "\n").readline)
+                    if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                      tokenize.ENDMARKER, tokenize.COMMENT)]
+        except (tokenize.TokenError, SyntaxError, IndentationError):
+            return None
+
+    a, b = tokens(before), tokens(after)
+    if a is None or b is None or len(a) != len(b) or a == b:
+        return False
+    # every difference is inside a string literal holding words (a space): not a key or a name
+    return all(x == y or (x[0] == y[0] == tokenize.STRING and " " in x[1]) for x, y in zip(a, b))
+
+
+def function_of(mutant: str) -> str:
+    """'stnb.results.x_merge__mutmut_3' -> 'stnb.results.x_merge'."""
+    return mutant.partition("__mutmut_")[0]
+
+
+def _results() -> dict:
+    """{mutant name: status} from mutmut's files under mutants/."""
+    from mutmut.stats import status_by_exit_code
+
+    out = {}
+    for base, _, files in os.walk(os.path.join(MUTANTS_DIR, "stnb")):
+        for name in files:
+            if name.endswith(".py.meta"):
+                with open(os.path.join(base, name)) as f:
+                    meta = json.load(f)
+                for key, code in meta["exit_code_by_key"].items():
+                    out[key] = status_by_exit_code[code]
+    return out
+
+
+def _diff(mutant: str) -> str:
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    module = function_of(mutant).rsplit(".", 1)[0]
+    path = next(m.path for m in MODULES if m.dotted == module)
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return get_diff_for_mutant(mutant, path=path)
+    finally:
+        os.chdir(cwd)
+
+
+def mutant_names(modules) -> list:
+    """Every mutant mutmut makes in ``modules`` (the functions that count), by name, without running any."""
+    from pathlib import Path
+
+    from mutmut.mutation.file_mutation import mutate_file_contents
+    from mutmut.utils.format_utils import get_mutant_name
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # mutmut reads its configuration from pyproject.toml here
+    try:
+        names = []
+        for m in modules:
+            with open(m.path) as f:
+                made = mutate_file_contents(m.path, f.read()).mutant_names
+            names += [n for n in (get_mutant_name(Path(m.path), k) for k in made)
+                      if any(fnmatch.fnmatch(n, g) for g in m.globs)]
+        return sorted(names)
+    finally:
+        os.chdir(cwd)
+
+
+def _run_mutmut(modules, max_children: int, selectors: list) -> float:
+    """Run mutmut on the mutants ``selectors`` (names or globs) pick (a fresh mutants/ folder). Returns
+    the seconds it took."""
+    shutil.rmtree(MUTANTS_DIR, ignore_errors=True)
+    # exists before Python starts: an import path that does not exist yet would be cached as empty,
+    # and ranks (forked or spawned) must import the mutated stnb too
+    os.makedirs(MUTANTS_DIR)
+    env = dict(os.environ, PYTHONPATH=MUTANTS_DIR, STNB_PROFILE="ci", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    mutmut = os.path.join(os.path.dirname(sys.executable), "mutmut")
+    start = time.time()
+    proc = subprocess.run([mutmut, "run", "--max-children", str(max_children), *selectors], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds = time.time() - start
+    tail = proc.stdout[-3000:].replace("\r", "\n")
+    if proc.returncode != 0:
+        print(tail)
+        raise SystemExit(f"mutmut run exited {proc.returncode} (its output's end is above)")
+    with open(os.path.join(MUTANTS_DIR, "make-mutants.json"), "w") as f:
+        json.dump({"modules": [m.name for m in modules], "selectors": selectors, "seconds": seconds,
+                   "max_children": max_children}, f)
+    return seconds
+
+
+_RETRIES = os.path.join(MUTANTS_DIR, "rank-retries.json")  # {mutant: killed}, for --report-only
+RETRY_SECONDS = [0.0]
+
+
+RANK_RETRIES = [True]  # --no-rank-retries: such survivors stay unexplained (faster, and said so)
+
+
+def killed_in_ranks(mutant: str) -> bool:
+    """Run the 2-rank tests of ``mutant``'s function (RANK_TESTS) with the mutant active; True when they fail."""
+    tests = RANK_TESTS.get(function_of(mutant))
+    if not tests or not RANK_RETRIES[0]:
+        return False
+    done = json.load(open(_RETRIES)) if os.path.exists(_RETRIES) else {}
+    if mutant not in done:
+        start = time.time()
+        done[mutant] = _run_rank_tests(mutant, tests)
+        RETRY_SECONDS[0] += time.time() - start
+        with open(_RETRIES, "w") as f:
+            json.dump(done, f)
+    return done[mutant]
+
+
+def _run_rank_tests(mutant: str, tests) -> bool:
+    env = dict(os.environ, PYTHONPATH=MUTANTS_DIR, MUTANT_UNDER_TEST=mutant, STNB_PROFILE="ci", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=MUTANTS_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=RANK_TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return True  # the mutant made the ranks hang: caught by the launch's limits
+    return proc.returncode == 1
+
+
+@dataclass
+class Row:
+    module: str
+    mutants: int = 0
+    caught: int = 0
+    survived: int = 0
+    equivalent: int = 0
+    no_tests: int = 0
+    text: int = 0  # unexplained survivors that changed only a message's words
+    in_ranks: int = 0  # caught by the 2-rank tests of RANK_TESTS
+
+    @property
+    def unexplained(self) -> int:
+        return self.survived - self.equivalent + self.no_tests
+
+    def rate(self) -> str:
+        return f"{100.0 * self.survived / self.mutants:.1f}%" if self.mutants else "-"
+
+
+def report(modules, seconds: float | None, selectors: list | None = None) -> int:
+    """Print the table; return the exit code (1: an unexplained survivor, an unreached mutant, a stale entry).
+    selectors: the names or globs that were run (None: every mutant of ``modules``); a stale entry is
+    only looked for when every mutant of the modules ran."""
+    statuses = _results()
+    if selectors is not None:
+        statuses = {k: v for k, v in statuses.items() if any(k == p or fnmatch.fnmatch(k, p) for p in selectors)}
+    whole = selectors is None or all("*" in p for p in selectors)
+    equivalents = load_equivalents()
+    used = set()
+    rows, unexplained = [], []
+    for m in modules:
+        row = Row(m.name)
+        names = sorted(k for k in statuses if any(fnmatch.fnmatch(k, g) for g in m.globs))
+        for name in names:
+            status = statuses[name]
+            row.mutants += 1
+            if status in CAUGHT:
+                row.caught += 1
+                continue
+            before, after = changed_lines(_diff(name))
+            hit = next((i for i, e in enumerate(equivalents) if e["function"] == function_of(name)
+                        and e["before"].strip() == before and e["after"].strip() == after), None)
+            if status in ("survived", "no tests") and hit is None and killed_in_ranks(name):
+                row.caught += 1
+                row.in_ranks += 1
+                continue
+            if status == "no tests" and hit is None:
+                row.no_tests += 1
+                unexplained.append((name, "no test reaches it"))
+                continue
+            if status not in ("survived", "no tests"):  # not checked, suspicious, skipped: not a result
+                row.no_tests += 1
+                unexplained.append((name, status))
+                continue
+            row.survived += 1
+            if hit is None:
+                unexplained.append((name, "survived"))
+                row.text += text_only(before, after)
+            else:
+                used.add(hit)
+                row.equivalent += 1
+        rows.append(row)
+    ran = {m.dotted for m in modules}
+    stale = [e for i, e in enumerate(equivalents) if whole and i not in used and e["function"].rsplit(".", 1)[0] in ran]
+
+    total = Row("total", *(sum(getattr(r, k) for r in rows) for k in ("mutants", "caught", "survived", "equivalent",
+                                                                         "no_tests", "text", "in_ranks")))
+    print(f"{'module':<20}{'mutants':>8}{'caught':>8}{'(in ranks)':>11}{'survived':>9}{'rate':>7}{'equivalent':>11}"
+          f"{'unexplained':>12}{'(text only)':>12}")
+    for r in rows + [total]:
+        print(f"{r.module:<20}{r.mutants:>8}{r.caught:>8}{r.in_ranks:>11}{r.survived:>9}{r.rate():>7}"
+              f"{r.equivalent:>11}{r.unexplained:>12}{r.text:>12}")
+    print("caught: a test failed (in ranks: one of the 2-rank tests of RANK_TESTS); rate: survivors / mutants "
+          "(listed equivalents included); unexplained: survivors not listed as equivalent, and mutants no test "
+          "reaches; (text only): of those, the ones that changed only the words of a message")
+    if seconds is not None:
+        print(f"time: {seconds:.0f} s mutmut, {RETRY_SECONDS[0]:.0f} s of 2-rank retries")
+    if not RANK_RETRIES[0]:
+        print("2-rank retries were skipped (--no-rank-retries): survivors of functions that run in ranks "
+              "count as unexplained")
+    if unexplained:
+        print(f"\n{len(unexplained)} unexplained mutant(s) (see one with: mutmut show NAME):")
+        for name, why in unexplained:
+            print(f"  {name}: {why}")
+            if why == "survived":
+                before, after = changed_lines(_diff(name))
+                print("    - " + before.replace("\n", "\n    - ") + "\n    + " + after.replace("\n", "\n    + "))
+    if stale:
+        print(f"\n{len(stale)} entr(y/ies) of {os.path.relpath(EQUIVALENT_FILE, ROOT)} match no surviving mutant "
+              "(the code changed, or a test now kills it): remove or update them")
+        for e in stale:
+            print(f"  {e['function']}: {e['before']!r} -> {e['after']!r}")
+    if not any(r.mutants for r in rows):
+        print("no mutant was run: nothing is checked")
+        return 1
+    return 1 if unexplained or stale else 0
+
+
+def changed_modules(base: str) -> list:
+    out = subprocess.run(["git", "diff", "--name-only", base, "--"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    return [m for m in MODULES if m.path in out]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("modules", nargs="*", help=f"modules to run (default: all): {', '.join(m.name for m in MODULES)}")
+    p.add_argument("--changed", metavar="GIT_REF", help="only the modules whose file differs from GIT_REF")
+    p.add_argument("--report-only", action="store_true", help="print the last run's table, run nothing")
+    p.add_argument("--sample", type=int, metavar="N", help="run N mutants drawn from the modules' (with --seed)")
+    p.add_argument("--seed", type=int, default=19, help="seed of the --sample draw (default 19)")
+    p.add_argument("--no-rank-retries", action="store_true",
+                   help="do not try survivors of functions that run in ranks against their 2-rank tests")
+    p.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    a = p.parse_args(argv)
+    RANK_RETRIES[0] = not a.no_rank_retries
+    by_name = {m.name: m for m in MODULES}
+    unknown = [n for n in a.modules if n not in by_name]
+    if unknown:
+        p.error(f"unknown module(s) {unknown}; choose from {list(by_name)}")
+    modules = [by_name[n] for n in a.modules] or list(MODULES)
+    if a.changed:
+        modules = [m for m in changed_modules(a.changed) if m in modules]
+        if not modules:
+            print(f"no listed module differs from {a.changed}: nothing to mutate")
+            return 0
+    if a.report_only:
+        with open(os.path.join(MUTANTS_DIR, "make-mutants.json")) as f:
+            last = json.load(f)
+        modules = [by_name[n] for n in last["modules"] if n in by_name and by_name[n] in modules]
+        return report(modules, last["seconds"], last["selectors"])
+    selectors = [g for m in modules for g in m.globs]
+    if a.sample:
+        import random
+
+        every = mutant_names(modules)
+        selectors = sorted(random.Random(a.seed).sample(every, min(a.sample, len(every))))
+        print(f"{len(selectors)} of {len(every)} mutants, drawn with seed {a.seed}")
+    seconds = _run_mutmut(modules, a.max_children, selectors)
+    return report(modules, seconds, selectors)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""stnb.buildsource.build_source: what a build function needs goes into the script (imports, literals,
+helper functions), found wherever the function reads it; what exists only in the kernel is refused,
+named. Fast: nothing runs but the source analysis (the exported script is run in test_export_build)."""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+
+import pytest
+
+import buildsource_helpers as h
+from stnb.buildsource import build_source
+from stnb.errors import ConfigError
+
+
+def _script_names(text) -> dict:
+    """{name: literal value} of the script's top-level literal assignments."""
+    out = {}
+    for n in ast.parse(text).body:
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name):
+            try:
+                out[n.targets[0].id] = ast.literal_eval(n.value)
+            except ValueError:
+                pass
+    return out
+
+
+def test_globals_read_in_the_body_and_in_a_comprehension_both_go_along():
+    src = build_source(h.reads_body_and_comprehension)
+    assert _script_names(src.text) == {"SIZE": 3, "TEXT": "hello"}
+    assert src.name == "reads_body_and_comprehension" and src.functions == ["reads_body_and_comprehension"]
+
+
+def test_globals_read_by_default_values_go_along():
+    assert _script_names(build_source(h.with_defaults).text) == {"SIZE": 3, "TEXT": "hello"}
+
+
+def test_containers_of_literals_are_copied_and_read_back_equal():
+    assert _script_names(build_source(h.reads_literal_table).text)["TABLE"] == h.TABLE
+    assert _script_names(build_source(h.reads_deep_20).text)["DEEP_20"] == h.DEEP_20
+
+
+@pytest.mark.parametrize("fn, name", [(h.reads_deep_21, "DEEP_21"), (h.reads_object_in_a_list, "OBJECT_IN_A_LIST"),
+                                      (h.reads_object_as_value, "OBJECT_AS_VALUE"),
+                                      (h.reads_object_as_key, "OBJECT_AS_KEY"),
+                                      # an int subclass reads back equal as a plain int: still not a literal
+                                      (h.reads_flag_as_value, "FLAG_AS_VALUE"), (h.reads_flag_as_key, "FLAG_AS_KEY"),
+                                      (h.reads_flags_in_a_list, "FLAGS_IN_A_LIST")])
+def test_containers_holding_objects_or_nested_too_deep_are_refused(fn, name):
+    kind = type(getattr(h, name))
+    with pytest.raises(ConfigError, match=rf"reads global\(s\) that exist only in this kernel: {name} \(a "
+                                          rf"builtins\.{kind.__name__} object built in the notebook\)"):
+        build_source(fn)
+
+
+def test_a_class_is_imported_from_the_shortest_module_that_exports_it():
+    src = build_source(h.reads_a_loss_class)
+    assert src.imports == ["from sentence_transformers.sentence_transformer.losses import "
+                           "MultipleNegativesRankingLoss as MNRL"]
+
+
+def test_a_class_exported_by_the_top_package_is_imported_from_it():
+    assert build_source(h.reads_a_top_level_class).imports == [
+        "from sentence_transformers import SentenceTransformer as SentenceTransformerModel"]
+
+
+def test_a_nested_class_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"Inner \(buildsource_helpers\.Outer\.Inner: nested; import it at the "
+                                          r"top level of a module\)"):
+        build_source(h.reads_nested_class)
+
+
+def test_a_helper_defined_in_the_notebook_goes_along_as_source(monkeypatch):
+    """In a kernel, cell functions live in __main__: their source is copied, never imported from __main__."""
+    monkeypatch.setattr(h.notebook_helper, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "notebook_helper", h.notebook_helper, raising=False)
+    src = build_source(h.reads_notebook_helper)
+    assert src.functions == ["notebook_helper", "reads_notebook_helper"]  # defined before it is called
+    assert not any("__main__" in line for line in src.imports)
+    assert "def notebook_helper():" in src.text and _script_names(src.text) == {"SIZE": 3}
+
+
+def test_a_decorated_function_is_refused_naming_the_decorator():
+    with pytest.raises(ConfigError) as e:
+        build_source(h.decorated_build)
+    assert str(e.value) == ("decorated_build() is decorated (tag); export a plain function and apply the "
+                            "decorator's effect inside it")
+
+
+def _with_source_lines(name, lines):
+    """A function whose source, as inspect finds it, is ``lines`` (getsource found the wrong lines)."""
+    filename = f"<stnb-test-{name}>"
+    ns = {}
+    exec(compile(f"def {name}():\n    return 1\n", filename, "exec"), ns)
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return ns[name]
+
+
+@pytest.mark.parametrize("lines", [["x = 1\n"], ["def other():\n", "    return 2\n"]])
+def test_source_that_is_not_the_def_statement_is_refused(lines):
+    fn = _with_source_lines("wrong_lines", lines)
+    with pytest.raises(ConfigError) as e:
+        build_source(fn)
+    assert str(e.value) == ("the source found for wrong_lines() is not its def statement; define it with def "
+                            "in a cell")
+
+
+def test_source_that_does_not_parse_is_refused():
+    fn = _with_source_lines("broken", ["def broken():\n", "    return 1 1\n"])
+    with pytest.raises(ConfigError, match=r"^the source found for broken\(\) does not parse \(.+\); define it with "
+                                          r"def in a cell$"):
+        build_source(fn)
+
+
+def test_a_partial_is_exported_as_a_call_of_the_function_with_its_literal_arguments():
+    import functools
+
+    src = build_source(functools.partial(h.takes_one, n={"k": [1, "a"]}))
+    assert src.name == "build" and src.imports == ["import functools"]
+    assert src.text.endswith("\n\n\nbuild = functools.partial(takes_one, n={'k': [1, 'a']})\n")
+    assert src.literals == [] and src.functions == ["takes_one"]
+    own = build_source(functools.partial(h.build, 3))
+    assert own.name == "build_partial" and own.text.endswith("build_partial = functools.partial(build, 3)\n")
+    # the parts are separated by two blank lines, each without blank lines at its ends
+    assert "\n\n\n\n" not in src.text and src.text.startswith("import functools\n\n\ndef takes_one(n):")
+
+
+def test_a_partial_binding_an_object_is_refused():
+    import functools
+
+    with pytest.raises(ConfigError) as e:
+        build_source(functools.partial(h.takes_one, n=h.OBJECT_AS_VALUE))
+    assert str(e.value) == (f"the functools.partial of takes_one binds {repr(h.OBJECT_AS_VALUE)[:60]}, which exist "
+                            "only in this kernel; bind only numbers, strings, lists and dicts of them, or build "
+                            "those objects inside the function")
+
+
+def test_a_script_holds_literals_and_functions_in_order():
+    src = build_source(h.reads_body_and_comprehension)
+    assert src.literals == ["SIZE = 3", "TEXT = 'hello'"]
+    assert src.text == ("SIZE = 3\nTEXT = 'hello'\n\n\n" + _source_of(h.reads_body_and_comprehension))
+
+
+def _source_of(fn):
+    import inspect
+
+    return inspect.getsource(fn).rstrip() + "\n"
+
+
+def test_modules_are_imported_as_the_function_names_them():
+    assert build_source(h.reads_modules).imports == ["import email.mime as em", "import json", "import json as js",
+                                                     "from email import mime"]
+
+
+def test_a_module_no_import_gives_back_is_refused():
+    with pytest.raises(ConfigError, match=r"MADE_HERE \(module 'made_here', not importable\)"):
+        build_source(h.reads_made_here)
+
+
+def test_literals_keep_their_order_and_wrap_at_110_columns():
+    import pprint
+
+    src = build_source(h.reads_ordered_and_long)
+    assert src.literals == [f"LONG = {pprint.pformat(h.LONG, width=110)}", "ORDERED = {'b': 1, 'a': 2}"]
+    assert max(len(line) for line in src.literals[0].splitlines()) <= 110 < len(repr(h.LONG))
+
+
+def test_a_literal_up_to_the_limit_is_copied_and_a_longer_one_refused():
+    assert len(build_source(h.reads_at_limit).literals[0]) == len("AT_LIMIT = ") + 200_000
+    with pytest.raises(ConfigError, match=r"OVER_LIMIT \(a str of 200,002 characters: too large to copy into a "
+                                          r"script\)"):
+        build_source(h.reads_over_limit)
+
+
+def test_a_recursive_function_goes_in_once():
+    src = build_source(h.countdown)
+    assert src.functions == ["countdown"] and src.text.count("def countdown(") == 1
+
+
+def test_a_class_defined_in_a_cell_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(h.CellClass, "__module__", "__main__")
+    with pytest.raises(ConfigError, match=r"CellClass \(defined in a cell; move it to a \.py module and import it\)"):
+        build_source(h.reads_cell_class)
+
+
+def test_a_notebook_function_under_another_name_is_refused(monkeypatch):
+    monkeypatch.setattr(h.notebook_helper, "__module__", "__main__")
+    with pytest.raises(ConfigError, match=r"alias_of_helper \(the function notebook_helper under another name; "
+                                          r"call it by its own name\)"):
+        build_source(h.reads_alias)

@@ -1,0 +1,137 @@
+"""results.merge: the ranks' measurements become the one RunResult a user reads (throughput, steps,
+memory, verification and its reason), from hand-built rank results, in this process."""
+
+from __future__ import annotations
+
+import pytest
+
+import stnb
+from stnb.results import merge
+
+
+def _cfg(strategy="ddp", **kw):
+    kw = {"model": "tiny", "steps": 4, "warmup_steps_excluded": 1, **kw}
+    return stnb.TrainConfig(strategy=strategy, num_processes=None if strategy in ("single", "dp") else 2, **kw)
+
+
+def _rank(rank, step_times, verification=None, **kw):
+    v = {"ok": True, "problems": [], "world_size_seen": 2, "local_param_count": 10 + rank, "total_param_count": 21}
+    v.update(verification or {})
+    out = {"rank": rank, "device": f"cpu{rank}", "global_batch_size": 8, "step_times": step_times,
+           "losses": [0.9 - 0.1 * i - rank for i in range(len(step_times))], "verification": v,
+           "memory_breakdown": {"rank": rank}, "peak_memory_bytes": 100 + rank, "peak_memory_run_bytes": 50 + rank,
+           "time_to_first_step_s": 1.5 + rank, "weight_digests": {"w": "a"}}
+    out.update(kw)
+    return out
+
+
+def test_throughput_counts_the_measured_steps_of_the_slowest_rank():
+    r0, r1 = _rank(0, [5.0, 1.0, 2.0, 3.0]), _rank(1, [4.0, 2.0, 1.0, 4.0, 9.0])
+    res = merge(_cfg(), [r0, r1], device="cpu", wall_time_s=12.5)
+    assert res.steps == 4  # the steps every rank took
+    assert res.step_times == [5.0, 2.0, 2.0, 4.0]  # per step, the slowest rank
+    # one warm-up step left out; rank 1 spent 2 + 1 + 4 = 7 s on the 3 measured steps of 8 samples
+    assert res.samples_per_second == pytest.approx(8 * 3 / 7.0)
+    assert res.world_size == 2 and res.global_batch_size == 8
+    assert res.per_device_batch_size == _cfg().per_device_batch_size  # stnb's recipe: the config's
+    assert res.losses == r0["losses"] and res.device == "cpu0"
+    assert res.peak_memory_bytes == [100, 101] and res.peak_memory_run_bytes == [50, 51]
+    assert res.local_param_count == [10, 11] and res.total_param_count == 21
+    assert res.memory_breakdown == [{"rank": 0}, {"rank": 1}]
+    assert res.time_to_first_step_s == 2.5 and res.wall_time_s == 12.5 and res.launcher == "stnb"
+    assert res.config == _cfg().to_dict() and res.build is None and res.model == "tiny"
+    assert res.verified and res.reason == "" and len(res.run_id) == 12
+
+
+def test_warm_up_leaves_the_last_step_and_no_time_means_no_throughput():
+    one = merge(_cfg(), [_rank(0, [3.0]), _rank(1, [2.0])], device="cpu")
+    assert one.steps == 1 and one.samples_per_second == pytest.approx(8 / 3.0)  # warm-up never takes the last step
+    zero = merge(_cfg(), [_rank(0, [1.0, 0.0, 0.0]), _rank(1, [1.0, 0.0, 0.0])], device="cpu")
+    assert zero.samples_per_second is None
+    two = merge(_cfg(warmup_steps_excluded=5), [_rank(0, [1.0, 2.0]), _rank(1, [1.0, 4.0])], device="cpu")
+    assert two.samples_per_second == pytest.approx(8 / 4.0)  # warm-up capped: the last step is measured
+
+
+def test_one_process_strategies_are_a_world_of_one_and_first_step_ignores_ranks_that_measured_none():
+    res = merge(_cfg("single"), [_rank(0, [1.0, 2.0], time_to_first_step_s=None)], device="cpu")
+    assert res.world_size == 1 and res.time_to_first_step_s is None
+    res = merge(_cfg(), [_rank(0, [1.0, 2.0], time_to_first_step_s=None), _rank(1, [1.0, 2.0])], device="cpu")
+    assert res.time_to_first_step_s == 2.5
+
+
+def test_mfu_counts_every_gpu_data_parallel_drives():
+    peak = {"flops_per_s": 1e12, "source": "table", "gpu": "X", "precision": "fp32"}
+    r = _rank(0, [1.0, 2.0, 2.0], train_flops=[1e12, 2e12, 2e12], train_tokens=[10, 20, 20], peak=peak)
+    dp = merge(_cfg("dp"), [r], device="cuda", n_gpu=2).mfu
+    assert dp["achieved_tflops"] == pytest.approx(1.0) and dp["peak_tflops"] == pytest.approx(2.0)
+    assert dp["mfu"] == pytest.approx(0.5)
+    single = merge(_cfg("single"), [r], device="cuda", n_gpu=2).mfu
+    assert single["mfu"] == pytest.approx(1.0)
+
+
+def test_dev_metrics_and_what_a_users_trainer_trained_with():
+    r = _rank(0, [1.0, 2.0], dev_metric="sts-dev_spearman_cosine", dev_metric_before=0.1, dev_metric_after=0.7,
+              build="build", training={"per_device_batch_size": 3, "model": "my-model", "loss": "X"},
+              overridden_args={"a": 1}, saved_model={"saved_to": "/m", "problems": []},
+              start_method="fork", start_method_requested="fork")
+    res = merge(_cfg("single"), [r], device="cpu")
+    assert (res.spearman_before, res.spearman_after) == (0.1, 0.7)
+    assert (res.dev_metric, res.dev_metric_before, res.dev_metric_after) == ("sts-dev_spearman_cosine", 0.1, 0.7)
+    assert res.per_device_batch_size == 3 and res.model == "my-model" and res.build == "build"
+    assert res.config["build"] == "build" and res.config["loss"] == "X" and res.config["per_device_batch_size"] == 3
+    assert res.config["strategy"] == "single" and "learning_rate" not in res.config
+    assert res.overridden_args == {"a": 1} and res.saved_to == "/m" and res.start_method == "fork"
+    ir = merge(_cfg("single"), [dict(r, dev_metric="ir_cosine_ndcg@10")], device="cpu")
+    assert ir.spearman_before is None and ir.spearman_after is None and ir.dev_metric_after == 0.7
+
+
+def test_every_problem_is_in_the_reason():
+    bad = _rank(1, [1.0, 2.0], verification={"ok": False, "problems": ["p1", "p2"]}, weight_digests={"w": "b"})
+    silent = _rank(0, [1.0, 2.0], verification={"ok": False, "problems": []})
+    res = merge(_cfg(), [silent, bad], device="cpu")
+    assert not res.verified
+    assert res.reason == ("not verified: rank 0: no training step began, so the prepared model was never "
+                          "verified; rank 1: p1; p2; weights differ across ranks in 1 of 1 tensor(s), first 'w' "
+                          "(ranks [1])")
+    v = res.verification
+    assert v["weights_identical_across_ranks"] is False and v["weights_tensors_compared"] == 1
+    assert v["weights_differing"] == [{"tensor": "w", "ranks": [1]}] and len(v["weights_checksums"]) == 2
+    assert v["world_size_requested"] == 2 and v["problems"] == [
+        "rank 0: no training step began, so the prepared model was never verified", "rank 1: p1; p2",
+        "weights differ across ranks in 1 of 1 tensor(s), first 'w' (ranks [1])"]
+
+
+def test_cross_rank_checks_start_method_saved_model_and_columns():
+    kw = dict(start_method_requested="spawn", saved_model={"saved_to": None, "problems": ["not trained"]},
+              data_columns=["anchor", "positive", "score"], loss_inputs={"texts": 2, "label": True})
+    r0 = _rank(0, [1.0, 2.0], start_method="spawn", **kw)
+    r1 = _rank(1, [1.0, 2.0], start_method="fork", **dict(kw, loss_inputs={"texts": 1, "label": True}))
+    res = merge(_cfg(), [r0, r1], device="cpu")
+    v = res.verification
+    assert v["start_method"] == {"requested": "spawn", "seen": None, "per_rank": ["spawn", "fork"]}
+    assert res.start_method is None
+    assert v["saved_model"]["problems"] == ["not trained"] and v["loss_received_all_columns"] is False
+    assert v["data_columns"] == ["anchor", "positive", "score"]
+    assert v["loss_inputs"] == [{"texts": 2, "label": True}, {"texts": 1, "label": True}]
+    assert res.reason == ("not verified: start method 'spawn' was requested, the ranks were started by "
+                          "['spawn', 'fork']; save_to: not trained; the loss received {'texts': 2, 'label': True} "
+                          "but the data has columns ['anchor', 'positive', 'score'] (expected {'texts': 2, "
+                          "'label': True})")
+    same = merge(_cfg(), [dict(r0, saved_model=None), dict(r1, start_method="fork", loss_inputs=r0["loss_inputs"],
+                                                             saved_model=None)],
+                 device="cpu")
+    assert same.verification["start_method"]["seen"] is None  # spawn asked, one rank forked: both differ
+    both = [dict(r, start_method="spawn", saved_model=None, loss_inputs={"texts": 2, "label": True}) for r in (r0, r1)]
+    ok = merge(_cfg(), both, device="cpu")
+    assert ok.verified and ok.start_method == "spawn" and ok.verification["loss_received_all_columns"] is True
+    forked = merge(_cfg(), [dict(r, start_method="fork") for r in both], device="cpu")
+    assert forked.reason == ("not verified: start method 'spawn' was requested, the ranks were started by "
+                             "['fork', 'fork']")
+
+
+def test_fsdp_shards_must_add_up_to_the_model():
+    ok = merge(_cfg("fsdp"), [_rank(0, [1.0, 2.0]), _rank(1, [1.0, 2.0])], device="cpu")
+    assert ok.verified and ok.verification["shards_add_up"] is True
+    assert "weights_identical_across_ranks" not in ok.verification  # shards differ by design
+    bad = merge(_cfg("fsdp"), [_rank(0, [1.0, 2.0]), _rank(0, [1.0, 2.0])], device="cpu")
+    assert bad.reason == "not verified: the ranks' local shards hold 20 parameter values, the model has 21"
