@@ -190,8 +190,8 @@ MUTATIONS = [
     Mutation(
         "fsdp-shards-unchecked",
         "FSDP verification no longer compares each rank's shards with their exact size",
-        (("stnb/strategies/fsdp.py", "        problems += checks.shard_problems(model, world_size)\n",
-          "        pass  # MUTATION\n"),),
+        (("stnb/strategies/fsdp.py", "        problems += checks.shard_problems(model, world_size)  # exact local size",
+          "        pass  # MUTATION"),),
         ("tests/test_verify_in_process.py::test_shard_problems_name_the_mesh_the_size_and_whole_parameters",)),
 ]
 

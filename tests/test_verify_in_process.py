@@ -43,7 +43,7 @@ def world_of_one(tmp_path):
 def test_single_reports_what_it_saw():
     m = _model()
     info = strategies.verify("single", m, m, 1, world=ALONE)
-    assert info == {"wrapper": "Sequential", "world_size_requested": 1, "world_size_seen": 1, "processes_seen": 1,
+    assert info == {"strategy": "single", "wrapper": "Sequential", "world_size_requested": 1, "world_size_seen": 1, "processes_seen": 1,
                     "backend": None, "local_param_count": 26, "total_param_count": 26, "local_param_fraction": 1.0,
                     "problems": [], "ok": True}
     assert strategies.param_counts(m) == (26, 26)
