@@ -225,9 +225,8 @@ def ddp_kwargs(config) -> dict:
         "gradient_as_bucket_view": bool(config.gradient_as_bucket_view),
         "static_graph": bool(config.static_graph),
         # 'embedding_rows' is stnb's own hook (stnb.embedding_rows_hook), registered on the prepared model by the runner
-        "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,
-                      "bf16": DDPCommunicationHookType.BF16,
-                      "embedding_rows": DDPCommunicationHookType.NO}[config.comm_hook],
+        # stnb registers config.comm_hook itself, timed (stnb.timesplit), at the first step
+        "comm_hook": DDPCommunicationHookType.NO,
     }
     if config.bucket_cap_mb:
         cap = config.bucket_cap_mb

@@ -35,6 +35,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
 
     from . import checks, memory, prepare, strategies
     from .mfu import FlopMeter, device_peak
+    from .timesplit import StepTimer
 
     transformers.logging.disable_progress_bar()  # the parent shows per-rank progress instead
     ctx = rank_context()
@@ -91,6 +92,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     frozen = strategies.freeze_unused_pooler(model) if build is None else []
     model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
     state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
+    state["timer"] = StepTimer()  # where each step's time goes (stnb.timesplit)
     _record_loss_inputs(trainer.loss, state)
     if config.strategy == "fsdp":
         prep["initial_weights"] = prepare.same_start(model)
@@ -166,6 +168,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         "loss_inputs": state.get("loss_inputs"),
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
         "saved_model": saved,
+        "time_split": state["timer"].summary(),
         "train_flops": state["flops"].per_step,
         "train_tokens": state["flops"].tokens,
         "flops_shape": state["flops"].shape,
@@ -214,8 +217,10 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                         and state["process_group_size"] > 1):
                     from . import embedding_rows_hook  # before the first backward, as DDP requires
 
-                    state["embedding_rows"] = embedding_rows_hook.register(tr.model_wrapped)
+                    state["embedding_rows"] = embedding_rows_hook.register(tr.model_wrapped,
+                                                                           wrap=state["timer"].timed)
                 state["t_first_begin"] = time.perf_counter()
+                state["timer"].attach(tr, config.comm_hook)  # registers DDP's comm hook, timed
                 state["verification"] = strategies.verify(
                     config.strategy, tr.model_wrapped, tr.model, state["world_size_requested"], state["n_gpu"])
                 state["verification"].update(state.get("prepare_info", {}))
@@ -227,6 +232,7 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                     lambda *_: calls.__setitem__(0, calls[0] + 1))
                 state["verification"]["loss_model"] = {"trains": type(tr.model_wrapped).__name__,
                                                        "rebound": rebound}
+                state["timer"].on_step_begin(state["t_first_begin"])  # steps timed as step_times are
                 if isinstance(tr.model_wrapped, torch.nn.parallel.DistributedDataParallel):
                     w = tr.model_wrapped  # DDP's settings as the wrapper holds them (observed)
                     state["verification"]["ddp_settings"] = {
@@ -235,11 +241,16 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                         "gradient_as_bucket_view": w.gradient_as_bucket_view}
 
         def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
+            state["timer"].on_optimizer_step()
             if state["memory_breakdown"] is None:
                 state["memory_breakdown"] = memory.measure(trainer_ref["trainer"].model, optimizer)
 
+        def on_pre_optimizer_step(self, args, st, control, **kw):
+            state["timer"].on_pre_optimizer_step()
+
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
+            state["timer"].on_step_end(now)
             state["flops"].end_step()
             prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
             state["step_times"].append(now - prev)
