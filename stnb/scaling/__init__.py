@@ -27,7 +27,7 @@ MIN_STEADY_STEPS = 3
 DEFAULT_STRATEGIES = ("single", "dp", "ddp", "fsdp", "zero1", "zero2")
 PHASES = ("forward", "backward_compute", "optimizer", "data", "other")
 
-__all__ = ["predict", "Prediction", "Measured", "Link", "Fabric", "custom", "fabric", "from_result",
+__all__ = ["predict", "compare", "verdict", "Prediction", "Measured", "Link", "Fabric", "custom", "fabric", "from_result",
            "LINKS", "PRESETS", "STRATEGIES", "MIN_STEADY_STEPS"]
 
 
@@ -102,7 +102,8 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None) -> list:
            f"{m.param_bytes / 2**20:.0f} MiB; FSDP units: {m.layers} layers + the root holding "
            f"{m.root_fraction:.0%} of the parameters",
            "communication overlaps compute" if fab.overlap else
-           "communication does not overlap compute (CPU: the reduction runs on the cores that compute)",
+           "communication counts in full (CPU: gloo's thread reduces on the cores the ranks compute on, so what "
+           "overlaps slows compute as much)",
            "DataParallel: the GIL's serialisation of the replicas is left out (host_fraction=None)"
            if host_fraction is None else f"DataParallel: host busy {host_fraction:.0%} of a step, serialised "
                                          "across the replicas by the GIL",
@@ -112,10 +113,34 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None) -> list:
     return out + list(m.notes)
 
 
+def compare(pred: Prediction, measured) -> dict:
+    """A prediction against a measured run of the same strategy and device count: both samples/s and
+    the error (predicted / measured - 1)."""
+    m = measured.to_dict() if hasattr(measured, "to_dict") else dict(measured)
+    row = pred.row(m["strategy"], int(m["world_size"]))
+    return {"strategy": m["strategy"], "devices": int(m["world_size"]), "predicted": row["samples_per_second"],
+            "measured": m["samples_per_second"], "error": row["samples_per_second"] / m["samples_per_second"] - 1}
+
+
+def verdict(pred: Prediction, strategy: str = "ddp", devices: int = 2) -> str:
+    """One sentence: what ``devices`` devices would give under ``strategy``, and what limits it."""
+    row = pred.row(strategy, devices)
+    if row["samples_per_second"] is None or row["samples_per_second"] != row["samples_per_second"]:
+        return f"{strategy} on {devices} devices: not possible ({row['note']})."
+    eff, link = row["efficiency"], pred.fabric.link.name
+    head = (f"{strategy.upper()} on {devices} devices over {link}: {row['speedup']:.2f}x one device "
+            f"({row['samples_per_second']:,.1f} samples/s, efficiency {eff:.2f}), ")
+    if eff >= 0.85:
+        return head + "so the extra devices pay off: communication hides behind compute."
+    share = row["comm_exposed_ms"] / row["step_ms"]
+    return head + (f"held back by exposed communication ({share:.0%} of each step): a faster link, a bigger "
+                   "batch per device or gradient accumulation (fewer all-reduces per sample) would help.")
+
+
 # ---- inputs from a run ------------------------------------------------------------------------
 
 def from_result(result) -> Measured:
-    """One device's Measured step from a RunResult: the time split's medians over steady steps."""
+    """One device's Measured step from a RunResult: the time split's means over the steady steps (as samples/s averages them)."""
     r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
     if r.get("status", "ok") != "ok" or not r.get("samples_per_second"):
         raise ConfigError(f"cannot predict from a run that did not train ({r.get('status')}: {r.get('reason')}); "
@@ -136,16 +161,16 @@ def from_result(result) -> Measured:
     split = [s for s in (r.get("time_split") or []) if s.get("steps")]
     units = (split[0].get("units") if split else None) or {}
     if split:
-        med = {p: statistics.fmean(statistics.median(st.get(p) or 0.0 for st in s["steps"][warm:]) for s in split)
+        med = {p: statistics.fmean(statistics.fmean(st.get(p) or 0.0 for st in s["steps"][warm:]) for s in split)
                for p in PHASES}
         fwd, bwd, opt, rest = med["forward"], med["backward_compute"], med["optimizer"], med["data"] + med["other"]
-        source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), medians of "
+        source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), means of "
                   f"{steady} steady steps of its measured time split")
         if getattr(TABLE.get(r["strategy"]), "shards", False):
             notes.append("the run is FSDP: its forward and backward include its own all-gathers (not separable "
                          "without the profiler), so the prediction counts them twice and is low")
     else:
-        step = statistics.median(r["step_times"][warm:])
+        step = statistics.fmean(r["step_times"][warm:])
         fwd, bwd, opt, rest = step / 3, 2 * step / 3, 0.0, 0.0
         source = f"{r['strategy']} run, median step {step * 1e3:.1f} ms (no time split in this result)"
         notes.append("no time split in this result: forward:backward taken as 1:2 (their FLOPs), optimizer "

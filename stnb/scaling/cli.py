@@ -62,8 +62,9 @@ def cmd_predict(a) -> int:
         return 0
     rows = check_here(a.model, a.steps, a.batch)
     print(json.dumps(rows, indent=1) if a.json else "\n".join(
-        f"{r['strategy']:>5} on 2 ranks: measured {r['measured']:.2f} samples/s, predicted {r['predicted']:.2f} "
-        f"from the single run ({r['error']:+.0%})" for r in rows))
+        f"{r['strategy']:>5} on 2 ranks: measured {r['measured']:.2f} samples/s; predicted from the single run "
+        f"{r['predicted']:.2f} ({r['error']:+.0%}), from the run's own compute split {r['predicted_own']:.2f} "
+        f"({r['error_own']:+.0%}); compute per rank {r['compute_ratio']:.2f}x the single run's" for r in rows))
     return 0
 
 
@@ -74,17 +75,19 @@ def check_here(model: str = "minilm", steps: int = 12, batch: int = 16, strategi
 
     from ..config import TrainConfig
     from ..runner import run
-    from . import predict
+    from . import compare, from_result, predict
 
     threads = max(1, (os.cpu_count() or 2) // 2)
     base = dict(model=model, steps=steps, per_device_batch_size=batch, evaluate=False, device="cpu",
                 threads_per_rank=threads)
-    single = run(TrainConfig(strategy="single", **base))
+    single = run(TrainConfig(strategy="single", **base), echo=False)
     out = []
     for s in strategies:
-        measured = run(TrainConfig(strategy=s, num_processes=2, **base))
-        pred = predict(single, devices=[2], link="loopback", strategies=[s]).row(s, 2)
-        out.append({"strategy": s, "measured": measured.samples_per_second, "predicted": pred["samples_per_second"],
-                    "error": pred["samples_per_second"] / measured.samples_per_second - 1,
+        measured = run(TrainConfig(strategy=s, num_processes=2, **base), echo=False)
+        one, own = (compare(predict(r, devices=[2], link="loopback", strategies=[s]), measured)
+                    for r in (single, measured))
+        m1, m2 = from_result(single), from_result(measured)
+        out.append({**one, "predicted_own": own["predicted"], "error_own": own["error"],
+                    "compute_ratio": (m2.forward + m2.backward) / (m1.forward + m1.backward),
                     "single": single.samples_per_second, "threads_per_rank": threads})
     return out

@@ -1,0 +1,98 @@
+"""``python -m stnb split``: the time split's benchmarks (numbers printed, never asserted).
+
+    python -m stnb split --comm-share     DDP with fp32 gradients, the fp16 hook, and small buckets:
+                                          communication's share of the step, and the bytes sent
+    python -m stnb split --overhead       throughput with the split on and off (STNB_TIME_SPLIT=off),
+                                          alternated, medians of repeats
+    python -m stnb split --show RESULTS   the split of every run in a results file
+
+Each run is a real 2-rank gloo run of stnb's recipe (``--model``, default the bundled MiniLM).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+SHARE_VARIANTS = (("fp32 all-reduce", {}), ("fp16 hook", {"comm_hook": "fp16"}),
+                  ("fp32, 1 MiB buckets", {"bucket_cap_mb": 1}))
+
+
+def summarize(result) -> dict:
+    """Medians over the steady steps of every rank: each phase in ms, and communication's shares."""
+    warm = int((result.config or {}).get("warmup_steps_excluded", 2))
+    steps = [st for r in result.time_split for st in r["steps"][warm:]]
+    keys = [k for k in ("step", "data", "forward", "backward_compute", "comm_exposed", "wait", "optimizer", "other",
+                        "comm_total", "comm_overlapped") if any(st.get(k) is not None for st in steps)]
+    out = {k: statistics.median(st[k] for st in steps if st.get(k) is not None) * 1e3 for k in keys}
+    if "comm_total" in out:
+        out["comm_share"] = out["comm_total"] / out["step"]
+        out["comm_exposed_share"] = (out["comm_exposed"] + out.get("wait", 0.0)) / out["step"]
+        out["comm_mib_per_step"] = statistics.median(st["comm_bytes"] for st in steps) / 2**20
+    out["samples_per_second"] = result.samples_per_second
+    return out
+
+
+def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16) -> list:
+    from .config import TrainConfig
+    from .runner import run
+
+    rows = []
+    for label, knobs in SHARE_VARIANTS:
+        r = run(TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
+                            evaluate=False, device="cpu", **knobs), echo=False)
+        rows.append({"variant": label, **summarize(r)})
+    return rows
+
+
+def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 3) -> dict:
+    from .config import TrainConfig
+    from .runner import run
+
+    cfg = TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
+                      evaluate=False, device="cpu")
+    seen = {"on": [], "off": []}
+    before = os.environ.get("STNB_TIME_SPLIT")
+    try:
+        for _ in range(repeats):
+            for mode in ("off", "on"):  # alternated: the machine's load drifts alike for both
+                os.environ["STNB_TIME_SPLIT"] = mode
+                seen[mode].append(run(cfg, echo=False).samples_per_second)
+    finally:
+        os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
+    on, off = statistics.median(seen["on"]), statistics.median(seen["off"])
+    return {"on": seen["on"], "off": seen["off"], "median_on": on, "median_off": off, "overhead": 1 - on / off}
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("split", help="the time split's benchmarks: communication share, overhead")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--comm-share", action="store_true")
+    what.add_argument("--overhead", action="store_true")
+    what.add_argument("--show", metavar="RESULTS")
+    p.add_argument("--model", default="minilm")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_split)
+
+
+def cmd_split(a) -> int:
+    if a.comm_share:
+        for row in comm_share(a.model, a.steps, a.batch):
+            print(f"{row['variant']:>20}: step {row['step']:.0f} ms, comm in flight {row['comm_total']:.0f} ms "
+                  f"({row['comm_share']:.0%} of the step; exposed + wait {row['comm_exposed_share']:.0%}), "
+                  f"{row['comm_mib_per_step']:.1f} MiB sent per step, {row['samples_per_second']:.2f} samples/s")
+    elif a.overhead:
+        o = overhead(a.model, a.steps, a.batch, a.repeats)
+        print(f"samples/s with the split off: {', '.join(f'{x:.2f}' for x in o['off'])} (median {o['median_off']:.2f})")
+        print(f"samples/s with the split on:  {', '.join(f'{x:.2f}' for x in o['on'])} (median {o['median_on']:.2f})")
+        print(f"overhead: {o['overhead']:+.1%} of throughput")
+    else:
+        from .results import RunResult, load_results
+
+        for row in load_results(a.show, as_frame=False):
+            r = RunResult.from_dict(row)
+            if r.time_split:
+                print(r.strategy, r.world_size, {k: round(v, 3) for k, v in summarize(r).items()})
+    return 0
