@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-_LAZY = ("bench", "examples", "export", "memory", "plots", "scaleout", "scaling", "widgets")
+_LAZY = ("bench", "examples", "export", "memory", "plots", "scaleout", "scaling", "timesplit", "widgets")
 
 
 def __getattr__(name):

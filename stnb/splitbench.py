@@ -33,16 +33,20 @@ def summarize(result) -> dict:
     return out
 
 
-def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16) -> list:
+def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 1) -> list:
+    """Each variant ``repeats`` times, interleaved (the machine's load drifts alike for all); per variant
+    the medians over its runs of ``summarize``."""
     from .config import TrainConfig
     from .runner import run
 
-    rows = []
-    for label, knobs in SHARE_VARIANTS:
-        r = run(TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
-                            evaluate=False, device="cpu", **knobs), echo=False)
-        rows.append({"variant": label, **summarize(r)})
-    return rows
+    seen = {label: [] for label, _ in SHARE_VARIANTS}
+    for _ in range(repeats):
+        for label, knobs in SHARE_VARIANTS:
+            r = run(TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps,
+                                per_device_batch_size=batch, evaluate=False, device="cpu", **knobs), echo=False)
+            seen[label].append(summarize(r))
+    return [{"variant": label, "runs": len(runs),
+             **{k: statistics.median(run[k] for run in runs) for k in runs[0]}} for label, runs in seen.items()]
 
 
 def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 3) -> dict:
@@ -51,17 +55,26 @@ def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: i
 
     cfg = TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
                       evaluate=False, device="cpu")
-    seen = {"on": [], "off": []}
+    from .timesplit import own_cost
+
+    seen, steps, buckets = {"on": [], "off": []}, [], 1
     before = os.environ.get("STNB_TIME_SPLIT")
     try:
         for _ in range(repeats):
             for mode in ("off", "on"):  # alternated: the machine's load drifts alike for both
                 os.environ["STNB_TIME_SPLIT"] = mode
-                seen[mode].append(run(cfg, echo=False).samples_per_second)
+                r = run(cfg, echo=False)
+                seen[mode].append(r.samples_per_second)
+                if mode == "on":
+                    steps.append(statistics.median(r.step_times[cfg.warmup_steps_excluded:]))
+                    buckets = max(st.get("buckets", 1) for st in r.time_split[0]["steps"])
     finally:
         os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
     on, off = statistics.median(seen["on"]), statistics.median(seen["off"])
-    return {"on": seen["on"], "off": seen["off"], "median_on": on, "median_off": off, "overhead": 1 - on / off}
+    cost = own_cost(buckets=buckets)
+    return {"on": seen["on"], "off": seen["off"], "median_on": on, "median_off": off, "overhead": 1 - on / off,
+            "own_cost_s": cost, "buckets": buckets, "median_step_s": statistics.median(steps),
+            "own_share": cost / statistics.median(steps)}
 
 
 def add_cli(subparsers) -> None:
@@ -79,15 +92,17 @@ def add_cli(subparsers) -> None:
 
 def cmd_split(a) -> int:
     if a.comm_share:
-        for row in comm_share(a.model, a.steps, a.batch):
-            print(f"{row['variant']:>20}: step {row['step']:.0f} ms, comm in flight {row['comm_total']:.0f} ms "
+        for row in comm_share(a.model, a.steps, a.batch, a.repeats):
+            print(f"{row['variant']:>20} (median of {row['runs']}): step {row['step']:.0f} ms, comm in flight {row['comm_total']:.0f} ms "
                   f"({row['comm_share']:.0%} of the step; exposed + wait {row['comm_exposed_share']:.0%}), "
                   f"{row['comm_mib_per_step']:.1f} MiB sent per step, {row['samples_per_second']:.2f} samples/s")
     elif a.overhead:
         o = overhead(a.model, a.steps, a.batch, a.repeats)
         print(f"samples/s with the split off: {', '.join(f'{x:.2f}' for x in o['off'])} (median {o['median_off']:.2f})")
         print(f"samples/s with the split on:  {', '.join(f'{x:.2f}' for x in o['on'])} (median {o['median_on']:.2f})")
-        print(f"overhead: {o['overhead']:+.1%} of throughput")
+        print(f"overhead by throughput: {o['overhead']:+.1%} (run-to-run noise on a shared machine included)")
+        print(f"the split's own code: {o['own_cost_s'] * 1e6:.0f} us per step ({o['buckets']} buckets), "
+              f"{o['own_share']:.4%} of the median step ({o['median_step_s'] * 1e3:.0f} ms)")
     else:
         from .results import RunResult, load_results
 

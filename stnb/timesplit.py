@@ -131,7 +131,7 @@ class StepTimer:
         return timed_hook
 
     def _forward_pre(self, module, args):
-        if self._fwd_start is None:
+        if module.training and self._fwd_start is None:  # evaluation's forwards are not a training step's
             self._fwd_start = now = self.clock()
             if self._marks["data"] is None:
                 self._marks["data"] = now - self._prev_end
@@ -162,8 +162,10 @@ class StepTimer:
         rec = {"step": step, "data": m["data"] or 0.0, "forward": m["forward"],
                "backward_compute": m["backward"] - exposed, "comm_exposed": exposed, "optimizer": opt}
         rec["other"] = step - sum(rec[p] for p in PHASES if p != "other")
+        rec["start"] = self._prev_end - self.origin  # on the clock every rank shares (the barrier at attach)
         if self.hook is not None:
             done = [b for b in self._buckets if b[1] is not None]
+            rec["comm_spans"] = [(b[0] - self.origin, b[1] - self.origin) for b in done]
             rec["comm_total"] = _union([(b[0], b[1]) for b in done])
             rec["comm_overlapped"] = _union([(b[0], min(b[1], last_ready)) for b in done if b[0] < (last_ready or 0)])
             rec["comm_bytes"] = sum(b[2] for b in self._buckets)
@@ -235,3 +237,67 @@ def combine(per_rank: list) -> list:
             st["wait"] = min(max(ends) - end, st["comm_exposed"])
             st["comm_exposed"] -= st["wait"]
     return per_rank
+
+
+def table(result, warmup: int | None = None):
+    """A pandas DataFrame, one row per rank: each part's mean over the steady steps, in ms (the parts
+    that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured)."""
+    import pandas as pd
+
+    r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    warm = int((r.get("config") or {}).get("warmup_steps_excluded", 2)) if warmup is None else warmup
+    cols = ("step", *PHASES, "wait", "comm_total", "comm_overlapped")
+    rows = []
+    for rank, split in enumerate(r.get("time_split") or []):
+        steps = (split or {}).get("steps", [])[warm:]
+        row = {"rank": rank}
+        for c in cols:
+            vals = [st[c] for st in steps if st.get(c) is not None]
+            if vals:
+                row[f"{c}_ms"] = 1e3 * sum(vals) / len(vals)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("rank") if rows else pd.DataFrame()
+
+
+def own_cost(buckets: int = 4, forwards: int = 2, repeats: int = 2000) -> float:
+    """Seconds the timer's own code takes per step (median of ``repeats`` simulated steps): ``forwards``
+    forward pre-hooks, the backward wrapper, ``buckets`` timed comm hooks with their completion
+    callbacks, the optimizer readings and ``on_step_end``. The rest of a real step is left out, so this
+    is the split's overhead on its own, free of the run-to-run noise a throughput comparison has."""
+    import statistics
+
+    import torch
+
+    class Bucket:  # what DDP hands a hook, reduced to what ``timed`` reads
+        def __init__(self):
+            self.tensor = torch.zeros(1024)
+
+        def buffer(self):
+            return self.tensor
+
+    def ready(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    class Module(torch.nn.Module):
+        pass
+
+    timer, module, bucket = StepTimer(enabled=True), Module(), Bucket()
+    timer.method, timer.hook, timer.origin = "clock readings (CPU)", "none", 0.0
+    hook = timer.timed(ready)
+    timer.on_step_begin(timer.clock())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(forwards):
+            timer._forward_pre(module, ())
+        timer._marks["bwd_start"] = timer.clock()  # what the backward wrapper reads around backward
+        for _ in range(buckets):
+            hook(None, bucket).wait()
+        timer._marks["bwd_end"] = timer.clock()
+        timer.on_pre_optimizer_step()
+        timer.on_optimizer_step()
+        timer.on_step_end(timer.clock())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

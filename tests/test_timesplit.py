@@ -72,3 +72,18 @@ def test_combine_splits_wait_off_the_exposed_communication():
     assert slow["steps"][0]["wait"] == 0.0 and slow["steps"][0]["comm_exposed"] == pytest.approx(0.1)
     capped, _ = combine([rank(1.0, 0.1), rank(2.0, 0.1)])  # never more wait than exposed time
     assert capped["steps"][0]["wait"] == pytest.approx(0.1) and capped["steps"][0]["comm_exposed"] == 0.0
+
+
+def test_split_figures_add_up_and_say_what_dominates(ddp):
+    from stnb.plots import timesplit as pt
+
+    fig = pt.split_bars([ddp])
+    bars = [t for t in fig.data if t.type == "bar"]
+    mean_step = pt.means(ddp)["step"] * 1e3
+    assert sum(t.y[0] for t in bars) == pytest.approx(mean_step, rel=1e-6)  # the stack is the step
+    assert {t.name for t in bars} >= {"forward (+ loss)", "backward compute", "optimizer"}
+    assert any(t.type == "scatter" for t in fig.data)  # the overlapped communication
+    line = fig.layout.annotations[0].text
+    assert line.startswith("ddp x2: ") and line.endswith(".")
+    lanes = {y for t in pt.timeline(ddp).data for y in t.y}
+    assert lanes == {"rank 0 compute", "rank 1 compute", "rank 0 comm", "rank 1 comm"}

@@ -52,7 +52,7 @@ class Prediction:
 
         cols = ["strategy", "devices", "samples_per_second", "speedup", "efficiency", "step_ms", "comm_exposed_ms",
                 "note"]
-        display(self.table[cols].style.format(precision=2, na_rep="-").hide(axis="index"))
+        display(self.table[cols].round(2))
         if self.figure is not None:
             display(self.figure)
         display(Markdown("**Assumptions**\n\n" + "\n".join(f"- {a}" for a in self.assumptions)))
@@ -130,9 +130,9 @@ def verdict(pred: Prediction, strategy: str = "ddp", devices: int = 2) -> str:
     eff, link = row["efficiency"], pred.fabric.link.name
     head = (f"{strategy.upper()} on {devices} devices over {link}: {row['speedup']:.2f}x one device "
             f"({row['samples_per_second']:,.1f} samples/s, efficiency {eff:.2f}), ")
-    if eff >= 0.85:
-        return head + "so the extra devices pay off: communication hides behind compute."
     share = row["comm_exposed_ms"] / row["step_ms"]
+    if eff >= 0.85:
+        return head + f"so the extra devices pay off (exposed communication: {share:.0%} of each step)."
     return head + (f"held back by exposed communication ({share:.0%} of each step): a faster link, a bigger "
                    "batch per device or gradient accumulation (fewer all-reduces per sample) would help.")
 
