@@ -23,8 +23,10 @@ flight), ``comm_overlapped``, ``comm_bytes`` (what the hook sends: 2-byte elemen
 exposed communication: a rank that handed its last bucket over before the slowest rank waited for
 it (readings are relative to a barrier all ranks left together).
 
-FSDP's all-gathers and reduce-scatters run inside its own forward and backward hooks: the split
-keeps them in ``forward`` / ``backward_compute`` and says so (``comm`` None). On CUDA the clock
+FSDP (``fully_shard``) all-gathers a unit's parameters in its own forward pre-hook: two more pre-hooks
+around it (one before, one after FSDP's) time each unit's forward all-gather, blocking on CPU, so it
+counts as exposed communication. Backward's all-gathers and reduce-scatters run in autograd hooks
+stnb does not reach: they stay in ``backward_compute``, and ``comm`` says so. On CUDA the clock
 readings would time kernel launches, not kernels: the split says it is not measured there.
 """
 
@@ -52,6 +54,7 @@ class StepTimer:
         self.hook = None
         self.units = None
         self.comm_note = None
+        self.comm = None            # what the comm fields measure
         self._prev_end = None
         self._reset()
 
@@ -60,6 +63,8 @@ class StepTimer:
         self._marks = {"forward": 0.0, "backward": 0.0, "data": None, "bwd_start": None, "bwd_end": None,
                        "opt_start": None, "opt_end": None}
         self._buckets = []          # [handed over, completed, bytes]
+        self._gathers = []          # FSDP forward all-gathers: (start, end)
+        self._gather_from = None
 
     # ---- attaching ---------------------------------------------------------------------------
 
@@ -76,7 +81,11 @@ class StepTimer:
                 wrapped.register_comm_hook(None, builtin_hook(comm_hook))  # the hook asked for, untimed
             return
         self.method = "clock readings (CPU)"
-        wrapped.register_forward_pre_hook(self._forward_pre)
+        wrapped.register_forward_pre_hook(self._forward_pre, prepend=True)  # before FSDP's root all-gather
+        for unit in fsdp_units(wrapped):  # around FSDP's own pre-forward hook: the unit's all-gather
+            unit.register_forward_pre_hook(self._gather_start, prepend=True)
+            unit.register_forward_pre_hook(self._gather_end)
+            self.comm = "FSDP forward all-gathers (backward's all-gathers and reduce-scatters stay in backward)"
         backward = trainer.accelerator.backward
 
         def timed_backward(loss, **kw):
@@ -90,13 +99,13 @@ class StepTimer:
 
         trainer.accelerator.backward = timed_backward
         if is_ddp:
-            self.hook = comm_hook
+            self.hook, self.comm = comm_hook, "DDP bucket hooks"
             hook = builtin_hook(comm_hook)
             if hook is not None:  # stnb's embedding-rows hook registers itself, with ``timed``
                 try:
                     wrapped.register_comm_hook(None, self.timed(hook))
                 except RuntimeError as e:  # DDP takes one hook: someone registered theirs first
-                    self.hook = None
+                    self.hook = self.comm = None
                     self.comm_note = f"not measured: a communication hook was registered before stnb's ({e})"
         self.units = model_units(trainer.model)
         if dist.is_initialized():
@@ -136,6 +145,15 @@ class StepTimer:
             if self._marks["data"] is None:
                 self._marks["data"] = now - self._prev_end
 
+    def _gather_start(self, module, args):
+        if module.training:
+            self._gather_from = self.clock()
+
+    def _gather_end(self, module, args):
+        if module.training and self._gather_from is not None:
+            self._gathers.append((self._gather_from, self.clock()))
+            self._gather_from = None
+
     # ---- the trainer's callbacks -------------------------------------------------------------
 
     def on_step_begin(self, start: float) -> None:
@@ -163,6 +181,13 @@ class StepTimer:
                "backward_compute": m["backward"] - exposed, "comm_exposed": exposed, "optimizer": opt}
         rec["other"] = step - sum(rec[p] for p in PHASES if p != "other")
         rec["start"] = self._prev_end - self.origin  # on the clock every rank shares (the barrier at attach)
+        if self.comm is not None and self.hook is None:  # FSDP: its forward all-gathers, blocking on CPU
+            gathered = sum(e - b for b, e in self._gathers)
+            rec["forward"] -= gathered
+            rec["comm_exposed"] += gathered
+            rec["comm_total"], rec["comm_overlapped"] = gathered, 0.0
+            rec["comm_spans"] = [(b - self.origin, e - self.origin) for b, e in self._gathers]
+            rec["gathers"] = len(self._gathers)
         if self.hook is not None:
             done = [b for b in self._buckets if b[1] is not None]
             rec["comm_spans"] = [(b[0] - self.origin, b[1] - self.origin) for b in done]
@@ -177,9 +202,14 @@ class StepTimer:
 
     def summary(self) -> dict:
         return {"method": self.method, "comm_hook": self.hook, "units": self.units, "steps": self.steps,
-                "comm": None if self.hook is None else "DDP bucket hooks",
-                "note": self.comm_note or (None if self.hook is not None else
-                "no DDP bucket hooks: a strategy's own collectives (FSDP) stay inside forward and backward")}
+                "comm": self.comm, "note": self.comm_note}
+
+
+def fsdp_units(model) -> list:
+    """The modules FSDP2's ``fully_shard`` made units of (each all-gathers its parameters before its forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def builtin_hook(name: str):

@@ -54,13 +54,22 @@ def test_comm_bytes_are_every_gradient_once_per_step_and_halve_with_fp16(ddp, dd
     assert ddp_fp16.time_split[0]["comm_hook"] == "fp16"
 
 
-def test_single_and_fsdp_runs_say_what_is_not_split():
+def test_single_and_fsdp_runs_split_what_they_can():
     single = stnb.run(stnb.TrainConfig(strategy="single", **RUN), echo=False)
     split = single.time_split[0]
     assert split["comm"] is None and "comm_total" not in split["steps"][-1]
     assert split["units"]["layers"] == 2  # the tiny BERT's blocks: what the predictor's FSDP model needs
     assert all(st["forward"] > 0 and st["backward_compute"] > 0 for st in split["steps"])
     assert "wait" in split["steps"][-1] and split["steps"][-1]["wait"] is None
+    fsdp = stnb.run(stnb.TrainConfig(strategy="fsdp", num_processes=2, **RUN), echo=False)
+    assert fsdp.verified, fsdp.reason
+    for split in fsdp.time_split:
+        assert split["comm"].startswith("FSDP forward all-gathers")
+        units = fsdp.verification["ranks"][0]["wrapped_layers"] + 1  # the layers and the root
+        for st in split["steps"][RUN["warmup_steps_excluded"]:]:
+            assert st["gathers"] >= units and st["comm_total"] > 0 and st["forward"] > 0
+            assert st["comm_exposed"] >= st["comm_total"]  # blocking on CPU: all of it exposed
+            assert sum(st[p] for p in PHASES) == pytest.approx(st["step"], rel=1e-9)
 
 
 def test_combine_splits_wait_off_the_exposed_communication():

@@ -167,8 +167,8 @@ def from_result(result) -> Measured:
         source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), means of "
                   f"{steady} steady steps of its measured time split")
         if getattr(TABLE.get(r["strategy"]), "shards", False):
-            notes.append("the run is FSDP: its forward and backward include its own all-gathers (not separable "
-                         "without the profiler), so the prediction counts them twice and is low")
+            notes.append("the run is sharded (FSDP): its backward includes its all-gathers and reduce-scatters "
+                         "(stnb times only the forward all-gathers), so the prediction counts those twice and is low")
     else:
         step = statistics.fmean(r["step_times"][warm:])
         fwd, bwd, opt, rest = step / 3, 2 * step / 3, 0.0, 0.0
