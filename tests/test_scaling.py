@@ -129,3 +129,14 @@ def test_prediction_against_a_measured_two_rank_ddp_run_here():
           f"compute per rank {ratio:.2f}x the single run's")
     assert abs(own["error"]) < OWN_SPLIT_TOLERANCE
     assert one["predicted"] > 0 and one["measured"] == ddp.samples_per_second
+
+
+def test_fsdp_without_resharding_gathers_once():
+    from dataclasses import replace
+
+    fab = Fabric(custom("slow", 3, 5, overlap=False), PRESETS["100gbps"])
+    kept = replace(SMALL, reshard_after_forward=False)
+    resharded, once = STEP_MODELS["fsdp"](SMALL, fab, 2), STEP_MODELS["fsdp"](kept, fab, 2)
+    shares = [SMALL.root_fraction] + [(1 - SMALL.root_fraction) / SMALL.layers] * SMALL.layers
+    regather = sum(fab.all_gather(share * SMALL.param_bytes, 2) for share in shares)  # every unit once more
+    assert resharded["comm"] - once["comm"] == pytest.approx(regather)

@@ -186,7 +186,9 @@ def from_result(result) -> Measured:
                     grad_bytes=grad_size * shape.get("trainable_param_count", shape["param_count"]),
                     param_bytes=4 * shape["param_count"],
                     bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
-                    layers=int(layers), root_fraction=float(root), source=source, notes=tuple(notes))
+                    layers=int(layers), root_fraction=float(root),
+                    reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,
+                    notes=tuple(notes))
 
 
 def _check_strategies(strategies) -> tuple:

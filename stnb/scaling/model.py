@@ -9,7 +9,8 @@ ddp     forward; backward with the gradient buckets (``bucket_bytes`` each) all-
         (ready in proportion to backward progress, one collective at a time); the last bucket's
         all-reduce is exposed, and all of them when the link cannot overlap (CPU); optimizer; rest.
 fsdp    (= zero3) per unit (each transformer layer, and the root holding the embeddings): all-gather
-        the parameters before its forward and again before its backward, reduce-scatter its
+        the parameters before its forward and again before its backward (unless
+        ``reshard_after_forward`` is off: the gathered parameters stay), reduce-scatter its
         gradients after; the next unit's all-gather is prefetched during this unit's compute. The
         optimizer updates 1/n of the parameters.
 zero1/2 (DeepSpeed-style) gradients reduce-scattered as buckets fill (as DDP's all-reduce), the
@@ -42,6 +43,7 @@ class Measured:
     bucket_bytes: float = 25 * 2**20
     layers: int = 12           # FSDP units besides the root
     root_fraction: float = 0.25  # parameters outside the layers (embeddings): gathered first, reduced last
+    reshard_after_forward: bool = True  # FSDP frees gathered parameters after forward: gathers again in backward
     source: str = ""
     notes: tuple = field(default_factory=tuple)
 
@@ -100,7 +102,8 @@ def fsdp(m: Measured, fab, n: int, host_fraction=None) -> dict:
     work_f = [0.0] + [m.forward / m.layers] * m.layers
     work_b = [0.0] + [m.backward / m.layers] * m.layers
     fwd = [(fab.all_gather(s * m.param_bytes, n), w, 0.0) for s, w in zip(shares, work_f)]
-    bwd = [(fab.all_gather(s * m.param_bytes, n), w, fab.reduce_scatter(s * m.grad_bytes, n))
+    regather = 1.0 if m.reshard_after_forward else 0.0
+    bwd = [(regather * fab.all_gather(s * m.param_bytes, n), w, fab.reduce_scatter(s * m.grad_bytes, n))
            for s, w in reversed(list(zip(shares, work_b)))]
     t_f, c_f = pipeline(fwd, fab.overlap)
     t_b, c_b = pipeline(bwd, fab.overlap)
