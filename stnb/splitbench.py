@@ -4,6 +4,7 @@
                                           communication's share of the step, and the bytes sent
     python -m stnb split --overhead       throughput with the split on and off (STNB_TIME_SPLIT=off),
                                           alternated, medians of repeats
+    python -m stnb split --fsdp           DDP, FSDP and FSDP without resharding after forward, side by side
     python -m stnb split --show RESULTS   the split of every run in a results file
 
 Each run is a real 2-rank gloo run of stnb's recipe (``--model``, default the bundled MiniLM).
@@ -16,6 +17,8 @@ import statistics
 
 SHARE_VARIANTS = (("fp32 all-reduce", {}), ("fp16 hook", {"comm_hook": "fp16"}),
                   ("fp32, 1 MiB buckets", {"bucket_cap_mb": 1}))
+FSDP_VARIANTS = (("ddp", {}), ("fsdp", {"strategy": "fsdp"}),
+                 ("fsdp, no reshard", {"strategy": "fsdp", "reshard_after_forward": False}))
 
 
 def summarize(result) -> dict:
@@ -28,22 +31,26 @@ def summarize(result) -> dict:
     if "comm_total" in out:
         out["comm_share"] = out["comm_total"] / out["step"]
         out["comm_exposed_share"] = (out["comm_exposed"] + out.get("wait", 0.0)) / out["step"]
-        out["comm_mib_per_step"] = statistics.median(st["comm_bytes"] for st in steps) / 2**20
+        sent = [st["comm_bytes"] for st in steps if st.get("comm_bytes") is not None]
+        if sent:
+            out["comm_mib_per_step"] = statistics.median(sent) / 2**20
     out["samples_per_second"] = result.samples_per_second
     return out
 
 
-def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 1) -> list:
-    """Each variant ``repeats`` times, interleaved (the machine's load drifts alike for all); per variant
-    the medians over its runs of ``summarize``."""
+def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 1,
+               variants=SHARE_VARIANTS) -> list:
+    """Each variant (DDP on 2 ranks, with the knobs given) ``repeats`` times, interleaved (the machine's
+    load drifts alike for all); per variant the medians over its runs of ``summarize``."""
     from .config import TrainConfig
     from .runner import run
 
-    seen = {label: [] for label, _ in SHARE_VARIANTS}
+    seen = {label: [] for label, _ in variants}
     for _ in range(repeats):
-        for label, knobs in SHARE_VARIANTS:
-            r = run(TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps,
-                                per_device_batch_size=batch, evaluate=False, device="cpu", **knobs), echo=False)
+        for label, knobs in variants:
+            r = run(TrainConfig(**{"strategy": "ddp", "num_processes": 2, "model": model, "steps": steps,
+                                   "per_device_batch_size": batch, "evaluate": False, "device": "cpu", **knobs}),
+                    echo=False)
             seen[label].append(summarize(r))
     return [{"variant": label, "runs": len(runs),
              **{k: statistics.median(run[k] for run in runs) for k in runs[0]}} for label, runs in seen.items()]
@@ -82,6 +89,7 @@ def add_cli(subparsers) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--comm-share", action="store_true")
     what.add_argument("--overhead", action="store_true")
+    what.add_argument("--fsdp", action="store_true", help="DDP, FSDP and FSDP without resharding, split side by side")
     what.add_argument("--show", metavar="RESULTS")
     p.add_argument("--model", default="minilm")
     p.add_argument("--steps", type=int, default=10)
@@ -96,6 +104,12 @@ def cmd_split(a) -> int:
             print(f"{row['variant']:>20} (median of {row['runs']}): step {row['step']:.0f} ms, comm in flight {row['comm_total']:.0f} ms "
                   f"({row['comm_share']:.0%} of the step; exposed + wait {row['comm_exposed_share']:.0%}), "
                   f"{row['comm_mib_per_step']:.1f} MiB sent per step, {row['samples_per_second']:.2f} samples/s")
+    elif a.fsdp:
+        for row in comm_share(a.model, a.steps, a.batch, a.repeats, FSDP_VARIANTS):
+            parts = ", ".join(f"{k} {row[k]:.0f}" for k in ("forward", "backward_compute", "comm_exposed", "wait",
+                                                           "optimizer", "data") if row.get(k) is not None)
+            print(f"{row['variant']:>18} (median of {row['runs']}): {row['samples_per_second']:.2f} samples/s, "
+                  f"step {row['step']:.0f} ms = {parts} ms (+ other)")
     elif a.overhead:
         o = overhead(a.model, a.steps, a.batch, a.repeats)
         print(f"samples/s with the split off: {', '.join(f'{x:.2f}' for x in o['off'])} (median {o['median_off']:.2f})")
