@@ -227,11 +227,15 @@ def model_units(model) -> dict | None:
     from .errors import ConfigError
     from .models import layer_classes
 
-    try:
-        classes = tuple(layer_classes(model))
-    except (ConfigError, AttributeError, TypeError):
-        return None
-    layers = [m for m in model.modules() if isinstance(m, classes)]
+    sharded = [m for m in fsdp_units(model) if m is not model]
+    if sharded:  # FSDP's own units (the model is the root)
+        layers = sharded
+    else:
+        try:
+            classes = tuple(layer_classes(model))
+        except (ConfigError, AttributeError, TypeError):
+            return None
+        layers = [m for m in model.modules() if isinstance(m, classes)]
     total = sum(p.numel() for p in model.parameters())
     inside = sum(p.numel() for m in layers for p in m.parameters())
     return {"layers": len(layers), "root_fraction": 1 - inside / total if total else None}

@@ -65,6 +65,7 @@ def test_single_and_fsdp_runs_split_what_they_can():
     assert fsdp.verified, fsdp.reason
     for split in fsdp.time_split:
         assert split["comm"].startswith("FSDP forward all-gathers")
+        assert split["units"]["layers"] == 2 and 0 < split["units"]["root_fraction"] < 1  # FSDP's own units
         units = fsdp.verification["ranks"][0]["wrapped_layers"] + 1  # the layers and the root
         for st in split["steps"][RUN["warmup_steps_excluded"]:]:
             assert st["gathers"] >= units and st["comm_total"] > 0 and st["forward"] > 0
