@@ -94,6 +94,6 @@ def test_split_figures_add_up_and_say_what_dominates(ddp):
     assert {t.name for t in bars} >= {"forward (+ loss)", "backward compute", "optimizer"}
     assert any(t.type == "scatter" for t in fig.data)  # the overlapped communication
     line = fig.layout.annotations[0].text
-    assert line.startswith("ddp x2: ") and line.endswith(".")
+    assert line.startswith("ddp x2: ") and line.endswith(".")  # the sentence, wrapped with <br>
     lanes = {y for t in pt.timeline(ddp).data for y in t.y}
     assert lanes == {"rank 0 compute", "rank 1 compute", "rank 0 comm", "rank 1 comm"}

@@ -83,10 +83,10 @@ def split_bars(results, names=None):
         fig.add_trace(go.Scatter(x=names, y=over, mode="markers", name="communication overlapped with backward",
                                  marker={"symbol": "line-ew-open", "size": 30, "color": "#e45756", "line": {"width": 3}},
                                  hovertemplate="overlapped with backward: %{y:.1f} ms<extra>%{x}</extra>"))
-    sentences = "<br>".join(f"{n}: {advice(r)}" for n, r in zip(names, rows))
+    lines = [line for n, r in zip(names, rows) for line in _wrap(f"{n}: {advice(r)}")]
     fig.update_layout(barmode="stack", title="Where each step's time goes (mean of the steady steps, every rank)",
-                      yaxis_title="ms per step", height=420 + 18 * len(rows), margin={"b": 90 + 20 * len(rows)},
-                      annotations=[_under(sentences, len(rows))])
+                      yaxis_title="ms per step", height=420 + 18 * len(lines), margin={"b": 60 + 18 * len(lines)},
+                      annotations=[_under("<br>".join(lines), len(lines))])
     return fig
 
 
@@ -112,8 +112,8 @@ def timeline(result, steps: int = 3):
             for s, e in st.get("comm_spans") or []:
                 _bar(fig, f"rank {rank} comm", s, e - s, "comm", seen)
     fig.update_layout(barmode="overlay", title=f"{r['strategy']} x{r['world_size']}: {steps} steps per rank",
-                      xaxis_title="seconds", height=260 + 60 * len(r.get("time_split") or []),
-                      margin={"b": 110}, annotations=[_under(advice(r), 1)])
+                      xaxis_title="seconds", height=300 + 60 * len(r.get("time_split") or []),
+                      margin={"b": 130}, annotations=[_under("<br>".join(_wrap(advice(r))), 4, y=-0.3)])
     fig.update_yaxes(autorange="reversed")
     return fig
 
@@ -128,6 +128,13 @@ def _bar(fig, lane, start, width, part, seen):
     seen.add(part)
 
 
-def _under(text: str, lines: int) -> dict:
-    return {"text": text, "xref": "paper", "yref": "paper", "x": 0, "y": -0.18 - 0.05 * lines, "showarrow": False,
+def _wrap(text: str, width: int = 110) -> list:
+    import textwrap
+
+    return textwrap.wrap(text, width)
+
+
+def _under(text: str, lines: int, y: float = -0.15) -> dict:
+    """An annotation under the plot (below the x axis title), anchored at its top."""
+    return {"text": text, "xref": "paper", "yref": "paper", "x": 0, "y": y, "yanchor": "top", "showarrow": False,
             "align": "left", "font": {"size": 11}}
