@@ -140,3 +140,13 @@ def test_fsdp_without_resharding_gathers_once():
     shares = [SMALL.root_fraction] + [(1 - SMALL.root_fraction) / SMALL.layers] * SMALL.layers
     regather = sum(fab.all_gather(share * SMALL.param_bytes, 2) for share in shares)  # every unit once more
     assert resharded["comm"] - once["comm"] == pytest.approx(regather)
+
+
+def test_zero_stages_are_their_strategies():
+    from dataclasses import replace
+
+    fab = Fabric(custom("slow", 3, 5, overlap=False), PRESETS["100gbps"])
+    kept = STEP_MODELS["fsdp"](replace(SMALL, reshard_after_forward=False), fab, 4)
+    assert STEP_MODELS["zero2"](SMALL, fab, 4) == kept  # FSDP without resharding after forward
+    z1, d = STEP_MODELS["zero1"](SMALL, fab, 4), STEP_MODELS["ddp"](SMALL, fab, 4)
+    assert z1["comm"] == pytest.approx(d["comm"] + fab.all_gather(SMALL.param_bytes, 4))  # + the shards sent back

@@ -13,9 +13,10 @@ fsdp    (= zero3) per unit (each transformer layer, and the root holding the emb
         ``reshard_after_forward`` is off: the gathered parameters stay), reduce-scatter its
         gradients after; the next unit's all-gather is prefetched during this unit's compute. The
         optimizer updates 1/n of the parameters.
-zero1/2 (DeepSpeed-style) gradients reduce-scattered as buckets fill (as DDP's all-reduce), the
-        optimizer on 1/n, then the updated parameters all-gathered, exposed. Stages 1 and 2 move the
-        same bytes; they differ in memory, not time.
+zero1   DDP + torch's ZeroRedundancyOptimizer (stnb's zero1): DDP's all-reduce, the optimizer on 1/n,
+        then the updated shards all-gathered, exposed.
+zero2   FSDP2 with ``reshard_after_forward=False`` (stnb's zero2): one all-gather per unit in forward,
+        reduce-scatters in backward, the optimizer on 1/n.
 dp      torch.nn.DataParallel, one process: every step it broadcasts the parameters from GPU 0
         (replicate), runs the replicas side by side, reduces the gradients to GPU 0 and steps the
         optimizer there once; the one process loads n batches. All devices must be in one node.
@@ -111,13 +112,20 @@ def fsdp(m: Measured, fab, n: int, host_fraction=None) -> dict:
     return _result(t_f + t_b + m.optimizer / n + m.other, c_f + c_b, exposed)
 
 
-def zero12(m: Measured, fab, n: int, host_fraction=None) -> dict:
-    sizes = _buckets(m)
-    units = [(0.0, m.backward / len(sizes), fab.reduce_scatter(s, n)) for s in sizes]
-    backward, comm = pipeline(units, fab.overlap)
+def zero1(m: Measured, fab, n: int, host_fraction=None) -> dict:
+    """DDP's all-reduce, the optimizer on 1/n of the parameters, then every rank's updated shard sent to
+    the others (torch's ZeroRedundancyOptimizer: an all-gather of the parameters), exposed."""
+    r = ddp(m, fab, n)
     gather = fab.all_gather(m.param_bytes, n)
-    return _result(m.forward + backward + m.optimizer / n + gather + m.other, comm + gather,
-                   backward - m.backward + gather)
+    return _result(r["step"] - m.optimizer + m.optimizer / n + gather, r["comm"] + gather,
+                   r["comm_exposed"] + gather)
+
+
+def zero2(m: Measured, fab, n: int, host_fraction=None) -> dict:
+    """FSDP that keeps the gathered parameters from forward to backward (``reshard_after_forward=False``)."""
+    from dataclasses import replace
+
+    return fsdp(replace(m, reshard_after_forward=False), fab, n)
 
 
 def dp(m: Measured, fab, n: int, host_fraction=None) -> dict:
@@ -135,5 +143,5 @@ def dp(m: Measured, fab, n: int, host_fraction=None) -> dict:
 # what a row would need to match a published number (seed.would_match): DP's host share, else the link
 MISS_TERM = {"dp": "host_fraction"}
 
-STEP_MODELS = {"single": single, "dp": dp, "ddp": ddp, "fsdp": fsdp, "zero1": zero12, "zero2": zero12,
+STEP_MODELS = {"single": single, "dp": dp, "ddp": ddp, "fsdp": fsdp, "zero1": zero1, "zero2": zero2,
                "zero3": fsdp}
