@@ -11,6 +11,16 @@ from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
 from .export import export_script
 
+
+def predict(result, devices=(2, 4, 8), link="loopback", **options):
+    """Predict before you buy: samples/s of ``devices`` devices on ``link`` from one measured run.
+
+    Returns a Prediction (``.table``, ``.figure``, ``.assumptions``); ``stnb.plots.predict.predict``
+    documents the options, ``stnb.scaling`` the model and the link presets."""
+    from .plots.predict import predict as with_figure
+
+    return with_figure(result, devices=devices, link=link, **options)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -18,11 +28,11 @@ __all__ = [
     "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch",
     "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
-    "current_profile", "export_script",
+    "current_profile", "export_script", "predict",
 ]
 
 
-_LAZY = ("bench", "examples", "export", "memory", "parallel", "plots", "scaleout", "widgets")
+_LAZY = ("bench", "examples", "export", "memory", "parallel", "plots", "scaleout", "scaling", "timesplit", "widgets")
 
 
 def __getattr__(name):

@@ -48,6 +48,8 @@ def cmd_hardware(a) -> int:
 
 def main(argv=None) -> int:
     from . import bench, export, gpucheck
+    from . import splitbench
+    from .scaling import cli as predict_cli
     from .cli_options import add_run_options
     from .errors import StnbError
 
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     p_hw = sub.add_parser("hardware", help="what this machine has and which strategies run here")
     p_hw.add_argument("--json", action="store_true")
     p_hw.set_defaults(func=cmd_hardware)
-    for command in (bench, export, gpucheck):  # each registers its own sub-command
+    for command in (bench, export, gpucheck, predict_cli, splitbench):  # each registers its own sub-command
         command.add_cli(sub)
     a = parser.parse_args(argv)
     try:

@@ -44,6 +44,7 @@ class RunResult:
     launcher: str = "stnb"
     start_method: str | None = None    # how stnb started the ranks, as they observed it: fork | spawn
     mfu: dict | None = None            # model FLOPs utilisation and its inputs (stnb.mfu.summarize)
+    time_split: list = field(default_factory=list)  # per rank: where each step's time went (stnb.timesplit)
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
     saved_to: str | None = None
@@ -125,6 +126,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
     span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
     sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
     from .mfu import summarize as mfu_summary
+    from .timesplit import combine as combine_time_split
 
     mfu = mfu_summary(rank_results, warm, n_steps, span, gbs * (n_steps - warm),
                       devices=config.strategy_object().devices(n_gpu))
@@ -162,6 +164,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
         launcher=launcher,
         start_method=verification.get("start_method", {}).get("seen"),
         mfu=mfu,
+        time_split=combine_time_split([r.get("time_split") for r in rank_results]),
         saved_to=(r0.get("saved_model") or {}).get("saved_to"),
         build=r0.get("build"),
         overridden_args=r0.get("overridden_args") or {},

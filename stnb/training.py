@@ -35,6 +35,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
 
     from . import checks, memory, prepare, strategies
     from .mfu import FlopMeter, device_peak
+    from .timesplit import StepTimer
 
     strategy = strategies.get(config.strategy)
 
@@ -92,6 +93,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     frozen = strategies.freeze_unused_pooler(model) if build is None else []
     model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
     state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
+    state["timer"] = StepTimer()  # where each step's time goes (stnb.timesplit)
     _record_loss_inputs(trainer.loss, state)
     trainer.stnb_config = config
     prepared = strategy.prepare(trainer, config, "cuda" if use_cuda else "cpu", world)
@@ -164,6 +166,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         "loss_inputs": state.get("loss_inputs"),
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
         "saved_model": saved,
+        "time_split": state["timer"].summary(),
         "train_flops": state["flops"].per_step,
         "train_tokens": state["flops"].tokens,
         "flops_shape": state["flops"].shape,
@@ -209,9 +212,10 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
             if state["t_first_begin"] is None:
                 tr = trainer_ref["trainer"]
                 strategy = strategies.get(config.strategy)
-                first = strategy.on_first_step(tr, config, state["process_group_size"])
-                state.update(first)
+                # before the first backward: a strategy's own DDP comm hook (embedding rows), timed
+                state.update(strategy.on_first_step(tr, config, state["process_group_size"], timed=state["timer"].timed))
                 state["t_first_begin"] = time.perf_counter()
+                state["timer"].attach(tr, config.comm_hook)  # registers DDP's comm hook, timed
                 state["verification"] = strategies.verify_prepared(strategy, tr, state["world_size_requested"])
                 state["verification"].update(state.get("prepare_info", {}))
                 state["verification"]["callbacks"] = state["callbacks"]
@@ -222,18 +226,22 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
                     lambda *_: calls.__setitem__(0, calls[0] + 1))
                 state["verification"]["loss_model"] = {"trains": type(tr.model_wrapped).__name__,
                                                        "rebound": rebound}
-
-        def on_pre_optimizer_step(self, args, st, control, **kw):
-            state["loss_sync"].sync_grads()  # the loss's own parameters: mean gradient over the ranks
+                state["timer"].on_step_begin(state["t_first_begin"])  # steps timed as step_times are
 
         def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
+            state["timer"].on_optimizer_step()
             if state["memory_breakdown"] is None:
                 tr = trainer_ref["trainer"]
                 state["memory_breakdown"] = memory.measure(tr.model, optimizer)
                 _check_first_step(tr, config, state, optimizer)
 
+        def on_pre_optimizer_step(self, args, st, control, **kw):
+            state["timer"].on_pre_optimizer_step()
+            state["loss_sync"].sync_grads()  # the loss's own parameters: mean gradient over the ranks
+
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
+            state["timer"].on_step_end(now)
             state["flops"].end_step()
             prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
             state["step_times"].append(now - prev)

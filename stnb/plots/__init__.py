@@ -13,6 +13,8 @@ text gives the reason.
     loss_curves(df)     training loss per step, one line per run
     dashboard(df)       the four above in one figure
     knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnb.bench`` summary
+    split_bars(results) where each step's time goes, a stacked bar per run (``plots.timesplit``)
+    timeline(result)    per rank, compute and communication lanes of a few steps
 
 ``reference_frame()`` holds the numbers published in the sentence-transformers documentation
 (``stnb.reference``: 4x V100, microsoft/mpnet-base). ``throughput(df, reference=True)``, ``speedup(..., reference=True)``
@@ -22,9 +24,10 @@ and ``with_reference(df_or_fig)`` show them beside ours, labelled as theirs.
 from .figures import dashboard, efficiency, knobs, loss_curves, memory, speedup, throughput, with_reference
 from .table import MIB, OURS, REFERENCE_SOURCE, REFERENCE_URL, comparison_table, reference_frame
 from .traces import GHOST_COLOR, PART_COLORS, STRATEGY_COLORS
+from .timesplit import split_bars, timeline
 
 __all__ = [
     "throughput", "speedup", "efficiency", "memory", "loss_curves", "dashboard", "knobs", "with_reference",
-    "comparison_table", "reference_frame",
+    "comparison_table", "reference_frame", "split_bars", "timeline",
     "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "GHOST_COLOR", "MIB",
 ]

@@ -94,8 +94,9 @@ class Strategy(abc.ABC):
         """Apply the strategy to the trainer before ``train()``. Returns {"info": ..., "overridden": ...}."""
         return {"info": {}, "overridden": {}}
 
-    def on_first_step(self, trainer, config, world: int) -> dict:
-        """Called at the first step's begin, before verification (e.g. a DDP comm hook). Returns details."""
+    def on_first_step(self, trainer, config, world: int, timed=None) -> dict:
+        """Called at the first step's begin, before verification (e.g. a DDP comm hook; ``timed`` wraps a
+        comm hook so that stnb.timesplit times it). Returns details for the rank's state."""
         return {}
 
     @abc.abstractmethod

@@ -48,11 +48,11 @@ class DistributedDataParallel(Strategy):
         kw, overridden = apply_ddp(trainer, config)
         return {"info": {"ddp_asked": dict(kw)}, "overridden": overridden}
 
-    def on_first_step(self, trainer, config, world):
+    def on_first_step(self, trainer, config, world, timed=None):
         if config.comm_hook == "embedding_rows" and world > 1:
             from .. import embedding_rows_hook  # before the first backward, as DDP requires
 
-            return {"embedding_rows": embedding_rows_hook.register(trainer.model_wrapped)}
+            return {"embedding_rows": embedding_rows_hook.register(trainer.model_wrapped, wrap=timed)}
         return {}
 
     def check_prepared(self, trainer, world_size):
@@ -97,10 +97,9 @@ def ddp_kwargs(config) -> dict:
         "broadcast_buffers": bool(config.broadcast_buffers),
         "gradient_as_bucket_view": bool(config.gradient_as_bucket_view),
         "static_graph": bool(config.static_graph),
-        # 'embedding_rows' is stnb's own hook (stnb.embedding_rows_hook), registered at the first step
-        "comm_hook": {"none": DDPCommunicationHookType.NO, "fp16": DDPCommunicationHookType.FP16,
-                      "bf16": DDPCommunicationHookType.BF16,
-                      "embedding_rows": DDPCommunicationHookType.NO}[config.comm_hook],
+        # stnb registers config.comm_hook itself at the first step, timed (stnb.timesplit); 'embedding_rows'
+        # is stnb's own hook (stnb.embedding_rows_hook), registered by the strategy's on_first_step
+        "comm_hook": DDPCommunicationHookType.NO,
     }
     if config.bucket_cap_mb:
         cap = config.bucket_cap_mb

@@ -1,0 +1,50 @@
+"""The scaling predictor with its figure: ``stnb.predict`` (``stnb.scaling.predict`` plus a plot).
+
+``figure(prediction)`` draws predicted samples/s against the device count (log axes), one line per
+strategy, the ideal (n x one device) dashed, and the link and the main assumptions under it.
+"""
+
+from __future__ import annotations
+
+from .traces import STRATEGY_COLORS
+
+
+def predict(result, devices=(2, 4, 8), link="loopback", **options):
+    """``stnb.scaling.predict(result, devices, link, ...)`` with its figure in ``.figure``.
+
+    Returns a Prediction: ``.table`` (one row per strategy and device count), ``.assumptions`` and
+    ``.figure``; in a notebook it shows all three. Refuses an unknown strategy or link (with the
+    list) and a run of fewer than 3 steady steps (with the minimum)."""
+    from .. import scaling
+
+    pred = scaling.predict(result, devices=devices, link=link, **options)
+    pred.figure = figure(pred)
+    return pred
+
+
+def figure(pred):
+    import plotly.graph_objects as go
+
+    t = pred.table
+    m = pred.measured
+    single = m.batch / m.step
+    fig = go.Figure()
+    ns = sorted(set(t["devices"]) | {1})
+    fig.add_trace(go.Scatter(x=ns, y=[single * n for n in ns], name="ideal (n x one device)", mode="lines",
+                             line={"dash": "dash", "color": "#999"}, hoverinfo="skip"))
+    for s, rows in t[t["samples_per_second"].notna()].groupby("strategy", sort=False):
+        rows = rows.sort_values("devices")
+        fig.add_trace(go.Scatter(
+            x=list(rows["devices"]), y=list(rows["samples_per_second"]), name=s, mode="lines+markers",
+            line={"color": STRATEGY_COLORS.get(s)},
+            customdata=list(zip(rows["efficiency"], rows["step_ms"], rows["comm_exposed_ms"])),
+            hovertemplate=(f"<b>{s}</b> on %{{x}} devices<br>%{{y:,.0f}} samples/s<br>efficiency %{{customdata[0]:.2f}}"
+                           "<br>step %{customdata[1]:.1f} ms, exposed comm %{customdata[2]:.1f} ms<extra></extra>")))
+    notes = "<br>".join(a if len(a) < 150 else a[:147] + "..." for a in pred.assumptions[1:3])
+    fig.update_layout(
+        title=f"Predicted samples/s on {pred.fabric.link.name} (from {m.source[:80]})",
+        xaxis={"title": "devices", "type": "log", "tickvals": ns}, yaxis={"title": "samples/s", "type": "log"},
+        margin={"b": 150}, height=480,
+        annotations=[{"text": notes, "xref": "paper", "yref": "paper", "x": 0, "y": -0.32, "showarrow": False,
+                      "align": "left", "font": {"size": 10}}])
+    return fig

@@ -1,0 +1,215 @@
+"""Predict before you buy: samples/s of N devices from one measured run and a link model.
+
+    pred = stnb.predict(result, devices=[2, 4, 8, 64, 512], link="nvlink-v100")
+    pred.table          one row per strategy and device count: samples/s, speed-up, efficiency, step split
+    pred.assumptions    what the numbers rest on (the link's sources, the split's origin, what is left out)
+    pred.figure         predicted samples/s per device count (``stnb.predict`` adds it)
+
+``stnb.scaling.predict`` is the pure computation (no plot); ``stnb.predict`` adds the figure.
+The run's measured time split (``RunResult.time_split``) gives forward, backward compute, optimizer
+and the rest; its model shape gives the bytes. ``links`` holds the presets and the alpha-beta costs,
+``model`` the step of each strategy, ``calibrate`` measures this machine's loopback, ``seed`` checks
+the whole against the sentence-transformers documentation's 4x V100 table.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from ..errors import ConfigError
+from ..strategy_table import TABLE
+from .links import KNOWN as LINKS, PRESETS, Fabric, Link, custom, fabric
+from .model import STEP_MODELS, Measured, single
+
+STRATEGIES = tuple(STEP_MODELS)
+MIN_STEADY_STEPS = 3
+DEFAULT_STRATEGIES = ("single", "dp", "ddp", "fsdp", "zero1", "zero2")
+PHASES = ("forward", "backward_compute", "optimizer", "data", "other")
+
+__all__ = ["predict", "compare", "verdict", "Prediction", "Measured", "Link", "Fabric", "custom", "fabric", "from_result",
+           "LINKS", "PRESETS", "STRATEGIES", "MIN_STEADY_STEPS"]
+
+
+@dataclass
+class Prediction:
+    table: object                  # pandas DataFrame
+    assumptions: list
+    measured: Measured
+    fabric: Fabric
+    figure: object = None
+    extra: dict = field(default_factory=dict)
+
+    def row(self, strategy: str, devices: int) -> dict:
+        t = self.table
+        hit = t[(t["strategy"] == strategy) & (t["devices"] == devices)]
+        if hit.empty:
+            raise KeyError(f"no prediction for {strategy!r} on {devices} devices")
+        return hit.iloc[0].to_dict()
+
+    def _ipython_display_(self):
+        from IPython.display import Markdown, display
+
+        cols = ["strategy", "devices", "samples_per_second", "speedup", "efficiency", "step_ms", "comm_exposed_ms",
+                "note"]
+        display(self.table[cols].round(2))
+        if self.figure is not None:
+            display(self.figure)
+        display(Markdown("**Assumptions**\n\n" + "\n".join(f"- {a}" for a in self.assumptions)))
+
+
+def predict(result, devices=(2, 4, 8), link="loopback", strategies=DEFAULT_STRATEGIES, network="100gbps",
+            host_fraction=None, measured: Measured | None = None) -> Prediction:
+    """Predicted samples/s on each device count for each strategy (a Prediction, no figure).
+
+    result: a RunResult (or its dict) measured with stnb; its time split and model shape are the inputs.
+        None with ``measured`` (a hand-built Measured, e.g. ``seed.measured()``).
+    link: a preset name (``stnb.scaling.LINKS``; 'loopback' is measured here) or a ``Link``.
+    network: the link between nodes when devices exceed what one node holds on ``link``.
+    host_fraction: DataParallel's single-process limit (see ``stnb.scaling.model``); None leaves it out.
+    """
+    strategies = _check_strategies(strategies)
+    devices = _check_devices(devices)
+    if not isinstance(link, Link) and link not in LINKS:
+        fabric(link, network)  # refuses an unknown link with the list
+    m = measured if measured is not None else from_result(result)  # refuses a short run before measuring
+    fab = fabric(link, network)  # 'loopback' is measured here (once per process)
+    base = STEP_MODELS["single"](m, fab, 1)["step"]
+    rows = []
+    for s in strategies:
+        for n in (devices if STEP_MODELS[s] is not single else [1]):
+            r = STEP_MODELS[s](m, fab, n, host_fraction)
+            sps = n * m.batch / r["step"] if r["feasible"] else None
+            rows.append({"strategy": s, "devices": n, "link": fab.link.name,
+                         "samples_per_second": sps, "speedup": sps * base / m.batch if sps else None,
+                         "efficiency": sps * base / m.batch / n if sps else None,
+                         "step_ms": _ms(r["step"]), "comm_ms": _ms(r["comm"]),
+                         "comm_exposed_ms": _ms(r["comm_exposed"]), "note": r["note"]})
+    import pandas as pd
+
+    return Prediction(pd.DataFrame(rows), assumptions(m, fab, host_fraction), m, fab)
+
+
+def assumptions(m: Measured, fab: Fabric, host_fraction=None) -> list:
+    out = [f"one device's step ({m.source}): forward {m.forward * 1e3:.1f} ms, backward {m.backward * 1e3:.1f} ms, "
+           f"optimizer {m.optimizer * 1e3:.1f} ms, rest {m.other * 1e3:.1f} ms for {m.batch} samples; "
+           "every added device computes as fast",
+           f"link inside a node: {fab.link.describe()}",
+           f"between nodes ({fab.link.per_node} devices per node): {fab.network.describe()}"
+           if fab.link.per_node else "the link is a network: any number of devices, one per node",
+           f"collectives: ring costs (nccl-tests doc/PERFORMANCE.md), alpha-beta; gradients "
+           f"{m.grad_bytes / 2**20:.0f} MiB in {m.bucket_bytes / 2**20:.0f} MiB buckets, parameters "
+           f"{m.param_bytes / 2**20:.0f} MiB; FSDP units: {m.layers} layers + the root holding "
+           f"{m.root_fraction:.0%} of the parameters",
+           "communication overlaps compute" if fab.overlap else
+           "communication counts in full (CPU: gloo's thread reduces on the cores the ranks compute on, so what "
+           "overlaps slows compute as much)",
+           "DataParallel: the GIL's serialisation of the replicas is left out (host_fraction=None)"
+           if host_fraction is None else f"DataParallel: host busy {host_fraction:.0%} of a step, serialised "
+                                         "across the replicas by the GIL",
+           "DataParallel's scatter of the inputs and gather of the outputs (tokens and embeddings: kilobytes "
+           "against the parameters' megabytes) are left out",
+           "no stragglers: every rank is as fast as the measured one"]
+    return out + list(m.notes)
+
+
+def compare(pred: Prediction, measured) -> dict:
+    """A prediction against a measured run of the same strategy and device count: both samples/s and
+    the error (predicted / measured - 1)."""
+    m = measured.to_dict() if hasattr(measured, "to_dict") else dict(measured)
+    row = pred.row(m["strategy"], int(m["world_size"]))
+    return {"strategy": m["strategy"], "devices": int(m["world_size"]), "predicted": row["samples_per_second"],
+            "measured": m["samples_per_second"], "error": row["samples_per_second"] / m["samples_per_second"] - 1}
+
+
+def verdict(pred: Prediction, strategy: str = "ddp", devices: int = 2) -> str:
+    """One sentence: what ``devices`` devices would give under ``strategy``, and what limits it."""
+    row = pred.row(strategy, devices)
+    if row["samples_per_second"] is None or row["samples_per_second"] != row["samples_per_second"]:
+        return f"{strategy} on {devices} devices: not possible ({row['note']})."
+    eff, link = row["efficiency"], pred.fabric.link.name
+    head = (f"{strategy.upper()} on {devices} devices over {link}: {row['speedup']:.2f}x one device "
+            f"({row['samples_per_second']:,.1f} samples/s, efficiency {eff:.2f}), ")
+    share = row["comm_exposed_ms"] / row["step_ms"]
+    if eff >= 0.85:
+        return head + f"so the extra devices pay off (exposed communication: {share:.0%} of each step)."
+    return head + (f"held back by exposed communication ({share:.0%} of each step): a faster link, a bigger "
+                   "batch per device or gradient accumulation (fewer all-reduces per sample) would help.")
+
+
+# ---- inputs from a run ------------------------------------------------------------------------
+
+def from_result(result) -> Measured:
+    """One device's Measured step from a RunResult: the time split's means over the steady steps (as samples/s averages them)."""
+    r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    if r.get("status", "ok") != "ok" or not r.get("samples_per_second"):
+        raise ConfigError(f"cannot predict from a run that did not train ({r.get('status')}: {r.get('reason')}); "
+                          "give a run that finished")
+    cfg = r.get("config") or {}
+    warm = int(cfg.get("warmup_steps_excluded", 2))
+    steady = int(r.get("steps") or 0) - warm
+    if steady < MIN_STEADY_STEPS:
+        raise ConfigError(f"this run has {max(steady, 0)} steady step(s) after its {warm} warm-up step(s); "
+                          f"the prediction needs at least {MIN_STEADY_STEPS}: run at least "
+                          f"{warm + MIN_STEADY_STEPS} steps")
+    shape = (r.get("verification") or {}).get("model_shape") or {}
+    if not shape.get("param_count"):
+        raise ConfigError("this run has no model shape (verification['model_shape']); run it again with stnb")
+    accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
+    batch = int(r["per_device_batch_size"]) * accumulation
+    notes = []
+    split = [s for s in (r.get("time_split") or []) if s.get("steps")]
+    units = (split[0].get("units") if split else None) or {}
+    if split:
+        med = {p: statistics.fmean(statistics.fmean(st.get(p) or 0.0 for st in s["steps"][warm:]) for s in split)
+               for p in PHASES}
+        fwd, bwd, opt, rest = med["forward"], med["backward_compute"], med["optimizer"], med["data"] + med["other"]
+        source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), means of "
+                  f"{steady} steady steps of its measured time split")
+        if getattr(TABLE.get(r["strategy"]), "shards", False):
+            notes.append("the run is sharded (FSDP): its backward includes its all-gathers and reduce-scatters "
+                         "(stnb times only the forward all-gathers), so the prediction counts those twice and is low")
+    else:
+        step = statistics.fmean(r["step_times"][warm:])
+        fwd, bwd, opt, rest = step / 3, 2 * step / 3, 0.0, 0.0
+        source = f"{r['strategy']} run, median step {step * 1e3:.1f} ms (no time split in this result)"
+        notes.append("no time split in this result: forward:backward taken as 1:2 (their FLOPs), optimizer "
+                     "and data inside them")
+    if int(r.get("world_size") or 1) > 1:
+        notes.append(f"the compute was measured in a {r['world_size']}-rank {r['strategy']} run, not on one device")
+    grad_size = 2 if cfg.get("comm_hook") in ("fp16", "bf16") else 4
+    layers, root = units.get("layers"), units.get("root_fraction")
+    if not layers:
+        layers, root = 12, 0.25
+        notes.append("FSDP units not recorded in this result: 12 layers + a root of 25% of the parameters assumed")
+    return Measured(batch=batch, forward=fwd, backward=bwd, optimizer=opt, other=rest,
+                    grad_bytes=grad_size * shape.get("trainable_param_count", shape["param_count"]),
+                    param_bytes=4 * shape["param_count"],
+                    bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
+                    layers=int(layers), root_fraction=float(root),
+                    reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,
+                    notes=tuple(notes))
+
+
+def _check_strategies(strategies) -> tuple:
+    strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
+    bad = [s for s in strategies if s not in STEP_MODELS]
+    if bad or not strategies:
+        raise ConfigError(f"no scaling model for strategy {', '.join(map(repr, bad)) or '(none given)'}; "
+                          f"the predictor knows {', '.join(map(repr, STRATEGIES))}")
+    return strategies
+
+
+def _check_devices(devices) -> list:
+    devices = [devices] if isinstance(devices, int) else list(devices)
+    if not devices or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 for d in devices):
+        raise ConfigError(f"devices={devices!r}: give device counts of at least 2, e.g. [2, 4, 8]")
+    return sorted(set(devices))
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def with_measured(m: Measured, **changes) -> Measured:
+    return replace(m, **changes)

@@ -1,0 +1,93 @@
+"""``python -m stnb predict``: the scaling predictor from the command line.
+
+    python -m stnb predict --seed-table            the 4x V100 table, predicted row by row, with errors
+    python -m stnb predict --calibrate             this machine's loopback link, measured
+    python -m stnb predict --results runs.jsonl --run-id ID --link nvlink-a100 --devices 2,4,8
+    python -m stnb predict --check-here            measure single, 2-rank DDP and FSDP here and compare
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def add_cli(subparsers) -> None:
+    from .links import KNOWN
+
+    p = subparsers.add_parser("predict", help="predict samples/s on N devices from one measured run")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--seed-table", action="store_true", help="check against the ST docs' 4x V100 table")
+    what.add_argument("--calibrate", action="store_true", help="measure this machine's loopback link")
+    what.add_argument("--results", help="a results file (JSONL); predicts from its run --run-id (default: last)")
+    what.add_argument("--check-here", action="store_true",
+                      help="run single (1 thread), 2-rank DDP and FSDP here; print predicted vs measured")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--link", default="loopback", help=f"one of {', '.join(KNOWN)}")
+    p.add_argument("--devices", default="2,4,8", help="comma-separated device counts")
+    p.add_argument("--model", default="minilm", help="--check-here: the model (default minilm)")
+    p.add_argument("--steps", type=int, default=12, help="--check-here: steps per run")
+    p.add_argument("--batch", type=int, default=16, help="--check-here: per-device batch")
+    p.add_argument("--write", default=None, help="--seed-table: refresh the table in this markdown file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_predict)
+
+
+def cmd_predict(a) -> int:
+    from . import predict, seed
+    from .calibrate import loopback
+
+    if a.seed_table:
+        rows, assumptions = seed.check()
+        print(json.dumps(rows, indent=1) if a.json else seed.markdown(rows, assumptions))
+        if a.write:
+            print(f"{a.write}: {'updated' if seed.refresh_doc(a.write) else 'already current'}")
+        return 0
+    if a.calibrate:
+        print(loopback().describe())
+        return 0
+    devices = [int(x) for x in a.devices.split(",") if x.strip()]
+    if a.results:
+        from ..results import load_results
+
+        rows = load_results(a.results, as_frame=False)
+        pick = [r for r in rows if a.run_id in (None, r.get("run_id"))]
+        if not pick:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"no run {a.run_id!r} in {a.results}; run ids there: "
+                              f"{', '.join(r.get('run_id', '?') for r in rows)}")
+        pred = predict(pick[-1], devices=devices, link=a.link)
+        print(pred.table.to_string(index=False))
+        print("\n".join(f"- {x}" for x in pred.assumptions))
+        return 0
+    rows = check_here(a.model, a.steps, a.batch)
+    print(json.dumps(rows, indent=1) if a.json else "\n".join(
+        f"{r['strategy']:>5} on 2 ranks: measured {r['measured']:.2f} samples/s; predicted from the single run "
+        f"{r['predicted']:.2f} ({r['error']:+.0%}), from the run's own compute split {r['predicted_own']:.2f} "
+        f"({r['error_own']:+.0%}); compute per rank {r['compute_ratio']:.2f}x the single run's" for r in rows))
+    return 0
+
+
+def check_here(model: str = "minilm", steps: int = 12, batch: int = 16, strategies=("ddp", "fsdp")) -> list:
+    """Measure a single run (one thread: what each of 2 ranks gets on 2 cores) and 2-rank runs here;
+    predict the 2-rank runs from the single one on the measured loopback. One dict per strategy."""
+    import os
+
+    from ..config import TrainConfig
+    from ..runner import run
+    from . import compare, from_result, predict
+
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    base = dict(model=model, steps=steps, per_device_batch_size=batch, evaluate=False, device="cpu",
+                threads_per_rank=threads)
+    single = run(TrainConfig(strategy="single", **base), echo=False)
+    out = []
+    for s in strategies:
+        measured = run(TrainConfig(strategy=s, num_processes=2, **base), echo=False)
+        one, own = (compare(predict(r, devices=[2], link="loopback", strategies=[s]), measured)
+                    for r in (single, measured))
+        m1, m2 = from_result(single), from_result(measured)
+        out.append({**one, "predicted_own": own["predicted"], "error_own": own["error"],
+                    "compute_ratio": (m2.forward + m2.backward) / (m1.forward + m1.backward),
+                    "single": single.samples_per_second, "threads_per_rank": threads})
+    return out

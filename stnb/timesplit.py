@@ -1,0 +1,337 @@
+"""Where a rank's step time goes, measured: data, forward, backward compute, communication, optimizer, wait.
+
+``StepTimer`` lives inside a rank (``stnb.training``'s callback calls it). Its clock readings:
+
+* a forward pre-hook and hook on the module that trains (the first forward of each micro-batch
+  starts the forward; the loss runs until backward starts, so ``forward`` includes the loss);
+* ``accelerator.backward`` wrapped: backward's start and end (for DDP its end waits for the last
+  bucket's all-reduce);
+* DDP: a communication hook that wraps the hook the run asked for (``comm_hook``: torch's
+  ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, or stnb's embedding-rows hook)
+  and reads the clock when DDP hands it a bucket and when that bucket's future completes (for gloo
+  on the thread that completes it). The last bucket handed over marks the end of backward compute;
+  what backward spends after it is exposed communication; the part of the buckets' communication
+  before it overlapped with backward compute;
+* the trainer's callbacks: optimizer step begin/end and step end.
+
+Per step (seconds): ``data`` (from the previous step's end to the first forward: data loading,
+the trainer's logging), ``forward``, ``backward_compute``, ``comm_exposed``, ``optimizer`` (gradient
+clipping and ``optimizer.step``), ``other`` (scheduler, zero_grad, between micro-batches: what no
+reading attributes); they add up to ``step``. Besides: ``comm_total`` (time some bucket was in
+flight), ``comm_overlapped``, ``comm_bytes`` (what the hook sends: 2-byte elements for fp16/bf16),
+``buckets``. ``combine(per_rank)`` (after training, all ranks' summaries) splits ``wait`` off the
+exposed communication: a rank that handed its last bucket over before the slowest rank waited for
+it (readings are relative to a barrier all ranks left together).
+
+FSDP (``fully_shard``) all-gathers a unit's parameters in its own forward pre-hook: two more pre-hooks
+around it (one before, one after FSDP's) time each unit's forward all-gather, blocking on CPU, so it
+counts as exposed communication. Backward's all-gathers and reduce-scatters run in autograd hooks
+stnb does not reach: they stay in ``backward_compute``, and ``comm`` says so. On CUDA the clock
+readings would time kernel launches, not kernels: the split says it is not measured there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PHASES = ("data", "forward", "backward_compute", "comm_exposed", "optimizer", "other")
+WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "embedding_rows": None}  # element size on the wire
+
+
+class StepTimer:
+    """Per-step phase readings of one rank. ``attach(trainer, comm_hook)`` once (first step begin),
+    then ``on_step_begin`` / ``on_pre_optimizer_step`` / ``on_optimizer_step`` / ``on_step_end(now)``;
+    ``summary()`` returns plain data."""
+
+    def __init__(self, clock=time.perf_counter, enabled: bool | None = None):
+        self.clock = clock
+        # STNB_TIME_SPLIT=off measures nothing (the bench compares throughput with and without)
+        self.enabled = os.environ.get("STNB_TIME_SPLIT", "on") != "off" if enabled is None else enabled
+        self.steps = []
+        self.origin = None          # the clock after a barrier every rank left together
+        self.method = None
+        self.hook = None
+        self.units = None
+        self.comm_note = None
+        self.comm = None            # what the comm fields measure
+        self._prev_end = None
+        self._reset()
+
+    def _reset(self):
+        self._fwd_start = None      # first forward of the current micro-batch
+        self._marks = {"forward": 0.0, "backward": 0.0, "data": None, "bwd_start": None, "bwd_end": None,
+                       "opt_start": None, "opt_end": None}
+        self._buckets = []          # [handed over, completed, bytes]
+        self._gathers = []          # FSDP forward all-gathers: (start, end)
+        self._gather_from = None
+
+    # ---- attaching ---------------------------------------------------------------------------
+
+    def attach(self, trainer, comm_hook: str = "none") -> None:
+        import torch
+        import torch.distributed as dist
+
+        wrapped = trainer.model_wrapped
+        is_ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        if not self.enabled or next(wrapped.parameters()).is_cuda:
+            self.method = ("off (STNB_TIME_SPLIT=off)" if not self.enabled else
+                           "not measured on CUDA (clock readings would time kernel launches); use the profiler")
+            if is_ddp and comm_hook != "none" and builtin_hook(comm_hook) is not None:
+                wrapped.register_comm_hook(None, builtin_hook(comm_hook))  # the hook asked for, untimed
+            return
+        self.method = "clock readings (CPU)"
+        wrapped.register_forward_pre_hook(self._forward_pre, prepend=True)  # before FSDP's root all-gather
+        for unit in fsdp_units(wrapped):  # around FSDP's own pre-forward hook: the unit's all-gather
+            unit.register_forward_pre_hook(self._gather_start, prepend=True)
+            unit.register_forward_pre_hook(self._gather_end)
+            self.comm = "FSDP forward all-gathers (backward's all-gathers and reduce-scatters stay in backward)"
+        backward = trainer.accelerator.backward
+
+        def timed_backward(loss, **kw):
+            self._marks["bwd_start"] = start = self.clock()
+            if self._fwd_start is not None:
+                self._marks["forward"] += start - self._fwd_start
+                self._fwd_start = None
+            backward(loss, **kw)
+            self._marks["bwd_end"] = end = self.clock()
+            self._marks["backward"] += end - start
+
+        trainer.accelerator.backward = timed_backward
+        if is_ddp:
+            self.hook, self.comm = comm_hook, "DDP bucket hooks"
+            hook = builtin_hook(comm_hook)
+            if hook is not None:  # stnb's embedding-rows hook registers itself, with ``timed``
+                try:
+                    wrapped.register_comm_hook(None, self.timed(hook))
+                except RuntimeError as e:  # DDP takes one hook: someone registered theirs first
+                    self.hook = self.comm = None
+                    self.comm_note = f"not measured: a communication hook was registered before stnb's ({e})"
+        self.units = model_units(trainer.model)
+        if dist.is_initialized():
+            dist.barrier()
+        self.origin = self.clock()
+
+    def timed(self, hook):
+        """``hook`` (a DDP communication hook) with a clock reading at hand-over and at completion."""
+        if not self.enabled:
+            return hook
+
+        def timed_hook(state, bucket):
+            buf = bucket.buffer()
+            if buf.is_cuda:  # clock readings would time the launch (see the module's docstring)
+                return hook(state, bucket)
+            wire = WIRE_BYTES.get(self.hook)
+            rec = [self.clock(), None, buf.numel() * (wire or buf.element_size())]
+            self._buckets.append(rec)
+            if hasattr(state, "sent_elements"):  # stnb's embedding-rows hook counts what it sends
+                before = state.sent_elements
+                fut = hook(state, bucket)
+                rec[2] = (state.sent_elements - before) * buf.element_size()
+            else:
+                fut = hook(state, bucket)
+
+            def done(f):
+                rec[1] = self.clock()
+                return f.value()
+
+            return fut.then(done)
+
+        return timed_hook
+
+    def _forward_pre(self, module, args):
+        if module.training and self._fwd_start is None:  # evaluation's forwards are not a training step's
+            self._fwd_start = now = self.clock()
+            if self._marks["data"] is None:
+                self._marks["data"] = now - self._prev_end
+
+    def _gather_start(self, module, args):
+        if module.training:
+            self._gather_from = self.clock()
+
+    def _gather_end(self, module, args):
+        if module.training and self._gather_from is not None:
+            self._gathers.append((self._gather_from, self.clock()))
+            self._gather_from = None
+
+    # ---- the trainer's callbacks -------------------------------------------------------------
+
+    def on_step_begin(self, start: float) -> None:
+        """The first step's begin (``start``, the clock of stnb's step times); later steps begin where
+        the previous one ended."""
+        if self._prev_end is None:
+            self._prev_end = start
+
+    def on_pre_optimizer_step(self) -> None:
+        self._marks["opt_start"] = self.clock()
+
+    def on_optimizer_step(self) -> None:
+        self._marks["opt_end"] = self.clock()
+
+    def on_step_end(self, now: float) -> None:
+        if self.method is None or not self.method.startswith("clock"):
+            self._prev_end = now
+            return
+        m = self._marks
+        step = now - self._prev_end
+        last_ready = max((b[0] for b in self._buckets), default=None)
+        exposed = max(0.0, m["bwd_end"] - last_ready) if last_ready is not None and m["bwd_end"] else 0.0
+        opt = (m["opt_end"] - m["bwd_end"]) if m["opt_end"] and m["bwd_end"] else 0.0
+        rec = {"step": step, "data": m["data"] or 0.0, "forward": m["forward"],
+               "backward_compute": m["backward"] - exposed, "comm_exposed": exposed, "optimizer": opt}
+        rec["other"] = step - sum(rec[p] for p in PHASES if p != "other")
+        rec["start"] = self._prev_end - self.origin  # on the clock every rank shares (the barrier at attach)
+        if self.comm is not None and self.hook is None:  # FSDP: its forward all-gathers, blocking on CPU
+            gathered = sum(e - b for b, e in self._gathers)
+            rec["forward"] -= gathered
+            rec["comm_exposed"] += gathered
+            rec["comm_total"], rec["comm_overlapped"] = gathered, 0.0
+            rec["comm_spans"] = [(b - self.origin, e - self.origin) for b, e in self._gathers]
+            rec["gathers"] = len(self._gathers)
+        if self.hook is not None:
+            done = [b for b in self._buckets if b[1] is not None]
+            rec["comm_spans"] = [(b[0] - self.origin, b[1] - self.origin) for b in done]
+            rec["comm_total"] = _union([(b[0], b[1]) for b in done])
+            rec["comm_overlapped"] = _union([(b[0], min(b[1], last_ready)) for b in done if b[0] < (last_ready or 0)])
+            rec["comm_bytes"] = sum(b[2] for b in self._buckets)
+            rec["buckets"] = len(self._buckets)
+            rec["backward_compute_end"] = last_ready - self.origin if last_ready is not None else None
+        self.steps.append(rec)
+        self._prev_end = now
+        self._reset()
+
+    def summary(self) -> dict:
+        return {"method": self.method, "comm_hook": self.hook, "units": self.units, "steps": self.steps,
+                "comm": self.comm, "note": self.comm_note}
+
+
+def fsdp_units(model) -> list:
+    """The modules FSDP2's ``fully_shard`` made units of (each all-gathers its parameters before its forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def builtin_hook(name: str):
+    """torch's DDP hook for stnb's ``comm_hook`` name ('none' is the all-reduce DDP does by default);
+    None for stnb's own hooks (they register themselves)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+             "bf16": default_hooks.bf16_compress_hook}
+    return hooks.get(name)
+
+
+def model_units(model) -> dict | None:
+    """The FSDP units the predictor needs: transformer layers, and the share of parameters outside them."""
+    from .errors import ConfigError
+    from .models import layer_classes
+
+    sharded = [m for m in fsdp_units(model) if m is not model]
+    if sharded:  # FSDP's own units (the model is the root)
+        layers = sharded
+    else:
+        try:
+            classes = tuple(layer_classes(model))
+        except (ConfigError, AttributeError, TypeError):
+            return None
+        layers = [m for m in model.modules() if isinstance(m, classes)]
+    total = sum(p.numel() for p in model.parameters())
+    inside = sum(p.numel() for m in layers for p in m.parameters())
+    return {"layers": len(layers), "root_fraction": 1 - inside / total if total else None}
+
+
+def _union(spans) -> float:
+    total, end = 0.0, None
+    for s, e in sorted(spans):
+        if e <= s:
+            continue
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def combine(per_rank: list) -> list:
+    """All ranks' summaries with ``wait`` split off ``comm_exposed`` (DDP: how long after this rank the
+    slowest rank handed over its last bucket, at most the exposed communication); ``wait`` is None
+    where it cannot be told apart."""
+    per_rank = [dict(r, steps=[dict(s) for s in r.get("steps") or []]) for r in per_rank if r]
+    n = min((len(r["steps"]) for r in per_rank), default=0)
+    for i in range(n):
+        ends = [r["steps"][i].get("backward_compute_end") for r in per_rank]
+        for r, end in zip(per_rank, ends):
+            st = r["steps"][i]
+            if None in ends:
+                st["wait"] = None
+                continue
+            st["wait"] = min(max(ends) - end, st["comm_exposed"])
+            st["comm_exposed"] -= st["wait"]
+    return per_rank
+
+
+def table(result, warmup: int | None = None):
+    """A pandas DataFrame, one row per rank: each part's mean over the steady steps, in ms (the parts
+    that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured)."""
+    import pandas as pd
+
+    r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    warm = int((r.get("config") or {}).get("warmup_steps_excluded", 2)) if warmup is None else warmup
+    cols = ("step", *PHASES, "wait", "comm_total", "comm_overlapped")
+    rows = []
+    for rank, split in enumerate(r.get("time_split") or []):
+        steps = (split or {}).get("steps", [])[warm:]
+        row = {"rank": rank}
+        for c in cols:
+            vals = [st[c] for st in steps if st.get(c) is not None]
+            if vals:
+                row[f"{c}_ms"] = 1e3 * sum(vals) / len(vals)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("rank") if rows else pd.DataFrame()
+
+
+def own_cost(buckets: int = 4, forwards: int = 2, repeats: int = 2000) -> float:
+    """Seconds the timer's own code takes per step (median of ``repeats`` simulated steps): ``forwards``
+    forward pre-hooks, the backward wrapper, ``buckets`` timed comm hooks with their completion
+    callbacks, the optimizer readings and ``on_step_end``. The rest of a real step is left out, so this
+    is the split's overhead on its own, free of the run-to-run noise a throughput comparison has."""
+    import statistics
+
+    import torch
+
+    class Bucket:  # what DDP hands a hook, reduced to what ``timed`` reads
+        def __init__(self):
+            self.tensor = torch.zeros(1024)
+
+        def buffer(self):
+            return self.tensor
+
+    def ready(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    class Module(torch.nn.Module):
+        pass
+
+    timer, module, bucket = StepTimer(enabled=True), Module(), Bucket()
+    timer.method, timer.hook, timer.origin = "clock readings (CPU)", "none", 0.0
+    hook = timer.timed(ready)
+    timer.on_step_begin(timer.clock())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(forwards):
+            timer._forward_pre(module, ())
+        timer._marks["bwd_start"] = timer.clock()  # what the backward wrapper reads around backward
+        for _ in range(buckets):
+            hook(None, bucket).wait()
+        timer._marks["bwd_end"] = timer.clock()
+        timer.on_pre_optimizer_step()
+        timer.on_optimizer_step()
+        timer.on_step_end(timer.clock())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
