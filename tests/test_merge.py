@@ -132,6 +132,10 @@ def test_cross_rank_checks_start_method_saved_model_and_columns():
 def test_fsdp_shards_must_add_up_to_the_model():
     ok = merge(_cfg("fsdp"), [_rank(0, [1.0, 2.0]), _rank(1, [1.0, 2.0])], device="cpu")
     assert ok.verified and ok.verification["shards_add_up"] is True
-    assert "weights_identical_across_ranks" not in ok.verification  # shards differ by design
+    # the shards differ by design and are not in weight_digests; what a rank reports there is replicated
+    # (a loss's own classifier, say) and must match across ranks under fsdp too
+    assert ok.verification["weights_identical_across_ranks"] is True
+    drift = merge(_cfg("fsdp"), [_rank(0, [1.0, 2.0]), _rank(1, [1.0, 2.0], weight_digests={"w": "b"})], device="cpu")
+    assert not drift.verified and "weights differ across ranks in 1 of 1 tensor(s), first 'w'" in drift.reason
     bad = merge(_cfg("fsdp"), [_rank(0, [1.0, 2.0]), _rank(0, [1.0, 2.0])], device="cpu")
     assert bad.reason == "not verified: the ranks' local shards hold 20 parameter values, the model has 21"
