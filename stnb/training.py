@@ -229,7 +229,8 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
         def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
             if state["memory_breakdown"] is None:
                 tr = trainer_ref["trainer"]
-                state["memory_breakdown"] = memory.measure(tr.model, optimizer)
+                held = strategies.get(config.strategy).held_bytes(tr)
+                state["memory_breakdown"] = memory.measure(tr.model, optimizer, held)
                 _check_first_step(tr, config, state, optimizer)
 
         def on_step_end(self, args, st, control, **kw):
