@@ -82,7 +82,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
              "n_gpu": n_gpu, "first_step_wall": None}
     metric, dev_before = _dev_metric(evaluator, model) if evaluator is not None and rank == 0 else (None, None)
     initial_path, scratch = model_path, None
-    if build is not None and rank == 0 and ("params" in strategy.sharded or config.save_to):
+    if build is not None and rank == 0 and (strategy.shards_params(config) or config.save_to):
         # the untrained model, to rebuild an unsharded copy (sharded parameters) and to check the saved one against
         scratch = initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
         model.save(scratch)

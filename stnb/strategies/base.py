@@ -63,6 +63,10 @@ class Strategy(abc.ABC):
         ``stage``: the ZeRO stage asked of a strategy that has several (deepspeed); the others ignore it."""
         return {part: (1.0 / world_size if part in self.sharded else 1.0) for part in PARTS}
 
+    def shards_params(self, config) -> bool:
+        """Each rank holds only a piece of the parameters (the trained model must be gathered)."""
+        return "params" in self.sharded
+
     def world_size(self, requested: int | None, default: int) -> int:
         """Processes this strategy runs (one-process strategies: 1)."""
         if not self.distributed:

@@ -100,6 +100,9 @@ class DeepSpeed(Strategy):
     owns_deepspeed = True
     master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
 
+    def shards_params(self, config):
+        return stage_of(config) == 3
+
     def held(self, world_size, stage=None):
         sharded = SHARDED_BY_STAGE[stage if stage in STAGES else DEFAULT_STAGE]
         return {part: (1.0 / world_size if part in sharded else 1.0) for part in ("params", "grads",
@@ -287,16 +290,21 @@ class DeepSpeed(Strategy):
         if not any(hasattr(p, "ds_tensor") for p in model.parameters()):
             return super().full_model(model, rank)
         import deepspeed
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         full = {}
         for name, p in model.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 if rank == 0:
                     full[name] = p.detach().clone().cpu()
+        # training is over: rank 0 alone now loads a plain copy to put these in, and while the trainer's ZeRO-3
+        # config is registered transformers builds every model under deepspeed.zero.Init, which broadcasts each
+        # parameter to ranks that never enter it (observed: rank 0 stuck in _zero_init_param, rank 1 at the barrier)
+        unset_hf_deepspeed_config()
         if rank != 0:
             return None, True
-        for name, b in model.named_buffers():
-            full[name] = b.detach().clone().cpu()
+        persistent = set(model.state_dict())  # keys only: ZeRO-3's parameters are empty here
+        full.update({name: b.detach().clone().cpu() for name, b in model.named_buffers() if name in persistent})
         return full, True
 
 
@@ -335,7 +343,8 @@ def optimizer_partition(opt) -> dict:
     tensors = [v for st in state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
     partition = sum(f.numel() for f in flats)
     slots = len(tensors) // max(1, len(flats)) if flats else 0
-    return {"partition_numel": partition, "partition_padding": sum(getattr(opt, "groups_padding", None) or [0]),
+    padding = [x for g in getattr(opt, "groups_padding", None) or [] for x in (g if isinstance(g, list) else [g])]
+    return {"partition_numel": partition, "partition_padding": sum(padding),  # stage 3: per parameter
             "state_numel": sum(t.numel() for t in tensors), "slots": slots, "trainable_numel": trainable,
             "master_bytes": sum(f.numel() * f.element_size() for f in flats)}
 
