@@ -125,9 +125,9 @@ BUILD = dict(num_processes=2, device="cpu", threads_per_rank=1, timeout=600, sta
 def test_a_users_trainer_gets_deepspeed_and_is_verified(tmp_path):
     """The build function never mentions DeepSpeed: the ranks' environment hands it to its arguments
     (as accelerate launch does), and the engine runs the stage asked."""
-    r = stnb.run(functools.partial(build_pairs, str(tmp_path)), strategy="deepspeed", stage=1, echo=False, **BUILD)
+    r = stnb.run(functools.partial(build_pairs, str(tmp_path)), strategy="deepspeed", stage=2, echo=False, **BUILD)
     assert r.verified, r.verification.get("problems")
-    assert {(v["wrapper"], v["zero_stage_seen"]) for v in r.verification["ranks"]} == {("DeepSpeedEngine", 1)}
+    assert {(v["wrapper"], v["zero_stage_seen"]) for v in r.verification["ranks"]} == {("DeepSpeedEngine", 2)}
     assert r.verification["weights_identical_across_ranks"] is True
     assert len(r.losses) == 3
 

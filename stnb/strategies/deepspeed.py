@@ -190,6 +190,9 @@ class DeepSpeed(Strategy):
                             "DeepSpeed partitions the optimizer the trainer builds: pass optim=... instead")
         return problems
 
+    def prepare(self, trainer, config, device_type, world):
+        return {"info": {"data_split": split_data_across_ranks(trainer)}, "overridden": {}}
+
     def on_first_step(self, trainer, config, world):
         """Before the engine's first optimizer step, note the gradients this rank holds (the engine's
         step frees them before any trainer callback runs)."""
@@ -223,6 +226,13 @@ class DeepSpeed(Strategy):
             problems.append(f"ZeRO stage {asked} was asked, the DeepSpeed engine runs stage {seen}")
         if engine.module is not trainer.model:
             problems.append("the DeepSpeed engine trains a module other than the trainer's model")
+        import torch.distributed as dist
+
+        acc = trainer.accelerator
+        if (acc.num_processes, acc.process_index) != (dist.get_world_size(), dist.get_rank()):
+            problems.append(f"accelerate splits the data as rank {acc.process_index} of {acc.num_processes}, the "
+                            f"process group has this rank as {dist.get_rank()} of {dist.get_world_size()}: every rank "
+                            "would train on the same batches")
         info = {"zero_stage_asked": asked, "zero_stage_seen": seen, "deepspeed_optimizer": type(engine.optimizer).__name__,
                 "deepspeed_version": __import__("deepspeed").__version__}
         if seen == 3:
@@ -306,6 +316,34 @@ class DeepSpeed(Strategy):
         persistent = set(model.state_dict())  # keys only: ZeRO-3's parameters are empty here
         full.update({name: b.detach().clone().cpu() for name, b in model.named_buffers() if name in persistent})
         return full, True
+
+
+def split_data_across_ranks(trainer) -> dict:
+    """Make accelerate split the batches over the ranks, as it does under DDP.
+
+    On a CPU machine accelerate's state under DeepSpeed says one process: ``PartialState.__init__``
+    (accelerate 1.15, state.py) gets no backend from ``_prepare_backend`` (not ``cpu``, and no CUDA/XPU/...
+    device), so it sets ``num_processes = 1``, ``process_index = 0`` and only then turns the distributed
+    type into DEEPSPEED. The engine still partitions over the whole process group, but the dataloader is not
+    sharded: every rank trains on the same batches (observed: both ranks' first batches identical). The
+    shared state is set from the process group before ``train()`` builds the dataloader; ``check_prepared``
+    checks it."""
+    import os
+
+    import torch.distributed as dist
+
+    state = trainer.accelerator.state  # AcceleratorState copies PartialState's fields: both are set
+    from accelerate.state import PartialState
+
+    before = {"num_processes": state.num_processes, "process_index": state.process_index}
+    if dist.is_available() and dist.is_initialized() and state.num_processes != dist.get_world_size():
+        seen = dict(num_processes=dist.get_world_size(), process_index=dist.get_rank(),
+                    local_process_index=int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        for one in (PartialState(), state):
+            one.__dict__.update(seen)
+        return {"accelerate_saw": before, "set_to": {"num_processes": trainer.accelerator.num_processes,
+                                                     "process_index": trainer.accelerator.process_index}}
+    return {"accelerate_saw": before, "set_to": None}
 
 
 # ---- observing the engine -------------------------------------------------------------------------
