@@ -83,10 +83,13 @@ def test_deepspeed_trains_like_the_native_stage(runs, stage, native):
     assert len(ds.losses) == len(ref.losses) == SIDE["steps"]
     assert ds.losses == pytest.approx(ref.losses, rel=LOSS_RTOL), (ds.losses, ref.losses)
     assert max(ds.losses) - min(ds.losses) > 100 * LOSS_RTOL * max(ds.losses), "the losses did not move"
-    # the optimizer state per rank is the same half in both (DeepSpeed adds its fp32 master copy: 3 vs 2 slots)
-    ds_opt = ds.memory_breakdown[0]["optimizer_state"]
-    ref_opt = ref.memory_breakdown[0]["optimizer_state"]
-    assert ds_opt == pytest.approx(1.5 * ref_opt, rel=0.02)
+    # the ranks' optimizer states add up the same (DeepSpeed adds its fp32 master copy: 3 slots, not 2); per
+    # rank DeepSpeed splits a flat buffer in halves, while ZeroRedundancyOptimizer (zero1) gives whole
+    # parameters to a rank: the tiny model's word embeddings (95% of it) land on one rank
+    ds_opt = [mb["optimizer_state"] for mb in ds.memory_breakdown]
+    ref_opt = [mb["optimizer_state"] for mb in ref.memory_breakdown]
+    assert sum(ds_opt) == pytest.approx(1.5 * sum(ref_opt), rel=0.01)
+    assert ds_opt == [pytest.approx(sum(ds_opt) / 2, rel=0.01)] * 2
     print(f"\n{native} vs deepspeed stage {stage}: losses {ref.losses} / {ds.losses}; samples/s "
           f"{ref.samples_per_second:.1f} / {ds.samples_per_second:.1f}")
 
