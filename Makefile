@@ -83,6 +83,8 @@ $(STAMP): pyproject.toml $(TORCH_CFG) | $(PY)
 	$(if $(and $(filter $(TORCH_CFG),$?),$(wildcard $(STAMP))),$(PIP) uninstall -y torch,)
 	$(PIP) install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) "torch==$(TORCH_VERSION)"
 	$(PIP) install -e ".[dev]"
+	# DeepSpeed's CPU communication op: compiled once here, not in the first test's ranks (about a minute)
+	$(PY) -m stnb.strategies.deepspeed_ops
 	@touch $@
 
 # ---------------------------------------------------------------- browser --

@@ -167,8 +167,8 @@ def replicated_digests(model, extra=()) -> dict:
     (name, parameter) pairs, e.g. the parameters a loss owns."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    kept = [(n, p) for n, p in model.named_parameters()
-            if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)]
+    kept = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "ds_tensor")  # ZeRO-3 partitioned
+            and (not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements))]
     return digests_of(kept + list(extra))
 
 

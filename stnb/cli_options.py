@@ -28,7 +28,7 @@ OFF_SWITCHES = {"evaluate": "--no-eval"}
 SKIPPED = ("extra",)
 
 HELP = {
-    "strategy": "single, dp, ddp or fsdp",
+    "strategy": "single, dp, ddp, zero1, zero2, fsdp or deepspeed (python -m stnb hardware lists them)",
     "num_processes": "processes for ddp/fsdp (default: 2 on CPU, all GPUs). Under torchrun, whose own "
                      "--nproc_per_node makes --nproc ambiguous, use --num-processes or leave it out",
     "model": "minilm, tiny, mpnet-base-random, a hub id or a local path",
@@ -51,6 +51,8 @@ HELP = {
     "broadcast_buffers": "DDP: broadcast rank 0's buffers at every forward (sentence-transformers turns it off)",
     "reshard_after_forward": "FSDP: keep the gathered parameters between forward and backward",
     "fsdp_layer_cls": "FSDP: the module class to shard separately (default: the model's transformer block)",
+    "stage": "deepspeed: ZeRO stage 1, 2 or 3 (default 2)",
+    "deepspeed_config": 'deepspeed: JSON DeepSpeed config merged over stnb\'s, e.g. \'{"zero_optimization": {"stage": 2}}\'',
     "timeout": "seconds for the whole run",
     "stall_timeout": "seconds without progress before the run is stopped",
 }

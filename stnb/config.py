@@ -19,7 +19,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # for a user's trainer they live in the user's code, here is where (refused with this hint).
 LAUNCH_FIELDS = ("strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout",
                  "threads_per_rank", "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
-                 "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "override_args")
+                 "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "stage", "deepspeed_config",
+                 "override_args")
 # Training arguments of a user's trainer that ``override_args`` may replace in every rank (read when
 # train() starts, so setting them on the built trainer takes effect), and what each changes.
 OVERRIDABLE_ARGS = {
@@ -76,6 +77,8 @@ class TrainConfig:
         gradient_accumulation_steps (all-reduce once per optimizer step, under no_sync) and comm_hook:
         'none', 'fp16', 'bf16' (NCCL only) or 'embedding_rows' (stnb.embedding_rows_hook: all-reduce only the
         embedding rows some rank used; exact).
+    DeepSpeed knobs (deepspeed): stage (ZeRO stage 1, 2 or 3; default 2, accelerate's) and deepspeed_config
+        (a DeepSpeed config dict merged over stnb's; a value contradicting the run is refused).
     override_args: only with your own build function (``stnb.run(build, override_args=...)``):
         training arguments of your trainer stnb replaces in every rank, ``{name: value}`` or
         ``{name: (value, why)}``; the names in ``OVERRIDABLE_ARGS`` (per_device_train_batch_size).
@@ -115,6 +118,9 @@ class TrainConfig:
     # FSDP knobs
     reshard_after_forward: bool = True
     fsdp_layer_cls: str | None = None
+    # DeepSpeed knobs (stnb.strategies.deepspeed)
+    stage: int | None = None
+    deepspeed_config: dict | None = None
     # process control
     timeout: float | None = None
     stall_timeout: float | None = 60.0
@@ -216,6 +222,7 @@ class TrainConfig:
         if self.override_args:
             raise ConfigError("override_args replaces training arguments of your own trainer "
                               "(stnb.run(build, override_args=...)); stnb's recipe takes per_device_batch_size")
+        self.strategy_object().check_recipe(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

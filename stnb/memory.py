@@ -51,7 +51,8 @@ OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adafacto
 
 
 def predict(strategy: str, param_count: int, world_size: int = 1, trainable_param_count: int | None = None,
-            bytes_per_param: int = 4, optimizer: str = "adamw", gradient_as_bucket_view: bool = False) -> dict:
+            bytes_per_param: int = 4, optimizer: str = "adamw", gradient_as_bucket_view: bool = False,
+            stage: int | None = None) -> dict:
     """Predicted model-state bytes held by *one* rank.
 
     strategy: a registered strategy's name (``stnb.strategies.names()``).
@@ -61,6 +62,7 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     bytes_per_param: 4 for fp32 weights (mixed precision still keeps fp32 master weights).
     optimizer: 'adamw'/'adam' (2 states per parameter), 'sgd_momentum' (1), 'sgd' (0).
     gradient_as_bucket_view: DDP's option that lets gradients live in the buckets (no copy).
+    stage: the ZeRO stage of a strategy that has several (deepspeed; default its own).
 
     Returns ``{"params", "grads", "optimizer_state", "ddp_buckets", "gathered_params", "total"}`` in bytes.
 
@@ -83,10 +85,11 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     if key not in OPTIMIZER_SLOTS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(map(repr, OPTIMIZER_SLOTS))}")
 
-    held = s.held(world_size)
+    held = s.held(world_size, stage=stage)
     params = math.ceil(bytes_per_param * param_count * held["params"])
     grads = math.ceil(bytes_per_param * trainable * held["grads"])
-    optimizer_state = math.ceil(OPTIMIZER_SLOTS[key] * bytes_per_param * trainable * held["optimizer_state"])
+    slots = OPTIMIZER_SLOTS[key] + (1 if s.master_weights else 0)  # DeepSpeed: + its fp32 master partition
+    optimizer_state = math.ceil(slots * bytes_per_param * trainable * held["optimizer_state"])
     ddp_buckets = bytes_per_param * trainable if s.ddp_buckets and not gradient_as_bucket_view else 0
     gathered = bytes_per_param * param_count - params if s.gathered_during_step == "all" else 0
     out = {"params": params, "grads": grads, "optimizer_state": optimizer_state, "ddp_buckets": ddp_buckets,
@@ -137,9 +140,10 @@ def optimizer_kind(name) -> str:
     raise ConfigError(f"no memory prediction for optimizer {name!r}; stnb knows {', '.join(OPTIMIZER_SLOTS)}")
 
 
-def measure(model, optimizer) -> dict:
+def measure(model, optimizer, held_elsewhere: dict | None = None) -> dict:
     """Bytes a rank holds, counted from the tensors themselves (a DTensor counts its local shard):
-    the parameters, their ``.grad`` tensors and every tensor in the optimizer's state."""
+    the parameters, their ``.grad`` tensors and every tensor in the optimizer's state, plus what the
+    strategy holds where these do not show it (``Strategy.held_bytes``: DeepSpeed's partitions)."""
     import torch
 
     from .strategies import tensor_bytes
@@ -152,6 +156,9 @@ def measure(model, optimizer) -> dict:
     if opt is not None:
         for st in opt.state.values():
             ostate += sum(tensor_bytes(v) for v in st.values() if torch.is_tensor(v))
+    extra = held_elsewhere or {}
+    params, grads, ostate = (params + extra.get("params", 0), grads + extra.get("grads", 0),
+                             ostate + extra.get("optimizer_state", 0))
     return {"params": params, "grads": grads, "optimizer_state": ostate, "total": params + grads + ostate}
 
 
@@ -278,7 +285,7 @@ def compare(result, optimizer: str | None = None):
     s = strategies.get(strategy)
     pred = predict(strategy, total_params, world_size if s.distributed else 1, trainable,
                    bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer,
-                   gradient_as_bucket_view=bool(bucket_view))
+                   gradient_as_bucket_view=bool(bucket_view), stage=cfg.get("stage"))
     peaks = r.get("peak_memory_bytes") or []
     rows = []
     for rank, meas in enumerate(breakdown):

@@ -27,7 +27,7 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
     model = load_model(model_path, device=device, max_seq_length=config.max_seq_length)
     train, dev = load_pairs(config.data, config.train_size, config.dev_size, config.seed, config.loss,
                             config.columns)  # train holds exactly the columns the loss reads
-    args = SentenceTransformerTrainingArguments(
+    args = dict(
         output_dir=tempfile.mkdtemp(prefix="stnb-trainer-"),
         per_device_train_batch_size=config.per_device_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -49,7 +49,9 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
         # stnb freezes the unused pooler (strategies.freeze_unused_pooler), so DDP need not search the graph
         ddp_find_unused_parameters=bool(config.extra.get("find_unused_parameters", False)),
     )
-    return SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=make_loss(config, model),
+    args.update(config.strategy_object().trainer_arguments(config, device.split(":")[0]))  # deepspeed=...
+    return SentenceTransformerTrainer(model=model, args=SentenceTransformerTrainingArguments(**args),
+                                      train_dataset=train, loss=make_loss(config, model),
                                       evaluator=dev_evaluator(dev) if config.evaluate else None)
 
 

@@ -68,6 +68,8 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         from .hardware import single_gpu_env
 
         env = single_gpu_env()
+    env.update(config.strategy_object().rank_env(config, device))
+    config.strategy_object().before_launch(config, device)
     t0 = time.time()
     bars = None
     if on_progress is None and echo:

@@ -83,7 +83,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
              "n_gpu": n_gpu, "first_step_wall": None}
     metric, dev_before = _dev_metric(evaluator, model) if evaluator is not None and rank == 0 else (None, None)
     initial_path, scratch = model_path, None
-    if build is not None and rank == 0 and ("params" in strategy.sharded or config.save_to):
+    if build is not None and rank == 0 and (strategy.shards_params(config) or config.save_to):
         # the untrained model, to rebuild an unsharded copy (sharded parameters) and to check the saved one against
         scratch = initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
         model.save(scratch)
@@ -232,7 +232,8 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
             state["timer"].on_optimizer_step()
             if state["memory_breakdown"] is None:
                 tr = trainer_ref["trainer"]
-                state["memory_breakdown"] = memory.measure(tr.model, optimizer)
+                held = strategies.get(config.strategy).held_bytes(tr)
+                state["memory_breakdown"] = memory.measure(tr.model, optimizer, held)
                 _check_first_step(tr, config, state, optimizer)
 
         def on_pre_optimizer_step(self, args, st, control, **kw):

@@ -193,6 +193,28 @@ MUTATIONS = [
         (("stnb/strategies/fsdp.py", "        problems += checks.shard_problems(model, world_size)  # exact local size",
           "        pass  # MUTATION"),),
         ("tests/test_verify_in_process.py::test_shard_problems_name_the_mesh_the_size_and_whole_parameters",)),
+    Mutation(
+        "deepspeed-user-trainer-gets-stage-1",
+        "a user's trainer gets a DeepSpeed config for ZeRO stage 1 whatever stage was asked (only the engine's "
+        "observed stage can tell: the refusals see no deepspeed=... in the user's arguments)",
+        (("stnb/strategies/deepspeed.py", "                   json.dumps(ds_config(config)).encode()).decode()}",
+          '                   json.dumps(merge(ds_config(config), {"zero_optimization": {"stage": 1}})).encode()'
+          ').decode()}'),),
+        ("tests/test_deepspeed.py::test_a_users_trainer_gets_deepspeed_and_is_verified",)),
+    Mutation(
+        "deepspeed-partition-measured-whole",
+        "the optimizer partitions are measured from the whole model's parameters, not the engine's partition",
+        (("stnb/strategies/deepspeed.py", "    partition = sum(f.numel() for f in flats)\n",
+          "    partition = trainable  # MUTATION\n"),),
+        ("tests/test_deepspeed.py::test_deepspeed_stage_verified_from_the_engine[2]",)),
+    Mutation(
+        "deepspeed-same-batches-on-every-rank",
+        "accelerate's one-process state under DeepSpeed on CPU is left as it is: every rank trains on the same "
+        "batches (the weights still agree across ranks)",
+        (("stnb/strategies/deepspeed.py",
+          '        return {"info": {"data_split": split_data_across_ranks(trainer)}, "overridden": {}}',
+          '        return {"info": {}, "overridden": {}}  # MUTATION'),),
+        ("tests/test_deepspeed.py::test_deepspeed_stage_verified_from_the_engine[2]",)),
 ]
 
 

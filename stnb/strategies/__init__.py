@@ -183,8 +183,9 @@ def _register_builtins() -> None:
     from .single import Single
     from .zero1 import Zero1
     from .zero2 import Zero2
+    from .deepspeed import DeepSpeed
 
-    for cls in (Single, DataParallel, DistributedDataParallel, Zero1, Zero2, FullyShardedDataParallel):
+    for cls in (Single, DataParallel, DistributedDataParallel, Zero1, Zero2, FullyShardedDataParallel, DeepSpeed):
         register(cls)
 
 

@@ -41,6 +41,7 @@ class Strategy(abc.ABC):
     ddp_buckets: ClassVar[bool] = False  # a DDP wrapper copies every gradient into its buckets
     env: ClassVar[dict] = {}           # environment the ranks need (set before they import anything)
     owns_deepspeed: ClassVar[bool] = False  # the trainer's own deepspeed=... argument belongs to it
+    master_weights: ClassVar[bool] = False  # the optimizer keeps its own fp32 copy of the (partitioned) weights
 
     baseline: ClassVar[bool] = False   # the one every other strategy is compared with (single)
 
@@ -57,9 +58,14 @@ class Strategy(abc.ABC):
         """Name and what it is, e.g. "fsdp (ZeRO stage 3): FSDP2 fully_shard ..." (Panel, CLI, docs)."""
         return f"{self.name}{f' ({self.aka})' if self.aka else ''}: {self.summary}"
 
-    def held(self, world_size: int) -> dict:
-        """Fraction of each model-state part one rank holds at rest (the memory prediction's shape)."""
+    def held(self, world_size: int, stage: int | None = None) -> dict:
+        """Fraction of each model-state part one rank holds at rest (the memory prediction's shape).
+        ``stage``: the ZeRO stage asked of a strategy that has several (deepspeed); the others ignore it."""
         return {part: (1.0 / world_size if part in self.sharded else 1.0) for part in PARTS}
+
+    def shards_params(self, config) -> bool:
+        """Each rank holds only a piece of the parameters (the trained model must be gathered)."""
+        return "params" in self.sharded
 
     def world_size(self, requested: int | None, default: int) -> int:
         """Processes this strategy runs (one-process strategies: 1)."""
@@ -85,6 +91,20 @@ class Strategy(abc.ABC):
     def validate(self, config) -> None:
         """Raise ConfigError for a config this strategy cannot run (beyond the registry's generic checks)."""
 
+    def check_recipe(self, config) -> None:
+        """ConfigError for what stnb's recipe (not a user's trainer) cannot run with this strategy."""
+
+    def rank_env(self, config, device: str) -> dict:
+        """Environment every rank needs, set before it imports anything (the runner merges it in)."""
+        return dict(self.env)
+
+    def before_launch(self, config, device: str) -> None:
+        """In the notebook process, after validation, before the ranks start (e.g. a one-time build)."""
+
+    def trainer_arguments(self, config, device: str) -> dict:
+        """Training arguments stnb's recipe passes at construction for this strategy (deepspeed=...)."""
+        return {}
+
     # ---- in each rank ----------------------------------------------------------------------
     def refusals(self, trainer, config) -> list:
         """What the trainer's own arguments ask that this strategy cannot honour (problem strings)."""
@@ -107,6 +127,11 @@ class Strategy(abc.ABC):
     def check_step(self, trainer, world_size: int) -> tuple[dict, list]:
         """After the first backward, before the optimizer step (gradients exist): (details, problems)."""
         return {}, []
+
+    def held_bytes(self, trainer) -> dict:
+        """Bytes per part a rank holds that its model's and optimizer's tensors do not show
+        (``memory.measure`` adds them): e.g. DeepSpeed's partitions and fp32 master copy."""
+        return {}
 
     @abc.abstractmethod
     def check_ranks(self, rank_results: list, world_size: int) -> tuple[dict, list]:

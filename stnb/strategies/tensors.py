@@ -5,9 +5,11 @@ from __future__ import annotations
 
 
 def local_numel(p) -> int:
-    """Elements this rank holds of ``p`` (a DTensor: its local shard)."""
+    """Elements this rank holds of ``p`` (a DTensor: its local shard; DeepSpeed ZeRO-3: its partition)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel()
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
@@ -23,7 +25,7 @@ def param_counts(model) -> tuple[int, int]:
     """(local, total) parameter counts; they differ only when the model is sharded."""
     total = local = 0
     for p in model.parameters():
-        total += p.numel()
+        total += getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 keeps an empty tensor between gathers
         local += local_numel(p)
     return local, total
 
@@ -82,8 +84,11 @@ def optimizer_parameter_names(trainer, optimizer) -> tuple[list, int]:
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     names.update({id(p): n for n, p in loss_owned_parameters(trainer)})
     opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+    # DeepSpeed ZeRO updates flat partitions; the parameters they hold are its bit16 (1/2) / fp16 (3) groups
+    groups = getattr(opt, "bit16_groups", None) or getattr(opt, "fp16_groups", None)
+    groups = [{"params": g} for g in groups] if groups else opt.param_groups
     out, unnamed = [], 0
-    for group in opt.param_groups:
+    for group in groups:
         for p in group["params"]:
             if id(p) in names:
                 out.append(names[id(p)])

@@ -1,0 +1,414 @@
+"""deepspeed (ZeRO stage 1, 2 or 3): DeepSpeed's engine through the trainer's own integration.
+
+stnb gives the trainer a DeepSpeed config (``ds_config``: the ZeRO ``stage``, the batch, accumulation,
+clipping and precision left ``"auto"`` so the trainer fills them from its own arguments, no ``optimizer``
+section so the trainer's own torch AdamW is the one DeepSpeed partitions: the same optimizer zero1 and
+zero2 run). stnb's recipe passes it as ``deepspeed=...`` in its training arguments; a user's trainer
+gets it the way ``accelerate launch --use_deepspeed`` hands it over, through the ranks' environment
+(``ACCELERATE_USE_DEEPSPEED``, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``: a base64 JSON accelerate's
+``HfDeepSpeedConfig`` reads), unless the user's arguments carry ``deepspeed=...`` themselves, which must
+then agree with the run (checked in the rank).
+
+On CPU the ranks need ``DS_ACCELERATOR=cpu`` (DeepSpeed's CPU accelerator, gloo) and
+``ACCELERATE_USE_CPU=false``: accelerate 1.15 refuses DeepSpeed in CPU mode (``accelerate/state.py``,
+``AcceleratorState.__init__``: ``elif os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cpu``), so
+``use_cpu=True`` in the training arguments is refused too. DeepSpeed's CPU communication JIT-compiles a
+shared-memory op once per machine (``deepspeed_ops.prebuild``, run before the ranks start and by
+``make install``).
+
+Verified the way the native stage of the same number is: the trainer trains a ``DeepSpeedEngine``
+around its own model with ``zero_optimization_stage()`` equal to the stage asked; stage 1/2: weights
+identical across ranks (every parameter of the engine's module digested), each rank's fp32 partition
+and optimizer state about 1/N, disjoint partitions adding up to the trainable parameters; stage 2:
+the gradients a rank holds at the optimizer step are its partition only (observed before the engine's
+step); stage 3: every parameter is partitioned (``ds_tensor``) into this rank's ceil(numel/N) piece,
+the pieces add up to the model.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+
+from .base import Strategy, mixed_precision
+
+STAGES = (1, 2, 3)
+DEFAULT_STAGE = 2  # accelerate's default (ACCELERATE_DEEPSPEED_ZERO_STAGE)
+INSTALL = 'pip install "stnb[deepspeed]"'
+SHARDED_BY_STAGE = {1: ("optimizer_state",), 2: ("optimizer_state", "grads"),
+                    3: ("optimizer_state", "grads", "params")}
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def stage_of(config) -> int:
+    """The ZeRO stage a config asks: ``stage``, else its deepspeed_config's, else accelerate's default (2)."""
+    if config.stage is not None:
+        return config.stage
+    given = ((config.deepspeed_config or {}).get("zero_optimization") or {}).get("stage")
+    return given if given in STAGES else DEFAULT_STAGE
+
+
+def ds_config(config) -> dict:
+    """The DeepSpeed config of a run: stnb's (the stage, the rest "auto" for the trainer to fill) with the
+    user's ``deepspeed_config`` merged over it (``validate`` refused any value that contradicts the run)."""
+    out = {"zero_optimization": {"stage": stage_of(config)},
+           "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto",
+           "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "steps_per_print": 10**9}
+    return merge(out, config.deepspeed_config or {})
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def contradictions(cfg: dict, stage: int, batch: int, accumulation: int, precision: str, where: str) -> list:
+    """Values of a DeepSpeed config that contradict the run (``where`` names the run's side)."""
+    problems = []
+    seen = (cfg.get("zero_optimization") or {}).get("stage")
+    if seen is not None and seen != stage:
+        problems.append(f"zero_optimization.stage={seen!r} in the DeepSpeed config, but stage={stage} was asked")
+    for key, ours, name in (("train_micro_batch_size_per_gpu", batch, "per-device batch"),
+                            ("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")):
+        theirs = cfg.get(key, "auto")
+        if theirs != "auto" and theirs != ours:
+            problems.append(f"{key}={theirs!r} in the DeepSpeed config, but the {name} is {ours} ({where})")
+    for kind in ("bf16", "fp16"):
+        on = (cfg.get(kind) or {}).get("enabled", "auto")
+        if on != "auto" and bool(on) != (precision == kind):
+            problems.append(f"{kind}.enabled={on!r} in the DeepSpeed config, but mixed precision is {precision!r} "
+                            f"({where})")
+    return problems
+
+
+class DeepSpeed(Strategy):
+    name = "deepspeed"
+    label = "DeepSpeed ZeRO"
+    aka = "ZeRO stage 1, 2 or 3"
+    summary = ("DeepSpeed's engine through the trainer's own integration: ZeRO stage 1 (optimizer state), "
+               "2 (+ gradients) or 3 (+ parameters) sharded")
+    color = "#e377c2"
+    min_ranks = 1
+    knobs = ("stage", "deepspeed_config")
+    owns_deepspeed = True
+    master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
+
+    def shards_params(self, config):
+        return stage_of(config) == 3
+
+    def held(self, world_size, stage=None):
+        sharded = SHARDED_BY_STAGE[stage if stage in STAGES else DEFAULT_STAGE]
+        return {part: (1.0 / world_size if part in sharded else 1.0) for part in ("params", "grads",
+                                                                                  "optimizer_state")}
+
+    def available(self, device, n_gpu, max_ranks, backend):
+        if not installed():
+            return False, f"DeepSpeed is not installed: {INSTALL}"
+        return super().available(device, n_gpu, max_ranks, backend)
+
+    # ---- before any process starts ------------------------------------------------------------
+    def validate(self, config):
+        from ..errors import ConfigError
+
+        if not installed():
+            raise ConfigError(f"strategy='deepspeed' needs DeepSpeed, which is not installed here: {INSTALL} "
+                              "(or pip install deepspeed==0.19.8), then restart the kernel")
+        if config.stage is not None and (isinstance(config.stage, bool) or config.stage not in STAGES):
+            raise ConfigError(f"unknown DeepSpeed ZeRO stage {config.stage!r}; choose stage=1 (optimizer state "
+                              "sharded), 2 (+ gradients) or 3 (+ parameters)")
+        given = config.deepspeed_config
+        if given is not None and not isinstance(given, dict):
+            raise ConfigError(f"deepspeed_config must be a dict (a DeepSpeed config), got {type(given).__name__}")
+        inner = ((given or {}).get("zero_optimization") or {}).get("stage")
+        if config.stage is None and inner is not None and inner not in STAGES:
+            raise ConfigError(f"unknown DeepSpeed ZeRO stage {inner!r} in deepspeed_config; choose 1, 2 or 3")
+
+    def check_recipe(self, config):
+        """stnb's recipe trains with the config's batch, accumulation and precision: the DeepSpeed config
+        must agree (a user's trainer is checked in the rank, against its own arguments)."""
+        from ..errors import ConfigError
+
+        self.validate(config)
+        problems = contradictions(ds_config(config), stage_of(config), config.per_device_batch_size,
+                                  config.gradient_accumulation_steps, config.mixed_precision, "stnb.run's options")
+        if problems:
+            raise ConfigError("the DeepSpeed config contradicts the run: " + "; ".join(problems)
+                              + ". Leave these keys out of deepspeed_config (stnb fills them from the run) or make "
+                                "them agree")
+
+    def rank_env(self, config, device):
+        env = {"ACCELERATE_USE_DEEPSPEED": "true",
+               "ACCELERATE_DEEPSPEED_CONFIG_FILE": base64.urlsafe_b64encode(
+                   json.dumps(ds_config(config)).encode()).decode()}
+        if device == "cpu":
+            # DeepSpeed's CPU accelerator (gloo); accelerate refuses DeepSpeed in its CPU mode (state.py)
+            env.update({"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "false"})
+        return env
+
+    def before_launch(self, config, device):
+        if device == "cpu":
+            from .deepspeed_ops import prebuild
+
+            prebuild()
+
+    def trainer_arguments(self, config, device):
+        return {"deepspeed": ds_config(config), "use_cpu": False}
+
+    # ---- in each rank -------------------------------------------------------------------------
+    def refusals(self, trainer, config):
+        from .tensors import loss_owned_parameters
+
+        args, problems = trainer.args, []
+        stage = stage_of(config)
+        if args.use_cpu:
+            problems.append("use_cpu=True in your arguments: accelerate refuses DeepSpeed in its CPU mode "
+                            "(accelerate/state.py, AcceleratorState: `ACCELERATE_USE_DEEPSPEED == 'true' and not cpu`); "
+                            "remove use_cpu (stnb runs the ranks on CPU with DS_ACCELERATOR=cpu)")
+        if args.deepspeed:
+            theirs = getattr(args, "hf_deepspeed_config", None)
+            cfg = theirs.config if theirs is not None else args.deepspeed
+            if isinstance(cfg, dict):
+                problems += contradictions(cfg, stage, args.per_device_train_batch_size,
+                                           args.gradient_accumulation_steps, mixed_precision(args),
+                                           "your training arguments")
+        if not getattr(trainer, "is_deepspeed_enabled", False) and not problems:
+            problems.append("the trainer did not enable DeepSpeed (trainer.is_deepspeed_enabled is False)")
+        owned = loss_owned_parameters(trainer)
+        if owned:
+            problems.append(f"your loss has its own trainable parameters ({', '.join(n for n, _ in owned[:3])}); "
+                            "DeepSpeed's engine reduces only its module's gradients, so every rank would train its "
+                            "own copy: use strategy='zero1' or 'ddp', which keep them in sync")
+        if trainer.optimizer is not None:
+            problems.append(f"your trainer came with a ready optimizer ({type(trainer.optimizer).__name__}); "
+                            "DeepSpeed partitions the optimizer the trainer builds: pass optim=... instead")
+        return problems
+
+    def prepare(self, trainer, config, device_type, world):
+        return {"info": {"data_split": split_data_across_ranks(trainer)}, "overridden": {}}
+
+    def on_first_step(self, trainer, config, world):
+        """Before the engine's first optimizer step, note the gradients this rank holds (the engine's
+        step frees them before any trainer callback runs)."""
+        engine = trainer.model_wrapped
+        opt = getattr(engine, "optimizer", None)
+        if opt is None or not hasattr(opt, "step"):
+            return {}
+        seen = trainer.stnb_ds_grads = {}
+        original = opt.step
+
+        def step(*a, **kw):
+            seen.update(held_gradients(engine.module, opt))
+            opt.step = original
+            return original(*a, **kw)
+
+        opt.step = step
+        return {}
+
+    def check_prepared(self, trainer, world_size):
+        try:
+            from deepspeed import DeepSpeedEngine
+        except ImportError as e:
+            return {}, [f"deepspeed cannot be imported in the rank: {e}"]
+        engine = trainer.model_wrapped
+        asked = stage_of(trainer.stnb_config)
+        if not isinstance(engine, DeepSpeedEngine):
+            return {"zero_stage_asked": asked}, [f"expected a DeepSpeedEngine, the trainer used {type(engine).__name__}"]
+        seen = engine.zero_optimization_stage()
+        problems = []
+        if seen != asked:
+            problems.append(f"ZeRO stage {asked} was asked, the DeepSpeed engine runs stage {seen}")
+        if engine.module is not trainer.model:
+            problems.append("the DeepSpeed engine trains a module other than the trainer's model")
+        import torch.distributed as dist
+
+        acc = trainer.accelerator
+        if (acc.num_processes, acc.process_index) != (dist.get_world_size(), dist.get_rank()):
+            problems.append(f"accelerate splits the data as rank {acc.process_index} of {acc.num_processes}, the "
+                            f"process group has this rank as {dist.get_rank()} of {dist.get_world_size()}: every rank "
+                            "would train on the same batches")
+        info = {"zero_stage_asked": asked, "zero_stage_seen": seen, "deepspeed_optimizer": type(engine.optimizer).__name__,
+                "deepspeed_version": __import__("deepspeed").__version__}
+        if seen == 3:
+            info_3, problems_3 = stage3_partitions(engine.module, world_size)
+            info.update(info_3)
+            problems += problems_3
+        return info, problems
+
+    def check_step(self, trainer, world_size):
+        """After the first optimizer step: this rank's partition of the optimizer (fp32 master copy and
+        AdamW's moments) about 1/N, and, at stage 2 and 3, the gradients it held at the step its partition only."""
+        engine = trainer.model_wrapped
+        opt = engine.optimizer
+        stage = engine.zero_optimization_stage()
+        part = optimizer_partition(opt)
+        grads = getattr(trainer, "stnb_ds_grads", {})
+        problems = []
+        if not part["state_numel"]:
+            problems.append("this rank holds no optimizer state after the first step")
+        elif part["state_numel"] != part["slots"] * part["partition_numel"]:
+            problems.append(f"the optimizer state holds {part['state_numel']} values for a partition of "
+                            f"{part['partition_numel']}: not this rank's partition only")
+        if not grads:
+            problems.append("the gradients at the first optimizer step were not observed")
+        elif grads["whole_grad_numel"] or grads["partition_grad_numel"] != part["partition_numel"]:
+            # every stage reduces the gradients into this rank's partition before its step (stage 1 after the
+            # backward, stage 2 and 3 bucket by bucket during it) and frees the whole ones
+            problems.append(f"at the optimizer step this rank held {grads['whole_grad_numel']} gradient values of "
+                            f"whole parameters and {grads['partition_grad_numel']} in its partition of "
+                            f"{part['partition_numel']}: ZeRO keeps only the partition")
+        reduces = bool(getattr(opt, "partition_gradients", stage == 3))
+        if reduces != (stage >= 2):
+            problems.append(f"the ZeRO optimizer {'reduce-scatters' if reduces else 'all-reduces'} gradients during "
+                            f"the backward; stage {stage} {'does not' if stage < 2 else 'does'}")
+        return {**part, "partition_gradients": reduces,
+                **{f"grads_{k}": v for k, v in grads.items() if k != "bytes"}}, problems
+
+    def held_bytes(self, trainer):
+        return held_bytes(trainer)
+
+    def check_ranks(self, rank_results, world_size):
+        ranks = [r["verification"] for r in rank_results]
+        problems = []
+        total = ranks[0].get("trainable_numel") or 0
+        held = [(v.get("partition_numel") or 0) - (v.get("partition_padding") or 0) for v in ranks]
+        if sum(held) != total:
+            problems.append(f"the ranks' optimizer partitions cover {sum(held)} parameter values, the optimizer "
+                            f"updates {total}")
+        ideal = total / max(1, world_size)
+        if total and any(abs(h - ideal) > 0.01 * total + 64 for h in held):
+            problems.append(f"the ranks' optimizer partitions hold {held} of {total} values; over {world_size} ranks "
+                            f"each should hold about {ideal:.0f}")
+        info = {"optimizer_partition_fractions": [h / total if total else None for h in held]}
+        if ranks[0].get("zero_stage_seen") == 3:
+            local = sum(v.get("local_param_count") or 0 for v in ranks)
+            want = ranks[0].get("total_param_count")
+            # each parameter's last piece is padded up to ceil(numel / N)
+            info["shards_add_up"] = want <= local < want + world_size * (ranks[0].get("ds_partitioned_params") or 1)
+            if not info["shards_add_up"]:
+                problems.append(f"the ranks' parameter partitions hold {local} values, the model has {want}")
+        return info, problems
+
+    def full_model(self, model, rank):
+        """Stage 3 gathers every partition (a collective) into rank 0's state dict; stage 1/2 hold it whole."""
+        if not any(hasattr(p, "ds_tensor") for p in model.parameters()):
+            return super().full_model(model, rank)
+        import deepspeed
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        full = {}
+        for name, p in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if rank == 0:
+                    full[name] = p.detach().clone().cpu()
+        # training is over: rank 0 alone now loads a plain copy to put these in, and while the trainer's ZeRO-3
+        # config is registered transformers builds every model under deepspeed.zero.Init, which broadcasts each
+        # parameter to ranks that never enter it (observed: rank 0 stuck in _zero_init_param, rank 1 at the barrier)
+        unset_hf_deepspeed_config()
+        if rank != 0:
+            return None, True
+        persistent = set(model.state_dict())  # keys only: ZeRO-3's parameters are empty here
+        full.update({name: b.detach().clone().cpu() for name, b in model.named_buffers() if name in persistent})
+        return full, True
+
+
+def split_data_across_ranks(trainer) -> dict:
+    """Make accelerate split the batches over the ranks, as it does under DDP.
+
+    On a CPU machine accelerate's state under DeepSpeed says one process: ``PartialState.__init__``
+    (accelerate 1.15, state.py) gets no backend from ``_prepare_backend`` (not ``cpu``, and no CUDA/XPU/...
+    device), so it sets ``num_processes = 1``, ``process_index = 0`` and only then turns the distributed
+    type into DEEPSPEED. The engine still partitions over the whole process group, but the dataloader is not
+    sharded: every rank trains on the same batches (observed: both ranks' first batches identical). The
+    shared state is set from the process group before ``train()`` builds the dataloader; ``check_prepared``
+    checks it."""
+    import os
+
+    import torch.distributed as dist
+
+    state = trainer.accelerator.state  # AcceleratorState copies PartialState's fields: both are set
+    from accelerate.state import PartialState
+
+    before = {"num_processes": state.num_processes, "process_index": state.process_index}
+    if dist.is_available() and dist.is_initialized() and state.num_processes != dist.get_world_size():
+        seen = dict(num_processes=dist.get_world_size(), process_index=dist.get_rank(),
+                    local_process_index=int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        for one in (PartialState(), state):
+            one.__dict__.update(seen)
+        return {"accelerate_saw": before, "set_to": {"num_processes": trainer.accelerator.num_processes,
+                                                     "process_index": trainer.accelerator.process_index}}
+    return {"accelerate_saw": before, "set_to": None}
+
+
+# ---- observing the engine -------------------------------------------------------------------------
+
+def _tensors(x) -> list:
+    import torch
+
+    if x is None:
+        return []
+    if torch.is_tensor(x):
+        return [x]
+    return [t for one in (x.values() if isinstance(x, dict) else x) for t in _tensors(one)]
+
+
+def held_gradients(module, opt) -> dict:
+    """Gradient values this rank holds at the optimizer step: on whole parameters (``.grad``) and in the
+    ZeRO optimizer's own partition (``averaged_gradients``, stage 1/2; the flat partition's grads, stage 3)."""
+    whole = [p.grad for p in module.parameters() if p.grad is not None and p.grad.numel()]
+    partition = _tensors(getattr(opt, "averaged_gradients", None))
+    partition += [f.grad for f in getattr(opt, "fp32_partitioned_groups_flat", None) or [] if f.grad is not None]
+    return {"whole_grad_numel": sum(t.numel() for t in whole), "partition_grad_numel": sum(t.numel() for t in partition),
+            "bytes": sum(t.numel() * t.element_size() for t in whole + partition)}
+
+
+def optimizer_partition(opt) -> dict:
+    """This rank's ZeRO optimizer partition, observed: the fp32 master partition it updates (padding
+    included, and the padding apart), AdamW's state tensors over it, and the trainable values in all."""
+    import torch
+
+    flats = list(getattr(opt, "single_partition_of_fp32_groups", None) or []) or \
+        list(getattr(opt, "fp32_partitioned_groups_flat", None) or [])
+    groups = getattr(opt, "bit16_groups", None) or getattr(opt, "fp16_groups", None) or []
+    trainable = sum((getattr(p, "ds_numel", None) or p.numel()) for g in groups for p in g)
+    state = getattr(getattr(opt, "optimizer", None), "state", {}) or {}
+    tensors = [v for st in state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    partition = sum(f.numel() for f in flats)
+    slots = len(tensors) // max(1, len(flats)) if flats else 0
+    padding = [x for g in getattr(opt, "groups_padding", None) or [] for x in (g if isinstance(g, list) else [g])]
+    return {"partition_numel": partition, "partition_padding": sum(padding),  # stage 3: per parameter
+            "state_numel": sum(t.numel() for t in tensors), "slots": slots, "trainable_numel": trainable,
+            "master_bytes": sum(f.numel() * f.element_size() for f in flats)}
+
+
+def stage3_partitions(module, world_size) -> tuple[dict, list]:
+    """ZeRO-3: every parameter partitioned, this rank's piece ceil(numel / N) (DeepSpeed pads the last)."""
+    problems, names = [], []
+    for name, p in module.named_parameters():
+        if not hasattr(p, "ds_tensor"):
+            problems.append(f"parameter {name} is not partitioned by ZeRO-3 (no ds_tensor)")
+            continue
+        want = -(-p.ds_numel // world_size)
+        if p.ds_tensor.numel() != want:
+            problems.append(f"parameter {name}: this rank holds {p.ds_tensor.numel()} values, ZeRO-3 over "
+                            f"{world_size} ranks gives {want}")
+        names.append(name)
+    return {"ds_partitioned_params": len(names)}, problems[:10]
+
+
+def held_bytes(trainer) -> dict:
+    """What a DeepSpeed rank holds beyond the tensors ``memory.measure`` counts: ZeRO-3's parameter
+    partitions, the gradients seen at the step, the fp32 master partition (optimizer state)."""
+    engine = trainer.model_wrapped
+    opt = getattr(engine, "optimizer", None)
+    out = {"optimizer_state": optimizer_partition(opt)["master_bytes"] if opt is not None else 0}
+    out["params"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in trainer.model.parameters()
+                        if hasattr(p, "ds_tensor"))
+    out["grads"] = getattr(trainer, "stnb_ds_grads", {}).get("bytes", 0)
+    return out

@@ -1,0 +1,198 @@
+"""strategy='deepspeed' (DeepSpeed ZeRO 1/2 through the trainer's own integration) on 2 gloo CPU ranks:
+verified from the engine, side by side with the native stage of the same number, from stnb's recipe,
+the CLI and a user's build function; and the bad input refused before any process starts.
+
+Every run is real (the tiny model, a few steps). DeepSpeed's CPU op is built once per machine
+(``make install``; else ``Strategy.before_launch`` builds it before the first launch).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+
+import faultcases as fc
+import stnb
+from stnb import ConfigError, TrainConfig
+from stnb.models import tiny_path
+
+pytest.importorskip("deepspeed", reason='the dev extra installs deepspeed (pip install "stnb[deepspeed]")')
+
+# lr 1e-3 so that the training moves the weights far beyond the tolerance the losses are compared with
+SIDE = dict(model="tiny", num_processes=2, device="cpu", steps=6, per_device_batch_size=4, learning_rate=1e-3,
+            train_size=64, dev_size=16, warmup_steps_excluded=1, evaluate=False, threads_per_rank=1, timeout=600,
+            stall_timeout=300)
+# DeepSpeed's ZeRO optimizer updates a flat fp32 copy of the partition with the trainer's own torch AdamW
+# (no DeepSpeed optimizer section): the same update as the native stage, summed in a different order.
+# Measured on the 2-core CPU machine: losses apart by at most 3e-7 (relative) over 6 steps.
+LOSS_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{(strategy, stage): RunResult}, each run once for the module."""
+    cache = {}
+
+    def get(strategy, stage=None):
+        key = (strategy, stage)
+        if key not in cache:
+            extra = {"stage": stage} if strategy == "deepspeed" else {}
+            cache[key] = stnb.run(TrainConfig(strategy=strategy, **SIDE, **extra), echo=False)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_stage_verified_from_the_engine(runs, stage):
+    r = runs("deepspeed", stage)
+    assert r.verified and r.world_size == 2, r.verification.get("problems")
+    ranks = r.verification["ranks"]
+    for v in ranks:
+        assert v["wrapper"] == "DeepSpeedEngine" and v["backend"] == "gloo"
+        assert v["zero_stage_asked"] == v["zero_stage_seen"] == stage
+        assert v["partition_gradients"] is (stage >= 2)
+        # this rank's optimizer partition: AdamW's two moments over its fp32 half, no more
+        assert v["state_numel"] == 2 * v["partition_numel"]
+        assert v["grads_whole_grad_numel"] == 0 and v["grads_partition_grad_numel"] == v["partition_numel"]
+    if stage < 3:
+        assert r.verification["weights_identical_across_ranks"] is True
+        assert r.verification["weights_tensors_compared"] > 30  # every parameter of the engine's module
+    else:  # every parameter partitioned: this rank's piece is half, and the pieces add up to the model
+        assert all(v["ds_partitioned_params"] > 30 and v["local_param_fraction"] == pytest.approx(0.5, abs=0.01)
+                   for v in ranks)
+        assert r.verification["shards_add_up"] is True
+    assert r.verification["optimizer_partition_fractions"] == [pytest.approx(0.5, abs=0.01)] * 2
+    trainable = ranks[0]["trainable_numel"]
+    for mb in r.memory_breakdown:  # AdamW's 2 moments + the fp32 master copy, over half the parameters
+        assert mb["optimizer_state"] == pytest.approx(3 * 4 * trainable / 2, rel=0.01)
+        assert mb["grads"] == pytest.approx(4 * trainable / 2, rel=0.01)
+        # stage 3: half, plus the small parameters ZeRO-3 keeps whole on every rank (param_persistence_threshold)
+        want, tol = (4 * r.total_param_count, 0.01) if stage < 3 else (4 * r.total_param_count / 2, 0.15)
+        assert mb["params"] == pytest.approx(want, rel=tol)
+
+
+@pytest.mark.parametrize("stage, native", [(1, "zero1"), (2, "zero2"), (3, "fsdp")])
+def test_deepspeed_trains_like_the_native_stage(runs, stage, native):
+    ds, ref = runs("deepspeed", stage), runs(native)
+    assert ds.verified and ref.verified
+    assert len(ds.losses) == len(ref.losses) == SIDE["steps"]
+    assert ds.losses == pytest.approx(ref.losses, rel=LOSS_RTOL), (ds.losses, ref.losses)
+    assert max(ds.losses) - min(ds.losses) > 100 * LOSS_RTOL * max(ds.losses), "the losses did not move"
+    # the ranks' optimizer states add up the same (DeepSpeed adds its fp32 master copy: 3 slots, not 2); per
+    # rank DeepSpeed splits a flat buffer in halves, while ZeroRedundancyOptimizer (zero1) gives whole
+    # parameters to a rank: the tiny model's word embeddings (95% of it) land on one rank
+    ds_opt = [mb["optimizer_state"] for mb in ds.memory_breakdown]
+    ref_opt = [mb["optimizer_state"] for mb in ref.memory_breakdown]
+    assert sum(ds_opt) == pytest.approx(1.5 * sum(ref_opt), rel=0.01)
+    assert ds_opt == [pytest.approx(sum(ds_opt) / 2, rel=0.01)] * 2
+    print(f"\n{native} vs deepspeed stage {stage}: losses {ref.losses} / {ds.losses}; samples/s "
+          f"{ref.samples_per_second:.1f} / {ds.samples_per_second:.1f}")
+
+
+def test_cli_runs_deepspeed_stage_2():
+    out = subprocess.run([sys.executable, "-m", "stnb", "run", "--strategy", "deepspeed", "--stage", "2", "--nproc", "2",
+                          "--model", "tiny", "--steps", "3", "--batch-size", "4", "--no-eval", "--json",
+                          "--device", "cpu", "--stall-timeout", "300"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert d["strategy"] == "deepspeed" and d["verified"] is True and d["config"]["stage"] == 2
+    assert {v["zero_stage_seen"] for v in d["verification"]["ranks"]} == {2}
+
+
+# ---- a user's build function --------------------------------------------------------------------
+
+def build_pairs(outdir: str, deepspeed=None, batch=4):
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments, losses)
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    data = Dataset.from_dict({"anchor": [f"question {i}" for i in range(32)],
+                              "positive": [f"answer {i}" for i in range(32)]})
+    args = SentenceTransformerTrainingArguments(output_dir=outdir, per_device_train_batch_size=batch, max_steps=3,
+                                                learning_rate=1e-3, logging_steps=1, report_to="none",
+                                                save_strategy="no", seed=7, deepspeed=deepspeed)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                      loss=losses.MultipleNegativesRankingLoss(model))
+
+
+BUILD = dict(num_processes=2, device="cpu", threads_per_rank=1, timeout=600, stall_timeout=300)
+
+
+def test_a_users_trainer_gets_deepspeed_and_is_verified(tmp_path):
+    """The build function never mentions DeepSpeed: the ranks' environment hands it to its arguments
+    (as accelerate launch does), and the engine runs the stage asked."""
+    r = stnb.run(functools.partial(build_pairs, str(tmp_path)), strategy="deepspeed", stage=2, echo=False, **BUILD)
+    assert r.verified, r.verification.get("problems")
+    assert {(v["wrapper"], v["zero_stage_seen"]) for v in r.verification["ranks"]} == {("DeepSpeedEngine", 2)}
+    assert r.verification["weights_identical_across_ranks"] is True
+    assert len(r.losses) == 3
+
+
+def test_a_users_deepspeed_config_that_contradicts_the_stage_is_refused(tmp_path):
+    ds = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 8}
+    before = fc.descendants()
+    with pytest.raises(stnb.StnbError) as ei:
+        stnb.run(functools.partial(build_pairs, str(tmp_path), deepspeed=ds), strategy="deepspeed", stage=2,
+                 echo=False, **BUILD)
+    msg = str(ei.value)
+    assert "zero_optimization.stage=1" in msg and "stage=2 was asked" in msg
+    assert "train_micro_batch_size_per_gpu=8" in msg and "per-device batch is 4" in msg
+    assert fc.new_descendants(before) == []
+
+
+def test_deepspeed_in_a_users_arguments_under_ddp_is_refused(tmp_path):
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto"}
+    with pytest.raises(stnb.StnbError) as ei:
+        stnb.run(functools.partial(build_pairs, str(tmp_path), deepspeed=ds), strategy="ddp", echo=False, **BUILD)
+    assert "strategy='deepspeed'" in str(ei.value)
+
+
+# ---- refused before any process starts --------------------------------------------------------------
+
+BAD = [
+    ("unknown-stage", dict(stage=4), ["unknown DeepSpeed ZeRO stage 4", "stage=1", "2 (+ gradients)", "3"]),
+    ("stage-under-ddp", dict(strategy="ddp", stage=2), ["stage=2 is an option of deepspeed", "not of strategy 'ddp'"]),
+    ("config-stage", dict(stage=2, deepspeed_config={"zero_optimization": {"stage": 3}}),
+     ["zero_optimization.stage=3", "stage=2 was asked"]),
+    ("config-batch", dict(stage=1, deepspeed_config={"train_micro_batch_size_per_gpu": 32}),
+     ["train_micro_batch_size_per_gpu=32", "per-device batch is 16"]),
+    ("config-accumulation", dict(stage=1, deepspeed_config={"gradient_accumulation_steps": 4}),
+     ["gradient_accumulation_steps=4", "gradient_accumulation_steps is 1"]),
+    ("config-precision", dict(stage=1, deepspeed_config={"bf16": {"enabled": True}}),
+     ["bf16.enabled=True", "mixed precision is 'no'"]),
+    ("config-not-a-dict", dict(stage=1, deepspeed_config="ds.json"), ["deepspeed_config must be a dict"]),
+]
+
+
+@pytest.mark.parametrize("name, overrides, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_deepspeed_input_refused_before_any_process(name, overrides, words):
+    cfg = TrainConfig(strategy="deepspeed", model="tiny", device="cpu", steps=3).replace(**overrides)
+    before = fc.descendants()
+    with fc.ChildSampler(before) as sampler:
+        with pytest.raises(ConfigError) as ei:
+            stnb.run(cfg, echo=False)
+    for w in words:
+        assert w in str(ei.value), f"{name}: {w!r} not in {ei.value}"
+    assert not sampler.seen, f"{name}: a process was started before the refusal"
+
+
+def test_deepspeed_not_installed_names_the_install_command():
+    code = ("import sys; sys.modules['deepspeed'] = None\n"  # importlib.util.find_spec now finds no deepspeed
+            "import stnb\n"
+            "try:\n"
+            "    stnb.run(stnb.TrainConfig(strategy='deepspeed', stage=2, model='tiny', device='cpu', steps=3), echo=False)\n"
+            "except stnb.ConfigError as e:\n"
+            "    print('REFUSED', e)\n"
+            "print(stnb.strategies.availability('cpu', 0, 2, 'gloo')['deepspeed'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED" in out.stdout and 'pip install "stnb[deepspeed]"' in out.stdout
+    assert "'runnable': False" in out.stdout
