@@ -22,7 +22,10 @@ from stnb.config import TrainConfig
 from stnb.errors import ConfigError
 from stnb.launch import free_port
 from stnb.results import RunResult, load_results, results_frame
-from stnb.strategy_table import ONE_PROCESS, STRATEGIES
+from stnb.strategies import is_distributed, names
+
+STRATEGIES = names()
+ONE_PROCESS = tuple(n for n in STRATEGIES if not is_distributed(n))
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -239,7 +242,8 @@ def test_exported_script_trains_the_strategy_asked(tmp_path, strategy):
     rest of the config unchanged, and the commands fit it: one process, or the config's world size."""
     one_process = strategy in ONE_PROCESS
     cfg = TrainConfig(**dict(TINY, strategy=strategy, num_processes=None if one_process else 2,
-                             device="cuda" if strategy == "dp" else "cpu"))
+                             device="cuda" if strategy == "dp" else "cpu",
+                             **({"stage": 2} if strategy == "deepspeed" else {})))
     out = tmp_path / f"{strategy}.py"
     script = stnb.export_script(cfg, out, echo=False)
     config = _script_constants(out)["CONFIG"]

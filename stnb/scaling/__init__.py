@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
-from ..strategy_table import TABLE
+from .. import strategies
 from .links import KNOWN as LINKS, PRESETS, Fabric, Link, custom, fabric
 from .model import STEP_MODELS, Measured, single
 
@@ -166,7 +166,7 @@ def from_result(result) -> Measured:
         fwd, bwd, opt, rest = med["forward"], med["backward_compute"], med["optimizer"], med["data"] + med["other"]
         source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), means of "
                   f"{steady} steady steps of its measured time split")
-        if getattr(TABLE.get(r["strategy"]), "shards", False):
+        if "params" in strategies.get(r["strategy"]).sharded:
             notes.append("the run is sharded (FSDP): its backward includes its all-gathers and reduce-scatters "
                          "(stnb times only the forward all-gathers), so the prediction counts those twice and is low")
     else:
