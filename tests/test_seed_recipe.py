@@ -115,3 +115,22 @@ def test_command_line_ddp_run_is_verified():
     assert result["verified"], result["reason"]
     assert result["config"]["loss"] == "softmax+cosine"
     assert result["verification"]["ranks"][0]["trained_parameters"]["loss"] == CLASSIFIER
+
+
+def _checked(loss_inputs):
+    from stnb.results import cross_rank_checks
+
+    rank = {"verification": {"ok": True}, "weight_digests": {}, "loss_inputs": loss_inputs,
+            "data_columns": {"nli": ["sentence1", "sentence2", "label"], "sentence": ["sentence1", "score"]}}
+    return cross_rank_checks(TrainConfig(strategy="single", device="cpu"), [rank])
+
+
+def test_a_dict_of_datasets_is_checked_per_dataset():
+    """Each dataset's columns against what its own loss received; one whose loss never ran is reported as such."""
+    v, problems = _checked({"nli": {"texts": 2, "label": True}, "sentence": {"texts": 1, "label": True}})
+    assert problems == [] and v["loss_received_all_columns"] is True
+    v, problems = _checked({"nli": {"texts": 1, "label": True}})
+    assert v["loss_inputs_per_dataset"]["nli"]["ok"] is False and v["loss_received_all_columns"] is False
+    assert len(problems) == 1 and "dataset 'nli'" in problems[0] and "{'texts': 1, 'label': True}" in problems[0]
+    assert v["loss_inputs_per_dataset"]["sentence"]["ok"] is None
+    assert "did not run" in v["loss_inputs_per_dataset"]["sentence"]["note"]
