@@ -34,7 +34,7 @@ HELP = {
     "model": "minilm, tiny, mpnet-base-random, a hub id or a local path",
     "data": "synthetic, a .csv/.jsonl/.parquet file or a hub dataset",
     "columns": 'JSON mapping of data columns to the loss inputs, e.g. \'{"question": "anchor", "id": null}\'',
-    "loss": "cosine or mnrl",
+    "loss": "cosine, mnrl or softmax+cosine (NLI + STS in one multi-dataset run, the docs' benchmark recipe)",
     "gather_across_devices": "mnrl: in-batch negatives from all ranks",
     "per_device_batch_size": "per-device batch size",
     "train_size": "training pairs (synthetic data: generated)",

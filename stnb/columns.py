@@ -66,13 +66,21 @@ _ST_LOSS_INPUTS = {
     "OnlineContrastiveLoss": LossInputs("OnlineContrastiveLoss", 2, 2, "class", "(sentence1, sentence2, label 0/1)"),
     "SoftmaxLoss": LossInputs("SoftmaxLoss", 2, 2, "class", "(sentence1, sentence2, label)"),
 }
+# stnb's multi-dataset losses (TrainConfig.loss): {name: {dataset: what its loss reads}}, one run
+# training one loss per dataset (stnb.seed_recipe)
+MULTI_LOSS_INPUTS = {
+    "softmax+cosine": {"nli": _ST_LOSS_INPUTS["SoftmaxLoss"], "sts": LOSS_INPUTS["cosine"]},
+}
 
 
 def loss_inputs(loss) -> LossInputs | None:
-    """The inputs of an stnb loss name ('cosine', 'mnrl') or a sentence-transformers loss object.
+    """The inputs of an stnb loss name ('cosine', 'mnrl'), a sentence-transformers loss object, or a
+    LossInputs (returned as it is).
 
     None for a loss object whose inputs stnb does not know (then only the column names are checked).
     """
+    if isinstance(loss, LossInputs):
+        return loss
     if isinstance(loss, str):
         if loss not in LOSS_INPUTS:
             raise ConfigError(f"unknown loss {loss!r}; choose one of {', '.join(map(repr, LOSS_INPUTS))}")
@@ -184,7 +192,8 @@ def plan_columns(found, loss=None, columns=None, where: str = "data") -> ColumnP
                           + f", or drop it explicitly with columns={{{source.get(label, label)!r}: None}}")
     if li.label is not None and label is None:
         raise ConfigError(f"{head}. There is no label column ({', '.join(LABEL_COLUMNS)}); add a {li.label} "
-                          f"column or map yours, e.g. columns={{'similarity': 'score'}}"
+                          f"column or map yours, e.g. columns={{{'similarity' if li.label == 'score' else 'gold'!r}: "
+                          f"{'score' if li.label == 'score' else 'label'!r}}}"
                           + _other_losses(loss, n, label, "which needs none").replace("; use", ", or use", 1))
     return ColumnPlan(tuple(texts), label, rename, dropped)
 

@@ -9,7 +9,7 @@ from .errors import ConfigError, StrategyUnavailable
 from .hardware import START_METHODS, start_method as resolve_start_method
 from . import strategies
 
-LOSSES = ("cosine", "mnrl")
+LOSSES = ("cosine", "mnrl", "softmax+cosine")  # softmax+cosine: stnb.seed_recipe (NLI + STS, one run)
 PRECISIONS = ("no", "fp16", "bf16")
 COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
 DEVICES = ("auto", "cpu", "cuda")
@@ -59,7 +59,11 @@ class TrainConfig:
     num_processes: ranks of a distributed strategy (default 2 on CPU, all GPUs on CUDA); always 1 for
         single/dp.
     model: 'minilm' (bundled all-MiniLM-L6-v2), 'tiny' (random BERT for tests), a hub id or a local path.
-    data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl/.json/.parquet path, or a hub dataset name.
+    data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl/.json/.parquet path, or a hub dataset name
+        (loss='softmax+cosine': 'synthetic', 'hub' or 'nli_file+sts_file', see stnb.seed_recipe).
+    loss: 'cosine' (CosineSimilarityLoss), 'mnrl' (MultipleNegativesRankingLoss) or 'softmax+cosine' (the
+        sentence-transformers docs' benchmark recipe: NLI pairs with SoftmaxLoss and STS pairs with
+        CosineSimilarityLoss in one multi-dataset run; train_size split evenly between them).
     columns: renames the data's columns to the inputs the loss reads, e.g. {'question': 'anchor',
         'answer': 'positive', 'hard': 'negative'}; {'id': None} drops a column explicitly. Every other
         column must be one the loss reads (stnb.columns), else the run is refused before it starts.
@@ -277,9 +281,9 @@ class TrainConfig:
                 f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "
                 f"use steps >= {self.warmup_steps_excluded + 1} or lower warmup_steps_excluded")
         strategies.validate_config(self)  # the knobs it owns, one process or several, its own rules
-        if self.loss == "cosine" and self.gather_across_devices:
-            raise ConfigError("gather_across_devices only applies to loss='mnrl' (in-batch negatives); "
-                              "set loss='mnrl' or gather_across_devices=False")
+        if self.loss != "mnrl" and self.gather_across_devices:
+            raise ConfigError(f"gather_across_devices only applies to loss='mnrl' (in-batch negatives), not "
+                              f"loss={self.loss!r}; set loss='mnrl' or gather_across_devices=False")
         if self.gather_across_devices and not self.strategy_object().distributed:
             raise ConfigError(f"gather_across_devices gathers in-batch negatives from the other ranks; "
                               f"strategy {self.strategy!r} runs one process, so there is nothing to gather. "
@@ -293,9 +297,13 @@ class TrainConfig:
             self.check_hardware()
             from .models import resolve_model
             from .data import check_data
+            from . import seed_recipe
 
             resolve_model(self.model)
-            check_data(self.data, self.loss, self.columns)
+            if self.loss == seed_recipe.NAME:  # two datasets, one loss each
+                seed_recipe.check(self.data, self.columns)
+            else:
+                check_data(self.data, self.loss, self.columns)
         return self
 
     def check_hardware(self) -> None:

@@ -1,13 +1,15 @@
 """stnb's own recipe, inside a rank: a TrainConfig -> a SentenceTransformerTrainer.
 
 The model (a bundled name, a path or a hub id), the data (synthetic, a file or a hub dataset, holding exactly
-the columns the loss reads), the loss ('cosine' or 'mnrl'), the dev evaluator and the training
+the columns the loss reads), the loss ('cosine', 'mnrl', or 'softmax+cosine': the seed's NLI + STS multi-dataset recipe,
+``stnb.seed_recipe``), the dev evaluator and the training
 arguments. ``stnb.training.train_rank`` then applies the strategy to this trainer exactly as it
 does to a trainer a user's own build function returns.
 """
 
 from __future__ import annotations
 
+import functools
 import tempfile
 
 from .config import TrainConfig
@@ -21,12 +23,14 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
     """The trainer of stnb's recipe for ``config`` (the model already on ``device``)."""
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
+    from . import seed_recipe
     from .data import load_pairs
     from .models import load_model
 
     model = load_model(model_path, device=device, max_seq_length=config.max_seq_length)
-    train, dev = load_pairs(config.data, config.train_size, config.dev_size, config.seed, config.loss,
-                            config.columns)  # train holds exactly the columns the loss reads
+    load = seed_recipe.load if config.loss == seed_recipe.NAME else functools.partial(load_pairs, loss=config.loss)
+    # train holds exactly the columns the loss reads (a DatasetDict, one dataset per loss, for softmax+cosine)
+    train, dev = load(config.data, config.train_size, config.dev_size, config.seed, columns=config.columns)
     args = dict(
         output_dir=tempfile.mkdtemp(prefix="stnb-trainer-"),
         per_device_train_batch_size=config.per_device_batch_size,
@@ -56,8 +60,13 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
 
 
 def make_loss(config: TrainConfig, model):
+    """The loss of ``config.loss``; for 'softmax+cosine' a dict {dataset: its loss} (stnb.seed_recipe)."""
     from sentence_transformers.sentence_transformer import losses
 
+    from . import seed_recipe
+
+    if config.loss == seed_recipe.NAME:
+        return seed_recipe.make_losses(model)
     if config.loss == "cosine":
         return losses.CosineSimilarityLoss(model)
     return losses.MultipleNegativesRankingLoss(model, gather_across_devices=config.gather_across_devices)

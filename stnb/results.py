@@ -216,20 +216,40 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
         verification["saved_model"] = saved
         problems += [f"save_to: {p}" for p in saved.get("problems") or []]
     # the data reached the loss whole: every text column as an input, the score as the label
-    from .columns import LABEL_COLUMNS
-
     cols = rank_results[0].get("data_columns")
     if cols is not None:  # train_rank always reports them; hand-built results may not
-        expected = {"texts": len([c for c in cols if c not in LABEL_COLUMNS]),
-                    "label": any(c in LABEL_COLUMNS for c in cols)}
         seen = [r.get("loss_inputs") for r in rank_results]
         verification["data_columns"] = cols
         verification["loss_inputs"] = seen
-        verification["loss_received_all_columns"] = all(x == expected for x in seen)
-        if not verification["loss_received_all_columns"]:
-            problems.append(f"the loss received {seen[0]} but the data has columns {cols} (expected {expected})")
+        if isinstance(cols, dict):  # one dataset per loss: checked per dataset
+            verification["loss_inputs_per_dataset"] = per = {
+                name: _columns_reached(c, [(s or {}).get(name) for s in seen]) for name, c in cols.items()}
+            for name, check in per.items():
+                if check["ok"] is False:
+                    problems.append(f"dataset {name!r}: the loss received {check['seen']} but the data has "
+                                    f"columns {check['columns']} (expected {check['expected']})")
+            verification["loss_received_all_columns"] = all(c["ok"] is not False for c in per.values())
+        else:
+            check = _columns_reached(cols, seen)  # one loss runs in every step: on every rank
+            verification["loss_received_all_columns"] = check["ok"] is True and None not in seen
+            if not verification["loss_received_all_columns"]:
+                problems.append(f"the loss received {seen[0]} but the data has columns {cols} "
+                                f"(expected {check['expected']})")
     verification["problems"] = problems
     return verification, problems
+
+
+def _columns_reached(cols: list, seen: list) -> dict:
+    """What a loss should receive from columns ``cols`` against what each rank's loss received (``seen``,
+    None where that loss never ran): ok True / False, or None when it ran on no rank (nothing to compare;
+    a multi-dataset sampler may not pick a dataset in a short run)."""
+    from .columns import LABEL_COLUMNS
+
+    expected = {"texts": len([c for c in cols if c not in LABEL_COLUMNS]), "label": any(c in LABEL_COLUMNS for c in cols)}
+    ran = [x for x in seen if x is not None]
+    return {"columns": cols, "expected": expected, "seen": seen,
+            "ok": all(x == expected for x in ran) if ran else None,
+            **({} if ran else {"note": "its loss did not run in this run's steps"})}
 
 
 def _jsonable(o):

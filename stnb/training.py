@@ -10,6 +10,7 @@ configuration arrives as a ``TrainConfig``; the rank returns plain data, which
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -162,7 +163,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         "dev_metric": metric,
         "dev_metric_before": dev_before,
         "dev_metric_after": dev_after,
-        "data_columns": train_columns if isinstance(train_columns, list) else None,
+        # a dict of datasets (one per loss): {dataset: its columns}
+        "data_columns": train_columns if isinstance(train_columns, (list, dict)) else None,
         "loss_inputs": state.get("loss_inputs"),
         "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
         "saved_model": saved,
@@ -195,7 +197,15 @@ def _training_facts(trainer, precision: str) -> dict:
             "learning_rate": args.learning_rate, "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "seed": args.seed, "mixed_precision": precision, "max_seq_length": model.max_seq_length,
             "evaluator": describe(type(trainer.evaluator)) if trainer.evaluator is not None else None,
-            "train_size": len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else None}
+            "train_size": _rows(trainer.train_dataset)}
+
+
+def _rows(dataset):
+    """Rows of a dataset; of a dict of datasets, the sum over them; None when it has no length."""
+    if isinstance(dataset, dict):
+        counts = [_rows(d) for d in dataset.values()]
+        return None if None in counts else sum(counts)
+    return len(dataset) if hasattr(dataset, "__len__") else None
 
 
 def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
@@ -305,18 +315,24 @@ def _dev_metric(evaluator, model) -> tuple:
 
 def _record_loss_inputs(loss, state: dict) -> None:
     """Note what the loss really receives at its first call: how many text inputs, and a label or not
-    (and, in ``first_batch_rows``, how many rows its first input has)."""
-    def hook(module, args):
-        if state.get("loss_inputs") is None and args:
+    (and, in ``first_batch_rows``, how many rows its first input has). A dict of losses (one per
+    dataset): ``{dataset: that}`` for each loss that ran."""
+    def hook(name, module, args):
+        if args and (name is None and state.get("loss_inputs") is None
+                     or name is not None and name not in state.setdefault("loss_inputs", {})):
             features = list(args[0])
             labels = args[1] if len(args) > 1 else None
-            state["loss_inputs"] = {"texts": len(features), "label": labels is not None}
+            seen = {"texts": len(features), "label": labels is not None}
+            if name is None:
+                state["loss_inputs"] = seen
+            else:
+                state["loss_inputs"][name] = seen
             tensors = [v for v in (features[0].values() if features and isinstance(features[0], dict) else [])
                        if hasattr(v, "shape") and len(v.shape) >= 1]
-            state["first_batch_rows"] = int(tensors[0].shape[0]) if tensors else None
+            state.setdefault("first_batch_rows", int(tensors[0].shape[0]) if tensors else None)
 
-    for one in (loss.values() if isinstance(loss, dict) else [loss]):
-        one.register_forward_pre_hook(hook)
+    for name, one in (loss.items() if isinstance(loss, dict) else [(None, loss)]):
+        one.register_forward_pre_hook(functools.partial(hook, name))
 
 
 def _check_batch_override(state: dict, trainer, config: TrainConfig) -> None:

@@ -129,8 +129,8 @@ def test_st_docs_refuses_through_the_command_line():
 
 def test_st_docs_preset_is_the_docs_setting_offline():
     opts = bench.BenchOptions.from_preset("st-docs")
-    assert (opts.model, opts.max_seq_length, opts.batch_sizes, opts.data) == \
-        ("mpnet-base-random", 384, (32,), "synthetic")
+    assert (opts.model, opts.max_seq_length, opts.batch_sizes, opts.data, opts.loss) == \
+        ("mpnet-base-random", 384, (32,), "synthetic", "softmax+cosine")
     from stnb.models import BUNDLED
     assert opts.model in BUNDLED
 
@@ -158,7 +158,12 @@ def test_st_docs_runs_offline_on_cpu_at_reduced_size(tmp_path, monkeypatch, caps
         assert m["mfu"] is None and "CPU" in m["peak_source"]  # no peak on CPU: no MFU claimed
     assert rows["ddp x2 b4"]["verification"]["ranks"][0]["wrapper"] == "DistributedDataParallel"
     assert "MFU" in out and "tokens/sample" in out
-    assert "NOT STS-B" in (tmp_path / "docs.html").read_text()
+    assert "NOT MultiNLI, SNLI or STSB" in (tmp_path / "docs.html").read_text()
+    for r in rows.values():  # the seed's recipe: both losses, the classifier kept in sync across ranks
+        assert r["config"]["loss"] == "softmax+cosine"
+        assert set(r["verification"]["loss_inputs_per_dataset"]) == {"nli", "sts"}
+    assert rows["ddp x2 b4"]["verification"]["ranks"][0]["trained_parameters"]["loss"] == \
+        ["loss[nli].classifier.weight", "loss[nli].classifier.bias"]
 
 
 def test_plan_is_interleaved_and_keys_are_stable():

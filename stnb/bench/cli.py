@@ -49,7 +49,8 @@ def add_cli(subparsers) -> None:
     arg("--quick", action="store_true", help="smoke test of every section (tiny model, ~1 minute)")
     arg("--preset", default=None, choices=[k for k in PRESETS if k != "quick"],
         help="default: MiniLM on this machine; st-docs: the sentence-transformers docs' multi-GPU "
-             "setting, offline (random-weight mpnet-base, synthetic pairs; needs a GPU, or --device cpu)")
+             "setting, offline (random-weight mpnet-base; NLI + STS stand-ins with SoftmaxLoss + CosineSimilarityLoss "
+             "in one run; needs a GPU, or --device cpu)")
     arg("--sweep", action="store_true", help="run the sweep section (default: every section)")
     arg("--launchers", action="store_true", help="run the launcher comparison section")
     arg("--ddp-knobs", action="store_true", help="run the DDP knobs section")

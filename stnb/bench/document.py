@@ -114,7 +114,8 @@ def reference_markdown() -> str:
     lines = ["## Reference: the sentence-transformers documentation (not measured here)", "",
              f"These are **the sentence-transformers documentation's** numbers, not stnb's: {reference.CONDITIONS} "
              f"([source]({reference.URL})). They live in `stnb.reference`; `python -m stnb bench --preset st-docs` "
-             "runs the same setting offline on your GPUs.", "",
+             "runs the same setting offline on your GPUs: the same model shapes and the same two losses in one "
+             "multi-dataset run, on synthetic stand-ins of their data.", "",
              "| strategy | GPUs | samples/s | speed-up vs one GPU | scaling efficiency |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in reference.rows():

@@ -26,9 +26,11 @@ PRESETS = {
                   steps=8, warmup=2, repeats=1, sweep_repeats=1, train_size=400),
     # the sentence-transformers docs' setting (stnb.reference: 4x V100 there): mpnet-base, length 384,
     # 32 per device, offline: the mpnet-base architecture with random weights (models 'mpnet-base-random')
-    # and stnb's synthetic pairs (as many as STS-B's 5749 training pairs)
+    # and the docs' recipe, NLI pairs with SoftmaxLoss + STS pairs with CosineSimilarityLoss in one
+    # multi-dataset run (stnb.seed_recipe), on synthetic stand-ins of those shapes (5749 rows in all, as
+    # many as STS-B's training pairs, split evenly between the two)
     "st-docs": dict(model="mpnet-base-random", max_seq_length=reference.MAX_SEQ_LENGTH, data="synthetic",
-                    loss="cosine", strategies=("single", "dp", "ddp", "fsdp"),
+                    loss="softmax+cosine", strategies=("single", "dp", "ddp", "fsdp"),
                     batch_sizes=(reference.PER_DEVICE_BATCH_SIZE,), batch_size=reference.PER_DEVICE_BATCH_SIZE,
                     steps=60, warmup=5, repeats=3, sweep_repeats=1, train_size=5749),
 }
@@ -41,9 +43,11 @@ ST_DOCS_NOTE = (f"sentence-transformers docs, 'Distributed Training' comparison:
                 "single / DP / DDP (FSDP added here); they trained "
                 f"{reference.TRAINING_DATA}. stnb runs offline: the "
                 "mpnet-base architecture built from its config with random weights ('mpnet-base-random', "
-                "same shapes, so the same cost per step) on stnb's synthetic sentence pairs (NOT STS-B) with "
-                "CosineSimilarityLoss, and reports samples/s and MFU. Batches are padded to their longest "
-                "text, so the short synthetic sentences run far below "
+                "same shapes, so the same cost per step) and trains the seed's shape: NLI pairs with "
+                "SoftmaxLoss and STS pairs with CosineSimilarityLoss in one multi-dataset run (loss "
+                "'softmax+cosine'), on synthetic stand-ins of the same shapes (NOT MultiNLI, SNLI or STSB; "
+                "--data hub trains the real ones where the hub is reachable), and reports samples/s and MFU. "
+                "Batches are padded to their longest text, so the short synthetic sentences run far below "
                 f"{reference.MAX_SEQ_LENGTH} tokens (see tokens/sample)")
 
 

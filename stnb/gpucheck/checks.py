@@ -333,7 +333,8 @@ def check_st_docs(check, machine) -> Outcome:
     problems = _judge_training(res, check)
     return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),
                    detail=f"{res.model}, max_seq_length {res.config.get('max_seq_length')}, batch "
-                          f"{res.per_device_batch_size}, synthetic pairs (not STS-B)", error="; ".join(problems))
+                          f"{res.per_device_batch_size}, loss {res.config.get('loss')} on synthetic NLI + STS stand-ins "
+                          "(not MultiNLI / SNLI / STSB)", error="; ".join(problems))
 
 
 RUNNERS = {"hardware": check_hardware, "allreduce": check_allreduce, "train": check_train,
