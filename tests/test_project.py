@@ -274,7 +274,8 @@ NOTEBOOKS = (
     "05_compare_strategies.ipynb",
     "06_scaling_out.ipynb",
     "07_bring_your_own_training.ipynb",
-    "08_beyond_data_parallelism.ipynb",
+    "09_zero_and_deepspeed.ipynb",
+    "10_beyond_data_parallelism.ipynb",
 )
 
 
