@@ -74,6 +74,13 @@ def test_deepspeed_stage_verified_from_the_engine(runs, stage):
         # stage 3: half, plus the small parameters ZeRO-3 keeps whole on every rank (param_persistence_threshold)
         want, tol = (4 * r.total_param_count, 0.01) if stage < 3 else (4 * r.total_param_count / 2, 0.15)
         assert mb["params"] == pytest.approx(want, rel=tol)
+    # the prediction for this stage (memory.predict(..., stage=)) against what the ranks measured
+    cmp = stnb.memory.compare(r)
+    opt = cmp[cmp["component"] == "optimizer_state"]["measured_over_predicted"]
+    assert len(opt) == 2 and all(x == pytest.approx(1.0, abs=0.01) for x in opt)
+    grads = cmp[cmp["component"] == "grads"]["measured_over_predicted"]
+    # at the step every stage holds the gradient partition; stage 1's prediction is ZeRO's whole gradients
+    assert all(x == pytest.approx(1.0 if stage >= 2 else 0.5, abs=0.01) for x in grads)
 
 
 @pytest.mark.parametrize("stage, native", [(1, "zero1"), (2, "zero2"), (3, "fsdp")])
