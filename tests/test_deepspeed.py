@@ -74,6 +74,13 @@ def test_deepspeed_stage_verified_from_the_engine(runs, stage):
         # stage 3: half, plus the small parameters ZeRO-3 keeps whole on every rank (param_persistence_threshold)
         want, tol = (4 * r.total_param_count, 0.01) if stage < 3 else (4 * r.total_param_count / 2, 0.15)
         assert mb["params"] == pytest.approx(want, rel=tol)
+    # the prediction for this stage (memory.predict(..., stage=)) against what the ranks measured
+    cmp = stnb.memory.compare(r)
+    opt = cmp[cmp["component"] == "optimizer_state"]["measured_over_predicted"]
+    assert len(opt) == 2 and all(x == pytest.approx(1.0, abs=0.01) for x in opt)
+    grads = cmp[cmp["component"] == "grads"]["measured_over_predicted"]
+    # at the step every stage holds the gradient partition; stage 1's prediction is ZeRO's whole gradients
+    assert all(x == pytest.approx(1.0 if stage >= 2 else 0.5, abs=0.01) for x in grads)
 
 
 @pytest.mark.parametrize("stage, native", [(1, "zero1"), (2, "zero2"), (3, "fsdp")])
@@ -196,3 +203,49 @@ def test_deepspeed_not_installed_names_the_install_command():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "REFUSED" in out.stdout and 'pip install "stnb[deepspeed]"' in out.stdout
     assert "'runnable': False" in out.stdout
+
+
+def build_softmax_loss(outdir: str):
+    """SoftmaxLoss owns a classifier: parameters of the loss, not of the model DeepSpeed's engine wraps."""
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments, losses)
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    data = Dataset.from_dict({"premise": [f"premise {i}" for i in range(32)],
+                              "hypothesis": [f"hypothesis {i}" for i in range(32)], "label": [i % 3 for i in range(32)]})
+    args = SentenceTransformerTrainingArguments(output_dir=outdir, per_device_train_batch_size=4, max_steps=3,
+                                                report_to="none", save_strategy="no")
+    loss = losses.SoftmaxLoss(model, model.get_embedding_dimension(), num_labels=3)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss)
+
+
+def test_a_loss_with_its_own_parameters_is_refused_naming_the_strategies_that_sync_them(tmp_path):
+    before = fc.descendants()
+    with pytest.raises(stnb.LaunchError) as ei:  # a BuildError in the ranks, carried by the launch
+        stnb.run(functools.partial(build_softmax_loss, str(tmp_path)), strategy="deepspeed", stage=2, echo=False,
+                 **BUILD)
+    msg = str(ei.value)
+    assert "BuildError" in msg and "classifier" in msg and "strategy='zero1' or 'ddp'" in msg
+    assert fc.new_descendants(before) == []
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A killed JIT build leaves torch's ``lock`` file; every later build would wait on it forever."""
+    import os
+    import time
+
+    from stnb.strategies import deepspeed_ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = deepspeed_ops.build_dir()
+    assert folder.startswith(str(tmp_path)) and folder.endswith("deepspeed_shm_comm")
+    os.makedirs(folder)
+    lock = os.path.join(folder, "lock")
+    open(lock, "w").close()
+    said = []
+    assert deepspeed_ops.remove_stale_lock(said.append) is False and os.path.exists(lock)  # a build may hold it
+    old = time.time() - 10 * deepspeed_ops.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    assert deepspeed_ops.remove_stale_lock(said.append) is True and not os.path.exists(lock)
+    assert said and "stale DeepSpeed build lock" in said[0]

@@ -28,12 +28,18 @@ STALE_LOCK_S = 30.0
 
 
 def build_dir() -> str:
-    """torch's extension folder for the op (``TORCH_EXTENSIONS_DIR`` respected), as torch names it."""
+    """torch's extension folder for the op, as ``torch.utils.cpp_extension`` names it: ``$TORCH_EXTENSIONS_DIR``
+    itself when set, else the default root's ``py311_cpu`` (``_cu128``, ``_rocm..``) folder."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    flavour = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
-    return os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}", NAME)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        flavour = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+                   f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{flavour}")
+    return os.path.join(root, NAME)
 
 
 def built() -> bool:
