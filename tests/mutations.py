@@ -174,6 +174,17 @@ MUTATIONS = [
                                      "mp_policy=mp)\n",
           "    pass  # MUTATION: no fully_shard of the root\n"),),
         ("tests/test_zero.py::test_each_stage_trains_verified",)),
+    Mutation(
+        "multi-dataset-columns-unchecked",
+        "a dict of datasets: a dataset whose loss received other inputs than its columns is not a problem",
+        (("stnb/results.py", '                if check["ok"] is False:\n', "                if False:  # MUTATION\n"),),
+        ("tests/test_seed_recipe.py::test_a_dict_of_datasets_is_checked_per_dataset",)),
+    Mutation(
+        "multi-dataset-inputs-recorded-once",
+        "a dict of losses: only the first loss that runs records its inputs (the other datasets go unchecked)",
+        (("stnb/training.py", "        one.register_forward_pre_hook(functools.partial(hook, name))\n",
+          "        one.register_forward_pre_hook(functools.partial(hook, None))  # MUTATION\n"),),
+        ("tests/test_seed_recipe.py::test_ddp_trains_one_classifier_across_ranks",)),
 ]
 
 
