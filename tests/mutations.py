@@ -215,6 +215,17 @@ MUTATIONS = [
           '        return {"info": {"data_split": split_data_across_ranks(trainer)}, "overridden": {}}',
           '        return {"info": {}, "overridden": {}}  # MUTATION'),),
         ("tests/test_deepspeed.py::test_deepspeed_stage_verified_from_the_engine[2]",)),
+    Mutation(
+        "multi-dataset-columns-unchecked",
+        "a dict of datasets: a dataset whose loss received other inputs than its columns is not a problem",
+        (("stnb/results.py", '                if check["ok"] is False:\n', "                if False:  # MUTATION\n"),),
+        ("tests/test_seed_recipe.py::test_a_dict_of_datasets_is_checked_per_dataset",)),
+    Mutation(
+        "multi-dataset-inputs-recorded-once",
+        "a dict of losses: only the first loss that runs records its inputs (the other datasets go unchecked)",
+        (("stnb/training.py", "        one.register_forward_pre_hook(functools.partial(hook, name))\n",
+          "        one.register_forward_pre_hook(functools.partial(hook, None))  # MUTATION\n"),),
+        ("tests/test_seed_recipe.py::test_ddp_trains_one_classifier_across_ranks",)),
 ]
 
 

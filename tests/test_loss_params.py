@@ -124,6 +124,7 @@ def test_multi_dataset_softmax_and_cosine_one_classifier(tmp_path):
     r = stnb.run(functools.partial(build_multi_dataset, str(tmp_path)), strategy="ddp", **FAST)
     assert r.verified, r.reason
     assert _classifier_names(r) == ["loss[nli].classifier.weight", "loss[nli].classifier.bias"]
+    assert r.config["train_size"] == len(_nli()) + len(_sts())  # the rows of both datasets, not 2 (the dict's keys)
 
 
 def test_zero1_and_fsdp_keep_the_loss_parameters_in_sync_too(tmp_path):

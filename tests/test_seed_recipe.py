@@ -97,11 +97,20 @@ def test_ddp_trains_one_classifier_across_ranks():
     assert r.config["loss"] == "softmax+cosine"
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
 def test_sharding_strategies_train_it_verified(strategy):
     r = stnb.run(TrainConfig(strategy=strategy, **RUN), echo=False)
     _check_synced_classifier(r)
     assert r.verification["weights_tensors_compared"] >= len(CLASSIFIER)
+
+
+def test_single_process_trains_it():
+    r = stnb.run(TrainConfig(strategy="single", **{k: v for k, v in RUN.items() if k != "num_processes"}), echo=False)
+    assert r.verified, r.reason
+    trained = r.verification["ranks"][0]["trained_parameters"]
+    assert trained["loss"] == CLASSIFIER and trained["loss_parameters_synced"] is False  # one process: nothing to sync
+    assert set(r.verification["loss_inputs_per_dataset"]) == {"nli", "sts"}
+    assert r.losses and r.dev_metric == "dev_spearman_cosine"
 
 
 def test_command_line_ddp_run_is_verified():
