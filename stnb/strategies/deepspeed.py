@@ -193,7 +193,7 @@ class DeepSpeed(Strategy):
     def prepare(self, trainer, config, device_type, world):
         return {"info": {"data_split": split_data_across_ranks(trainer)}, "overridden": {}}
 
-    def on_first_step(self, trainer, config, world):
+    def on_first_step(self, trainer, config, world, timed=None):
         """Before the engine's first optimizer step, note the gradients this rank holds (the engine's
         step frees them before any trainer callback runs)."""
         engine = trainer.model_wrapped
