@@ -53,6 +53,7 @@ help:
 	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci)"
 	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
+	@echo "                  (NB=03: only notebooks/03_*.ipynb)"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
 	@echo "  make bench      python -m stnb bench --quick"
@@ -109,13 +110,23 @@ test: install browser
 # -------------------------------------------------------------- notebooks --
 
 # Outputs readers see without running anything; tests/test_notebook_outputs.py checks they are
-# a complete workshop run of the current code cells.
+# a complete workshop run of the current code cells. NB=03 reruns and stamps notebooks/03_*.ipynb only.
+NB             ?=
+NOTEBOOK_FILES  = $(sort $(wildcard notebooks/$(if $(NB),$(NB)_,0)*.ipynb))
+ifneq ($(NB),)
+ifeq ($(NOTEBOOK_FILES),)
+$(error no notebook matches NB=$(NB): expected notebooks/$(NB)_*.ipynb)
+endif
+endif
+
 notebooks: install
-	for nb in notebooks/0*.ipynb; do \
+	for nb in $(NOTEBOOK_FILES); do \
+		start=$$SECONDS; \
 		$(NOTEBOOK_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 			--ExecutePreprocessor.timeout=1800 "$$nb"; \
+		echo "$$nb: $$((SECONDS - start)) s"; \
 	done
-	$(PY) tests/notebook_outputs.py --stamp notebooks/0*.ipynb
+	$(PY) tests/notebook_outputs.py --stamp $(NOTEBOOK_FILES)
 
 # ------------------------------------------------------------------ other --
 
