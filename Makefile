@@ -39,8 +39,10 @@ TEST_ENV := STNB_PROFILE=ci \
 	TOKENIZERS_PARALLELISM=false \
 	PYTHONUNBUFFERED=1
 
-# The committed outputs: the real thing (bundled MiniLM), offline.
+# The committed outputs: the real thing (bundled MiniLM), offline; every figure also as a PNG
+# (kaleido + Chromium), which GitHub's notebook view shows.
 NOTEBOOK_ENV := STNB_PROFILE=workshop \
+	STNB_STATIC_FIGURES=1 \
 	HF_HUB_OFFLINE=1 \
 	TRANSFORMERS_OFFLINE=1 \
 	HF_DATASETS_OFFLINE=1 \
@@ -119,7 +121,7 @@ $(error no notebook matches NB=$(NB): expected notebooks/$(NB)_*.ipynb)
 endif
 endif
 
-notebooks: install
+notebooks: install browser
 	for nb in $(NOTEBOOK_FILES); do \
 		start=$$SECONDS; \
 		$(NOTEBOOK_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
