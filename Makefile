@@ -39,8 +39,10 @@ TEST_ENV := STNB_PROFILE=ci \
 	TOKENIZERS_PARALLELISM=false \
 	PYTHONUNBUFFERED=1
 
-# The committed outputs: the real thing (bundled MiniLM), offline.
+# The committed outputs: the real thing (bundled MiniLM), offline; every figure also as a PNG
+# (kaleido + Chromium), which GitHub's notebook view shows.
 NOTEBOOK_ENV := STNB_PROFILE=workshop \
+	STNB_STATIC_FIGURES=1 \
 	HF_HUB_OFFLINE=1 \
 	TRANSFORMERS_OFFLINE=1 \
 	HF_DATASETS_OFFLINE=1 \
@@ -56,6 +58,7 @@ help:
 	@echo "                  exit 1 on a survivor neither killed nor listed in tests/mutants_equivalent.toml"
 	@echo "                  (MUTANTS=\"results checks\" for some modules; docs/testing.md)"
 	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
+	@echo "                  (NB=03: only notebooks/03_*.ipynb)"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
 	@echo "  make bench      python -m stnb bench --quick"
@@ -122,13 +125,23 @@ mutants: install
 # -------------------------------------------------------------- notebooks --
 
 # Outputs readers see without running anything; tests/test_notebook_outputs.py checks they are
-# a complete workshop run of the current code cells.
-notebooks: install
-	for nb in notebooks/0*.ipynb; do \
+# a complete workshop run of the current code cells. NB=03 reruns and stamps notebooks/03_*.ipynb only.
+NB             ?=
+NOTEBOOK_FILES  = $(sort $(wildcard notebooks/$(if $(NB),$(NB)_,0)*.ipynb))
+ifneq ($(NB),)
+ifeq ($(NOTEBOOK_FILES),)
+$(error no notebook matches NB=$(NB): expected notebooks/$(NB)_*.ipynb)
+endif
+endif
+
+notebooks: install browser
+	for nb in $(NOTEBOOK_FILES); do \
+		start=$$SECONDS; \
 		$(NOTEBOOK_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 			--ExecutePreprocessor.timeout=1800 "$$nb"; \
+		echo "$$nb: $$((SECONDS - start)) s"; \
 	done
-	$(PY) tests/notebook_outputs.py --stamp notebooks/0*.ipynb
+	$(PY) tests/notebook_outputs.py --stamp $(NOTEBOOK_FILES)
 
 # ------------------------------------------------------------------ other --
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["hello", "allreduce_check", "ddp_step", "batch_shards", "inbatch_negatives", "fail_on"]
+__all__ = ["hello", "allreduce_check", "batch_shards", "inbatch_negatives", "fail_on"]
 
 
 def _rank_world_device():
@@ -51,39 +51,6 @@ def allreduce_check() -> dict:
     t = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return {"rank": rank, "contributed": rank + 1, "sum": t.item(), "expected": world * (world + 1) / 2}
-
-
-def ddp_step(seed: int = 0, batch_per_rank: int = 4, features: int = 8) -> dict:
-    """One DDP training step on a small linear model, with different data on every rank.
-
-    Returns this rank's gradient before the all-reduce (its own data only), the gradient DDP
-    left after backward (the average over ranks) and a sha256 digest of the weights after the
-    optimizer step. Local gradients differ between ranks; synced gradients and weights agree.
-    """
-    from .checks import model_digest, tensor_digests
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank, world, device = _rank_world_device()
-    torch.manual_seed(seed)  # same initial weights on every rank
-    model = torch.nn.Linear(features, 1).to(device)
-    gen = torch.Generator().manual_seed(seed + 1000 + rank)  # different data on every rank
-    x = torch.randn(batch_per_rank, features, generator=gen).to(device)
-    y = torch.randn(batch_per_rank, 1, generator=gen).to(device)
-
-    # the gradient of this rank's own batch, computed without DDP
-    local = torch.nn.functional.mse_loss(model(x), y)
-    local_grad = torch.autograd.grad(local, model.weight)[0].detach().clone()
-
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    torch.nn.functional.mse_loss(ddp(x), y).backward()  # DDP all-reduces (averages) the gradients here
-    synced_grad = model.weight.grad.detach().clone()
-    opt.step()
-    return {"rank": rank, "world_size": world,
-            "local_grad_sum": round(float(local_grad.sum()), 6),
-            "synced_grad_sum": round(float(synced_grad.sum()), 6),
-            "weights_digest": model_digest(tensor_digests(model))[:16]}  # sha256 of every weight's bytes
 
 
 def batch_shards(dataset_size: int = 16, per_device_batch_size: int = 4, seed: int = 0, steps: int = 2) -> dict:

@@ -108,6 +108,21 @@ def mpnet_config(**overrides) -> dict:
     return values
 
 
+def display_name(model) -> str:
+    """A model's short name for tables and plots: a bundled model's folder is written as its name
+    ('minilm', 'tiny', ...), any other local folder as its last part; names and hub ids as given."""
+    text = str(model)
+    if not os.path.isabs(text):
+        return text
+    path = os.path.normpath(text)
+    bundled = {os.path.join(cache_dir(), dirname): name for name, (dirname, _) in _builds().items()}
+    try:
+        bundled[os.path.normpath(minilm_path())] = MINILM
+    except ConfigError:
+        pass
+    return bundled.get(path) or os.path.basename(path) or text
+
+
 def _builds() -> dict:
     """bundled model name -> (cache folder name, builder(target, scratch)). Bump the folder's version when a
     builder changes what it writes."""

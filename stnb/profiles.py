@@ -50,6 +50,32 @@ def current_profile() -> Profile:
     return Profile(name=name, **PROFILES[name])
 
 
+#: set by ``make notebooks``: every figure is also stored as a PNG, which GitHub's notebook view shows
+STATIC_FIGURES_ENV = "STNB_STATIC_FIGURES"
+
+
+def figure_renderer() -> str:
+    """plotly's renderer for the notebooks: the figure as JSON (JupyterLab draws it), and with
+    ``STNB_STATIC_FIGURES=1`` a PNG beside it, drawn by kaleido with Chromium (``make browser``)."""
+    if os.environ.get(STATIC_FIGURES_ENV, "").strip() in ("", "0"):
+        return "plotly_mimetype"
+    from .errors import ConfigError
+
+    fix = "pip install kaleido==1.5.0 and Chromium (make browser), or unset " + STATIC_FIGURES_ENV
+    try:
+        import kaleido
+    except ImportError as e:
+        raise ConfigError(f"{STATIC_FIGURES_ENV}=1 stores a PNG of every figure, which needs kaleido: {fix}") from e
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The kopts argument is ignored", category=UserWarning)
+    try:
+        kaleido.start_sync_server(silence_warnings=True)   # one browser for all the session's figures
+    except Exception as e:
+        raise ConfigError(f"{STATIC_FIGURES_ENV}=1: kaleido could not start a browser ({e}): {fix}") from e
+    return "plotly_mimetype+png"
+
+
 def setup(seed: int = 0, show: bool = True) -> Profile:
     """Seeds, the plotly renderer, and a hardware summary. Returns the profile.
 
@@ -71,7 +97,7 @@ def setup(seed: int = 0, show: bool = True) -> Profile:
         import plotly.io as pio
 
         # stores the figure as JSON in the notebook (rendered by JupyterLab), not the 4 MB plotly.js bundle
-        pio.renderers.default = "plotly_mimetype"
+        pio.renderers.default = figure_renderer()
     except ImportError:  # pragma: no cover
         pass
     prof = current_profile()

@@ -404,7 +404,7 @@ class Panel(W.VBox):
             ok = r["status"] == "ok"
             peak = max(r["peak_memory_bytes"]) / 2**20 if r["peak_memory_bytes"] else None
             cells = [r["label"], r["strategy"], r["world_size"], r["per_device_batch_size"], r["global_batch_size"],
-                     r["model"], r["device"], _num(r["samples_per_second"], ",.1f"), _num(r["speedup"], ".2f", "x"),
+                     r["model_name"], r["device"], _num(r["samples_per_second"], ",.1f"), _num(r["speedup"], ".2f", "x"),
                      _num(peak, ",.0f"), _num(r["losses"][-1] if r["losses"] else None, ".4f"),
                      r["verified"] if ok else "", r["status"] if ok else f"{r['status']}: {r['reason']}"]
             tds = "".join(f"<td>{escape(str(c))}</td>" for c in cells)

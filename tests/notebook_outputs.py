@@ -6,7 +6,8 @@ executes every notebook in place with ``STNB_PROFILE=workshop`` and then stamps 
     python tests/notebook_outputs.py --stamp notebooks/0*.ipynb
 
 The stamp (``metadata["stnb"]``) records the profile the run used (as its first cell,
-``stnb.setup()``, printed it), when and where the run happened, and a sha256 of the code cells'
+``stnb.setup()``, printed it), when and where the run happened, how long its cells took (the README's
+table lists it), and a sha256 of the code cells'
 sources. Paths into the Python environment that ran it (warnings name the library file that
 raised them) are written as ``<site-packages>/...``: they describe that machine, not the notebook.
 ``tests/test_notebook_outputs.py`` recomputes that digest: a code cell edited after the run makes
@@ -56,6 +57,20 @@ def redact_install_paths(nb) -> None:
         nb.metadata["widgets"] = nbformat.from_dict(_redacted(nb.metadata["widgets"]))
 
 
+def run_seconds(nb) -> int | None:
+    """How long the committed run took, from its own cells' execution times: the first cell's start to
+    the last cell's end (the kernel's start-up not included). None when a cell has no timing."""
+    starts, ends = [], []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            timing = cell.metadata.get("execution", {})
+            if "iopub.execute_input" not in timing or "shell.execute_reply" not in timing:
+                return None
+            starts.append(datetime.datetime.fromisoformat(timing["iopub.execute_input"].replace("Z", "+00:00")))
+            ends.append(datetime.datetime.fromisoformat(timing["shell.execute_reply"].replace("Z", "+00:00")))
+    return round((max(ends) - min(starts)).total_seconds()) if starts else None
+
+
 def profile_seen(nb) -> str | None:
     """The profile the run used, from what its first code cell (``stnb.setup()``) printed."""
     first = next((c for c in nb.cells if c.cell_type == "code"), None)
@@ -88,8 +103,12 @@ def problems(nb) -> list:
         if any(_redacted(o) != o for o in cell.outputs):
             out.append(f"cell {i} shows an absolute path of the machine that ran it: stamp the notebook "
                        "(python tests/notebook_outputs.py --stamp NOTEBOOK)")
+        if any("application/vnd.plotly.v1+json" in o.get("data", {}) and "image/png" not in o.get("data", {})
+               for o in cell.outputs):
+            out.append(f"cell {i} shows a plotly figure without its PNG, so GitHub shows nothing there: "
+                       "run `make notebooks` (STNB_STATIC_FIGURES=1)")
         errors = [o for o in cell.outputs if o.output_type == "error"]
-        if errors and "raises-exception" not in cell.metadata.get("tags", []):
+        if errors and not {"raises-exception", "nbval-raises-exception"} & set(cell.metadata.get("tags", [])):
             out.append(f"cell {i} raised {errors[0].ename}: {errors[0].evalue}"[:300])
     return out
 
@@ -103,6 +122,7 @@ def stamp(path: str) -> None:
         "profile": profile_seen(nb),
         "code_sha256": code_digest(nb),
         "stamped": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "run_seconds": run_seconds(nb),
         "machine": f"{platform.machine()}, {stnb.hardware.cpu_cores()} CPU cores, "
                    f"GPUs: {', '.join(stnb.hardware_report().gpus) or 'none'}",
         "versions": stnb.hardware.versions(),

@@ -45,3 +45,15 @@ def test_install_paths_of_the_machine_that_ran_it_are_refused_and_redacted():
     notebook_outputs.redact_install_paths(nb)
     assert first.outputs[-1].text == "<site-packages>/torch/x.py:1: UserWarning: w\n"
     assert notebook_outputs.problems(nb) == []
+
+
+def test_a_figure_without_its_png_is_refused():
+    """GitHub's notebook view shows nothing for plotly's JSON: each committed figure carries a PNG of itself."""
+    path = next(p for p in NOTEBOOKS if "application/vnd.plotly.v1+json" in p.read_text())
+    nb = nbformat.read(path, as_version=4)
+    assert notebook_outputs.problems(nb) == []
+    figure = next(o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                  if "application/vnd.plotly.v1+json" in o.get("data", {}))
+    assert figure.data["image/png"]
+    del figure.data["image/png"]
+    assert any("plotly figure without its PNG" in p for p in notebook_outputs.problems(nb))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -241,3 +242,38 @@ def test_reference_numbers_agree_with_each_other():
     frame = plots.reference_frame()
     assert list(frame.samples_per_second) == list(reference.SAMPLES_PER_SECOND.values())
     assert set(frame.source) == {reference.SOURCE}
+
+
+def test_a_bundled_models_folder_is_shown_by_its_name_in_labels_hovers_and_the_panel_table():
+    """A build function's model arrives as the bundled MiniLM's install path; readers see 'minilm'."""
+    from stnb.models import minilm_path
+
+    path = minilm_path()
+    runs = [_run("single", 1, 100.0, model=path), _run("ddp", 2, 160.0, model=path), _run("ddp", 2, 90.0)]
+    table = plots.comparison_table(runs)
+    assert list(table.model_name) == ["minilm", "minilm", "tiny"]
+    assert list(table.model) == [path, path, "tiny"]          # the run's own record is untouched
+    assert list(table.label) == ["single", "ddp ×2 · minilm", "ddp ×2 · tiny"]
+    assert "model: minilm ·" in table.hover[1] and f"model: {path}" not in table.hover[1]
+    assert table.speedup[1] == pytest.approx(1.6)              # compared with the single run of the same model
+
+    panel = stnb.widgets.Panel()
+    panel._results = list(runs)
+    html = panel._table_html()
+    assert "<td>minilm</td>" in html and path not in html
+
+
+def test_static_figures_are_asked_for_by_make_notebooks_and_refused_with_the_fix_when_kaleido_is_missing(monkeypatch):
+    import sys
+
+    from stnb.errors import ConfigError
+    from stnb.profiles import STATIC_FIGURES_ENV, figure_renderer
+
+    monkeypatch.delenv(STATIC_FIGURES_ENV, raising=False)
+    assert figure_renderer() == "plotly_mimetype"                 # JSON only: what `make lab` users get
+    monkeypatch.setenv(STATIC_FIGURES_ENV, "1")
+    monkeypatch.setitem(sys.modules, "kaleido", None)             # as if kaleido were not installed
+    with pytest.raises(ConfigError, match="pip install kaleido==1.5.0 and Chromium \\(make browser\\)"):
+        figure_renderer()
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    assert f"{STATIC_FIGURES_ENV}=1" in makefile.split("NOTEBOOK_ENV :=", 1)[1].split("\n\n", 1)[0]

@@ -212,6 +212,33 @@ def test_measured_numbers_live_in_the_benchmarks_document():
     assert "reference" in sections and any(s.endswith("/sweep") for s in sections), sections
 
 
+
+def test_readme_is_a_first_page():
+    """A newcomer sees Python early, every notebook with its measured workshop time (the committed run's,
+    from the notebook's stamp), and working links to the rest (docs/, CONTRIBUTING.md)."""
+    import json
+
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    first_python = next(i for i, ln in enumerate(lines, 1) if ln.strip() == "```python")
+    assert first_python <= 40, f"the README's first Python block starts at line {first_python}"
+    assert len(lines) <= 150, f"the README has {len(lines)} lines: move details to docs/"
+    for name in NOTEBOOKS:
+        row = next((ln for ln in lines if ln.startswith("|") and f"notebooks/{name}" in ln), None)
+        assert row, f"the README's notebook table misses {name}"
+        stamped = json.loads((ROOT / "notebooks" / name).read_text())["metadata"].get("stnb", {}).get("run_seconds")
+        assert stamped is not None, f"{name}: no run time in its stamp: run `make notebooks NB={name[:2]}`"
+        assert f"| {stamped} s |" in row, f"the README's time for {name} is not its committed run's ({stamped} s): {row}"
+    targets = re.findall(r"\]\(([^)#]+)\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert {"CONTRIBUTING.md", "BENCHMARKS.md", "docs/testing.md", "docs/gpu.md"} <= set(local), local
+    for target in local:
+        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+    for page in [ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
 def test_makefile_test_target_runs_tests_and_notebooks():
     recipe = _recipe("test")
     assert "-m pytest tests --nbval-lax --nbval-current-env notebooks" in recipe
@@ -237,6 +264,21 @@ def test_make_test_dry_run():
     project_at = [i for i, ln in enumerate(lines) if 'pip install -e ".[dev]"' in ln]
     assert torch_at and project_at and torch_at[0] < project_at[0], out
 
+
+
+@needs_make
+def test_make_notebooks_reruns_all_or_the_one_named_by_nb():
+    every = _make_dry_run("notebooks")
+    assert all(f"notebooks/{name}" in every for name in NOTEBOOKS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    one = subprocess.run(["make", "-n", "--no-print-directory", "notebooks", "NB=03", "VENV=/nonexistent-stnb-venv"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0, one.stderr
+    assert "STNB_PROFILE=workshop" in one.stdout and "--stamp notebooks/03_ddp_from_a_notebook.ipynb" in one.stdout
+    assert [n for n in NOTEBOOKS if f"notebooks/{n}" in one.stdout] == ["03_ddp_from_a_notebook.ipynb"]
+    none = subprocess.run(["make", "-n", "--no-print-directory", "notebooks", "NB=99", "VENV=/nonexistent-stnb-venv"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert none.returncode != 0 and "no notebook matches NB=99" in none.stderr
 
 # ---------------------------------------------------- (d) lab keeps a token --
 
@@ -274,6 +316,7 @@ NOTEBOOKS = (
     "05_compare_strategies.ipynb",
     "06_scaling_out.ipynb",
     "07_bring_your_own_training.ipynb",
+    "08_tuning_ddp.ipynb",
     "09_zero_and_deepspeed.ipynb",
     "10_beyond_data_parallelism.ipynb",
 )
@@ -285,8 +328,8 @@ def test_the_notebook_list_is_the_notebooks_folder():
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_follows_the_conventions(name):
-    """CONVENTIONS.md: the same first cell, the opening and closing sections, numbered exercises.
-    (The committed outputs are one stamped workshop run: tests/test_notebook_outputs.py.)"""
+    """CONTRIBUTING.md ("Notebook conventions"): the same first cell, the opening and closing sections,
+    numbered exercises. (The committed outputs are one stamped workshop run: tests/test_notebook_outputs.py.)"""
     import json
 
     nb = json.loads((ROOT / "notebooks" / name).read_text())
@@ -297,3 +340,54 @@ def test_notebook_follows_the_conventions(name):
     for heading in ("What you will learn", "What you need", "Summary", "Exercises"):
         assert re.search(rf"^## {heading}\s*$", text, re.M), f"{name}: no '## {heading}'"
     assert re.search(r"^## Exercises\s*\n+1\. ", text, re.M), f"{name}: exercises are not numbered"
+
+
+def _reader_problems(nb: dict) -> list:
+    """Cells that put the notebook's checks in the reader's way: a visible cell of asserts only, or an
+    nbval marker (`# NBVAL_...`) as the first line a reader sees (a cell tag does the same job)."""
+    import ast
+
+    def check_only(stmt):
+        if isinstance(stmt, ast.Assert):
+            return True
+        return isinstance(stmt, (ast.If, ast.For)) and all(check_only(s) for s in stmt.body + stmt.orelse)
+
+    found = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        meta = cell.get("metadata", {})
+        hidden = meta.get("jupyter", {}).get("source_hidden") is True and "hide-input" in meta.get("tags", [])
+        if source.lstrip().startswith("# NBVAL_"):
+            found.append(f"cell {i} starts with an nbval marker: use the cell tag "
+                         f"{source.split()[1].lower().replace('_', '-')!r} instead")
+        body = [s for s in ast.parse(source).body if not isinstance(s, (ast.Import, ast.ImportFrom))]
+        if body and all(check_only(s) for s in body) and not hidden:
+            found.append(f"cell {i} holds only asserts and is visible: hide it "
+                         '(metadata "jupyter": {"source_hidden": true} and the tag "hide-input")')
+    return found
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_checks_stay_out_of_the_readers_way(name):
+    """A reader sees narrative, tables and plots; the asserts that keep a notebook honest run under nbval
+    in hidden cells, and nbval's markers are cell tags (CONTRIBUTING.md)."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    assert _reader_problems(nb) == []
+
+
+def test_a_visible_assert_cell_and_an_nbval_marker_are_found():
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / NOTEBOOKS[0]).read_text())
+    hidden = next(c for c in nb["cells"] if c.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
+    hidden["metadata"]["jupyter"]["source_hidden"] = False
+    tagged = next(c for c in nb["cells"] if "nbval-check-output" in c.get("metadata", {}).get("tags", []))
+    tagged["source"] = ["# NBVAL_CHECK_OUTPUT\n"] + list(tagged["source"])
+    found = _reader_problems(nb)
+    assert len(found) == 2, found
+    assert "holds only asserts and is visible" in found[0] or "holds only asserts and is visible" in found[1]
+    assert any("'nbval-check-output'" in f for f in found), found

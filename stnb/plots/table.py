@@ -13,6 +13,7 @@ import math
 
 from .. import reference
 from .. import strategies
+from ..models import display_name
 
 OURS = "this machine"
 REFERENCE_SOURCE = reference.SOURCE
@@ -77,6 +78,7 @@ def comparison_table(df, reference: bool = False):
         if col not in df.columns:
             df[col] = val
         df[col] = df[col].where(df[col].notna(), val) if val is not None else df[col]
+    df["model_name"] = df["model"].map(display_name)   # shown: 'minilm', not the bundled model's install path
     for col in ("losses", "peak_memory_bytes", "memory_breakdown", "local_param_count"):
         df[col] = df[col].map(lambda v: list(v) if isinstance(v, (list, tuple)) else [])
     cfg = df["config"] if "config" in df.columns else pd.Series([{}] * len(df))
@@ -118,7 +120,7 @@ def _labels(df) -> list:
     # size, DDP hook, precision), then a counter for true repeats
     out = list(base)
     rows = [r for _, r in df.iterrows()]
-    extras = (("model", lambda r: str(r["model"])), ("per_device_batch_size", lambda r: f"b{r['per_device_batch_size']}"),
+    extras = (("model", lambda r: str(r["model_name"])), ("per_device_batch_size", lambda r: f"b{r['per_device_batch_size']}"),
               ("comm_hook", lambda r: f"hook {r.get('comm_hook')}"),
               ("mixed_precision", lambda r: str(r.get("mixed_precision"))))
     for _col, fn in extras:
@@ -182,7 +184,7 @@ def _hover(r) -> str:
     lines.append(f"batch: {fmt(pdb)} per device, {fmt(gbs)} global"
                  + (f" (accumulation {r['gradient_accumulation_steps']})"
                     if (r["gradient_accumulation_steps"] or 1) > 1 else ""))
-    lines.append(f"model: {fmt(r['model'])} · device: {fmt(r['device'])}"
+    lines.append(f"model: {fmt(r['model_name'])} · device: {fmt(r['device'])}"
                  + (f" · seq ≤ {fmt(r['max_seq_length'])}" if r.get("max_seq_length") is not None else ""))
     if not theirs:
         lines.append(f"steps: {fmt(r['steps'])} · loss: {fmt(r.get('loss'))} · mixed precision: "
