@@ -127,7 +127,7 @@ mutants: install
 # Outputs readers see without running anything; tests/test_notebook_outputs.py checks they are
 # a complete workshop run of the current code cells. NB=03 reruns and stamps notebooks/03_*.ipynb only.
 NB             ?=
-NOTEBOOK_FILES  = $(sort $(wildcard notebooks/$(if $(NB),$(NB)_,0)*.ipynb))
+NOTEBOOK_FILES  = $(sort $(wildcard notebooks/$(if $(NB),$(NB)_,[0-9][0-9]_)*.ipynb))
 ifneq ($(NB),)
 ifeq ($(NOTEBOOK_FILES),)
 $(error no notebook matches NB=$(NB): expected notebooks/$(NB)_*.ipynb)

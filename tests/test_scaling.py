@@ -99,6 +99,9 @@ def test_seed_table_rows_and_docs_are_current():
     block = re.search(r"<!-- seed-table -->\n(.*?)<!-- /seed-table -->", doc, re.S)
     assert block and block.group(1) == seed.markdown(rows, assumptions), \
         "docs/scaling.md's seed table is stale: python -m stnb predict --seed-table"
+    readme = (ROOT / "README.md").read_text()
+    table = [line for line in seed.markdown(rows, assumptions).splitlines() if line.startswith("|")]
+    assert table and all(line in readme for line in table), "README's copy of the seed table is stale"
 
 
 def test_predict_returns_table_figure_and_assumptions():
