@@ -257,13 +257,15 @@ class Row:
     no_tests: int = 0
     text: int = 0  # unexplained survivors that changed only a message's words
     in_ranks: int = 0  # caught by the 2-rank tests of RANK_TESTS
+    not_run: int = 0  # mutants the run did not reach (stopped early): no result either way
 
     @property
     def unexplained(self) -> int:
         return self.survived - self.equivalent + self.no_tests
 
     def rate(self) -> str:
-        return f"{100.0 * self.survived / self.mutants:.1f}%" if self.mutants else "-"
+        done = self.mutants - self.not_run
+        return f"{100.0 * self.survived / done:.1f}%" if done else "-"
 
 
 def report(modules, seconds: float | None, selectors: list | None = None) -> int:
@@ -286,6 +288,9 @@ def report(modules, seconds: float | None, selectors: list | None = None) -> int
             if status in CAUGHT:
                 row.caught += 1
                 continue
+            if status == "not checked":  # the run stopped before this mutant: no result
+                row.not_run += 1
+                continue
             before, after = changed_lines(_diff(name))
             hit = next((i for i, e in enumerate(equivalents) if e["function"] == function_of(name)
                         and e["before"].strip() == before and e["after"].strip() == after), None)
@@ -297,7 +302,7 @@ def report(modules, seconds: float | None, selectors: list | None = None) -> int
                 row.no_tests += 1
                 unexplained.append((name, "no test reaches it"))
                 continue
-            if status not in ("survived", "no tests"):  # not checked, suspicious, skipped: not a result
+            if status not in ("survived", "no tests"):  # suspicious, skipped, interrupted: not a result
                 row.no_tests += 1
                 unexplained.append((name, status))
                 continue
@@ -310,16 +315,17 @@ def report(modules, seconds: float | None, selectors: list | None = None) -> int
                 row.equivalent += 1
         rows.append(row)
     ran = {m.dotted for m in modules}
-    stale = [e for i, e in enumerate(equivalents) if whole and i not in used and e["function"].rsplit(".", 1)[0] in ran]
+    complete = whole and not any(r.not_run for r in rows)
+    stale = [e for i, e in enumerate(equivalents) if complete and i not in used and e["function"].rsplit(".", 1)[0] in ran]
 
     total = Row("total", *(sum(getattr(r, k) for r in rows) for k in ("mutants", "caught", "survived", "equivalent",
-                                                                         "no_tests", "text", "in_ranks")))
-    print(f"{'module':<20}{'mutants':>8}{'caught':>8}{'(in ranks)':>11}{'survived':>9}{'rate':>7}{'equivalent':>11}"
-          f"{'unexplained':>12}{'(text only)':>12}")
+                                                                         "no_tests", "text", "in_ranks", "not_run")))
+    print(f"{'module':<20}{'mutants':>8}{'not run':>8}{'caught':>8}{'(in ranks)':>11}{'survived':>9}{'rate':>7}"
+          f"{'equivalent':>11}{'unexplained':>12}{'(text only)':>12}")
     for r in rows + [total]:
-        print(f"{r.module:<20}{r.mutants:>8}{r.caught:>8}{r.in_ranks:>11}{r.survived:>9}{r.rate():>7}"
+        print(f"{r.module:<20}{r.mutants:>8}{r.not_run:>8}{r.caught:>8}{r.in_ranks:>11}{r.survived:>9}{r.rate():>7}"
               f"{r.equivalent:>11}{r.unexplained:>12}{r.text:>12}")
-    print("caught: a test failed (in ranks: one of the 2-rank tests of RANK_TESTS); rate: survivors / mutants "
+    print("caught: a test failed (in ranks: one of the 2-rank tests of RANK_TESTS); rate: survivors / mutants run "
           "(listed equivalents included); unexplained: survivors not listed as equivalent, and mutants no test "
           "reaches; (text only): of those, the ones that changed only the words of a message")
     if seconds is not None:
@@ -339,10 +345,12 @@ def report(modules, seconds: float | None, selectors: list | None = None) -> int
               "(the code changed, or a test now kills it): remove or update them")
         for e in stale:
             print(f"  {e['function']}: {e['before']!r} -> {e['after']!r}")
-    if not any(r.mutants for r in rows):
+    if total.not_run:
+        print(f"\n{total.not_run} mutant(s) were not run (the run stopped early): the table is incomplete")
+    if not any(r.mutants - r.not_run for r in rows):
         print("no mutant was run: nothing is checked")
         return 1
-    return 1 if unexplained or stale else 0
+    return 1 if unexplained or stale or total.not_run else 0
 
 
 def changed_modules(base: str) -> list:

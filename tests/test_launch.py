@@ -128,9 +128,13 @@ def test_channel_files_per_rank():
         assert oct(os.stat(ch.path("error", 0)).st_mode & 0o777) == oct(0o600)
         ch.mark_progress(1, 1234.5)
         assert ch.last_progress(1) == 1234.5 and ch.last_progress(0) == 0.0
+        ch.mark_progress(1, time.time() - 100)  # a rank quiet for 100 s is shown as quiet for 100 s
+        assert 99 < ch.states()[1].seconds_since_progress < 200
         folder = ch.dir
         assert ch.path("log", 1) == os.path.join(folder, "log-1")
-    assert not os.path.exists(folder)
+        assert os.path.basename(folder).startswith("stnb-launch-")  # leftovers in /tmp say whose they are
+        ch.cleanup()
+    assert not os.path.exists(folder)  # removed once, and leaving the context removes nothing twice
 
 
 def test_single_process_launch():

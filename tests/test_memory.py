@@ -226,3 +226,64 @@ def test_prediction_matches_a_real_single_process_run():
     assert state["measured_over_predicted"].between(0.99, 1.01).all(), df
     assert result.verification["peak_memory_method"].startswith("resident high-water mark")
     assert result.peak_memory_bytes[0] > 0
+
+
+def test_compare_rows_in_mib_with_their_notes():
+    """Every row of one rank, word for word: bytes, the ratio, MiB, and the note a reader sees."""
+    part = {"params": 2 * 2**20, "grads": 2**20, "optimizer_state": 2 * 2**20}
+    r = _fake_result("ddp", 2, [part, part], total=2**19, trainable=2**18)
+    r.verification["model_shape"]["optimizer"] = "sgd_momentum"
+    r.peak_memory_bytes = [8 * 2**20, None]
+    df = memory.compare(r)
+    rows = {(x["rank"], x["component"]): x for x in df.to_dict("records")}
+    assert [c for (rank, c) in rows if rank == 0] == ["params", "grads", "optimizer_state", "ddp_buckets", "total",
+                                                      "peak"]
+    assert [c for (rank, c) in rows if rank == 1] == ["params", "grads", "optimizer_state", "ddp_buckets", "total"]
+    p = rows[(0, "params")]
+    assert (p["predicted_bytes"], p["measured_bytes"], p["predicted_mib"], p["measured_mib"]) == (2**21, 2**21, 2.0, 2.0)
+    assert rows[(0, "grads")]["measured_over_predicted"] == pytest.approx(1.0)
+    assert rows[(0, "grads")]["note"] == "262144 frozen parameters (requires_grad=False) have no gradient"
+    assert rows[(0, "optimizer_state")]["predicted_mib"] == 1.0  # one momentum per trainable parameter
+    assert rows[(0, "optimizer_state")]["note"] == "sgd_momentum: 1 states per trainable parameter"
+    assert rows[(0, "total")]["note"] == "params + grads + optimizer_state (ddp_buckets not included)"
+    assert rows[(0, "total")]["predicted_mib"] == 4.0 and rows[(0, "total")]["measured_mib"] == 5.0
+    peak = rows[(0, "peak")]
+    assert peak["predicted_mib"] == 5.0 and peak["measured_mib"] == 8.0  # model state + buckets vs the peak
+    assert peak["note"] == "measured peak includes activations and the runtime; predicted: model state only"
+
+
+def test_compare_takes_the_requested_world_and_the_runs_bucket_view():
+    full = {"params": 4000, "grads": 4000, "optimizer_state": 8000}
+    r = _fake_result("fsdp", 2, [full, full])
+    r.verification["world_size_requested"] = 4  # predicted for the world asked for, not the ranks that answered
+    assert memory.compare(r).set_index(["rank", "component"]).loc[(0, "params"), "predicted_bytes"] == 1000
+    del r.verification["world_size_requested"]
+    assert memory.compare(r).set_index(["rank", "component"]).loc[(0, "params"), "predicted_bytes"] == 2000
+    d = _fake_result("ddp", 2, [full, full]).to_dict()
+    d["config"] = {"gradient_as_bucket_view": True}
+    b = memory.compare(d).set_index(["rank", "component"]).loc[(0, "ddp_buckets")]
+    assert b["predicted_bytes"] == 0 and b["note"] == "gradient_as_bucket_view=True: gradients are the buckets, no copy"
+    d["gradient_as_bucket_view"] = float("nan")  # a results_frame cell without a value: the config decides
+    assert memory.compare(d).set_index(["rank", "component"]).loc[(0, "ddp_buckets"), "predicted_bytes"] == 0
+    d["gradient_as_bucket_view"] = False  # the run's own field wins over its config
+    assert memory.compare(d).set_index(["rank", "component"]).loc[(0, "ddp_buckets"), "predicted_bytes"] == 4000
+
+
+def test_compare_refusals_name_the_run():
+    full = {"params": 4000, "grads": 4000, "optimizer_state": 8000}
+    old = _fake_result("single", 1, [full])
+    old.verification = {}
+    with pytest.raises(ConfigError) as e:
+        memory.compare(old)
+    assert str(e.value) == ("run 'single' recorded no model shape (parameter and trainable counts), so there is "
+                            "nothing to predict from; it was recorded by an older stnb: run it again")
+    empty = _fake_result("ddp", 2, [{}, {}]).to_dict()
+    del empty["status"]
+    with pytest.raises(ConfigError) as e:
+        memory.compare(empty)
+    assert str(e.value) == ("run 'ddp' (status 'ok') has no memory measurement to compare: the run recorded no "
+                            "memory breakdown")
+    with pytest.raises(ConfigError) as e:
+        memory.optimizer_kind("lion")
+    assert str(e.value) == f"no memory prediction for optimizer 'lion'; stnb knows {', '.join(memory.OPTIMIZER_SLOTS)}"
+    assert "adamw, adam, sgd" in str(e.value)
