@@ -159,21 +159,21 @@ MUTATIONS = [
         "zero1 keeps the trainer's plain optimizer: every rank holds the whole optimizer state",
         (("stnb/strategies/zero1.py", "            if isinstance(built, ZeroRedundancyOptimizer):\n",
           "            if True:  # MUTATION\n"),),
-        ("tests/test_zero.py::test_each_stage_trains_verified",)),
+        ("tests/test_zero.py::test_stage_trains_verified[zero1]",)),
     Mutation(
         "zero2-reshards-after-forward",
         "zero2's blocks are sharded with reshard_after_forward=True (ZeRO-3's re-gather in the backward)",
         (("stnb/strategies/fsdp.py", "                               self.reshard_after_forward(config), "
                                      "mixed_precision(trainer.args)))\n",
           "                               True, mixed_precision(trainer.args)))  # MUTATION\n"),),
-        ("tests/test_zero.py::test_each_stage_trains_verified",)),
+        ("tests/test_zero.py::test_stage_trains_verified[zero2]",)),
     Mutation(
         "fsdp-root-unsharded",
         "FSDP shards the transformer blocks but not the root: the embeddings stay whole on every rank",
         (("stnb/strategies/fsdp.py", "    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshards, "
                                      "mp_policy=mp)\n",
           "    pass  # MUTATION: no fully_shard of the root\n"),),
-        ("tests/test_zero.py::test_each_stage_trains_verified",)),
+        ("tests/test_zero.py::test_stage_trains_verified[fsdp]",)),
     # issue 19: faults that survived the whole suite; mutmut (make mutants) cannot make them (a name
     # replaced by a constant, a dict entry overridden), so they are kept here
     Mutation(

@@ -7,6 +7,7 @@ Real runs: 2 gloo ranks, the tiny model, a few steps.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -21,16 +22,28 @@ RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=3, eval
            timeout=300, warmup_steps_excluded=1)
 
 
+STAGES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+@functools.lru_cache(maxsize=None)
 def _run(strategy):
     try:
         return stnb.run(stnb.TrainConfig(strategy=strategy, **RUN), echo=False)
-    except stnb.LaunchError as e:  # a rank refused what it observed: reported by the test below
+    except stnb.LaunchError as e:  # a rank refused what it observed: reported by the tests below
         return e
 
 
 @pytest.fixture(scope="module")
 def all_runs():
-    return {s: _run(s) for s in ("ddp", "zero1", "zero2", "fsdp")}
+    return {s: _run(s) for s in STAGES}
+
+
+@pytest.mark.parametrize("strategy", STAGES)
+def test_stage_trains_verified(strategy):
+    """Each stage alone (the mutation check names these: one run each)."""
+    r = _run(strategy)
+    assert isinstance(r, stnb.RunResult), (strategy, str(r)[:2000])
+    assert r.verified, (strategy, r.reason)
 
 
 @pytest.fixture(scope="module")
