@@ -66,8 +66,11 @@ MODULES = (
                                         "x_measure", "x_compare", "x__row", "x__as_dict", "x__first",
                                         "x__check_count")),
     Module("columns", "stnb/columns.py"),
-    # the strategies' verification (the rest of strategies.py prepares models: covered by training runs)
-    Module("strategies.verify", "stnb/strategies.py", ("x_verify", "x_param_counts", "x_local_numel")),
+    # the strategies' verification: the registry's (world size, every strategy's checks, the replicated
+    # tensors across ranks) and the tensor facts it reads (each strategy's own checks run in training)
+    Module("strategies.verify", "stnb/strategies/__init__.py", ("x_verify_prepared", "x_verify_ranks", "x_verify")),
+    Module("strategies.tensors", "stnb/strategies/tensors.py", ("x_param_counts", "x_local_numel",
+                                                                "x_shard_problems")),
     Module("plots/table", "stnb/plots/table.py"),
 )
 
@@ -83,8 +86,9 @@ RANK_TESTS = {
     "stnb.checks.x_observe_world": _WORLD_RANKS, "stnb.checks.x_world_problems": _WORLD_RANKS,
     "stnb.checks.x_gather_digests": _DIGEST_RANKS, "stnb.checks.x_tensor_digests": _DIGEST_RANKS,
     "stnb.checks.x_shard_problems": _FSDP_RANKS, "stnb.checks.x_expected_local_numel": _FSDP_RANKS,
-    "stnb.strategies.x_verify": _FSDP_RANKS, "stnb.strategies.x_param_counts": _FSDP_RANKS,
-    "stnb.strategies.x_local_numel": _FSDP_RANKS,
+    "stnb.strategies.x_verify": _FSDP_RANKS, "stnb.strategies.x_verify_prepared": _FSDP_RANKS,
+    "stnb.strategies.tensors.x_param_counts": _FSDP_RANKS, "stnb.strategies.tensors.x_local_numel": _FSDP_RANKS,
+    "stnb.strategies.tensors.x_shard_problems": _FSDP_RANKS,
     **{f"stnb.launch.channel.xǁChannelǁ{m}": _LAUNCH_RANKS
        for m in ("check_in", "set_state", "bump", "report", "write_result", "write_error", "mark_progress")},
 }
