@@ -64,7 +64,7 @@ MUTATIONS = [
         "save-untrained",
         "the untrained model is saved instead of the trained one",
         (("stnb/training.py", 'saved = save_checked(final_model, config.save_to, device,',
-          'saved = save_checked(load_model(initial_path, device=device, max_seq_length=max_len), '
+          'saved = save_checked(load_like(final_model, initial_path, device=device, max_seq_length=max_len), '
           'config.save_to, device,'),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(

@@ -127,8 +127,8 @@ def test_multi_dataset_softmax_and_cosine_one_classifier(tmp_path):
     assert r.config["train_size"] == len(_nli()) + len(_sts())  # the rows of both datasets, not 2 (the dict's keys)
 
 
-def test_zero1_and_fsdp_keep_the_loss_parameters_in_sync_too(tmp_path):
-    for strategy in ("zero1", "fsdp"):
+def test_zero_stages_keep_the_loss_parameters_in_sync_too(tmp_path):
+    for strategy in ("zero1", "zero2", "fsdp"):
         r = stnb.run(functools.partial(build_softmax, str(tmp_path / strategy)), strategy=strategy, **FAST)
         assert r.verified, (strategy, r.reason)
         assert _classifier_names(r) == ["loss.classifier.weight", "loss.classifier.bias"]
