@@ -166,6 +166,24 @@ def mixed_precision(args) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
 
 
+def rebuild_optimizer(trainer, rebuild) -> None:
+    """After the trainer builds its optimizer, ``rebuild(built, defaults)`` may return another one (``built``
+    to keep it); ``defaults`` are the built optimizer's defaults its class's constructor takes (torch's
+    AdamW records one, ``decoupled_weight_decay``, that its constructor refuses). The trainer keeps the
+    returned one."""
+    import inspect
+
+    original = trainer.create_optimizer
+
+    def create_optimizer(model=None):
+        built = original(model) if model is not None else original()
+        accepted = inspect.signature(type(built).__init__).parameters
+        trainer.optimizer = rebuild(built, {k: v for k, v in built.defaults.items() if k in accepted})
+        return trainer.optimizer
+
+    trainer.create_optimizer = create_optimizer
+
+
 def config_default(config, name: str):
     """The TrainConfig field's default (a knob left at it was not asked for)."""
     import dataclasses

@@ -13,7 +13,7 @@ after the first backward likewise, and the ranks' shards add up to the model.
 
 from __future__ import annotations
 
-from .base import Strategy, mixed_precision
+from .base import Strategy, mixed_precision, rebuild_optimizer
 
 
 class FullyShardedDataParallel(Strategy):
@@ -165,27 +165,18 @@ def keep_shards_apart(trainer) -> None:
     tensors) in separate param groups: a fused/foreach update cannot mix them ("got mixed torch.Tensor and
     DTensor"). sentence-transformers builds its groups from the loss (its classifier included), so the
     trainer's own split by mesh does not apply; the groups are split here after the optimizer is built."""
-    original = trainer.create_optimizer
-
-    def create_optimizer(model=None):
-        import inspect
-
+    def split_groups(built, defaults):
         from torch.distributed.tensor import DTensor
 
-        built = original(model) if model is not None else original()
         groups = []
         for g in built.param_groups:
             for kind in (True, False):
                 params = [p for p in g["params"] if isinstance(p, DTensor) is kind]
                 if params:
                     groups.append({**g, "params": params})
-        if len(groups) == len(built.param_groups):
-            return built
-        accepted = inspect.signature(type(built).__init__).parameters
-        trainer.optimizer = type(built)(groups, **{k: v for k, v in built.defaults.items() if k in accepted})
-        return trainer.optimizer
+        return built if len(groups) == len(built.param_groups) else type(built)(groups, **defaults)
 
-    trainer.create_optimizer = create_optimizer
+    rebuild_optimizer(trainer, split_groups)
 
 
 def watch_after_forward(model) -> dict:

@@ -9,7 +9,7 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 
 from __future__ import annotations
 
-from .base import Strategy
+from .base import Strategy, rebuild_optimizer
 from .ddp import DDP_KNOBS, apply_ddp, check_ddp_wrapper
 
 # optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
@@ -47,23 +47,16 @@ class Zero1(Strategy):
 
     def prepare(self, trainer, config, device_type, world):
         kw, overridden = apply_ddp(trainer, config)
-        original = trainer.create_optimizer
 
-        def create_optimizer(model=None):
+        def shard_state(built, defaults):
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            built = original(model) if model is not None else original()
             if isinstance(built, ZeroRedundancyOptimizer):
                 return built
-            import inspect
-
-            accepted = inspect.signature(type(built).__init__).parameters
-            defaults = {k: v for k, v in built.defaults.items() if k in accepted}  # AdamW adds one it does not take
             groups = [dict(g) for g in built.param_groups if g["params"]]
-            trainer.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **defaults)
-            return trainer.optimizer
+            return ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **defaults)
 
-        trainer.create_optimizer = create_optimizer
+        rebuild_optimizer(trainer, shard_state)
         accelerator, prepare_optimizer = trainer.accelerator, trainer.accelerator.prepare_optimizer
 
         def prepare_zero(optimizer, device_placement=None):
