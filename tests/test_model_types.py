@@ -15,15 +15,9 @@ import pytest
 import stnb
 from stnb import model_types
 from stnb.models import tiny_path
+from trainfns import FAST, words as _words
 
-FAST = dict(num_processes=2, device="cpu", threads_per_rank=1, timeout=300)
 N = 32
-
-
-def _words(i: int) -> str:
-    topics = ["cats purr softly", "rockets reach orbit", "bread rises slowly", "rivers cut valleys",
-              "chess needs patience", "violins need rosin", "glaciers move slowly", "bees make honey"]
-    return f"{topics[i % len(topics)]} {i}"
 
 
 def _common(out: str) -> dict:

@@ -17,23 +17,8 @@ from transformers import TrainerCallback
 
 import stnb
 from stnb.models import tiny_path
+from trainfns import FAST, st_args as _args, words as _words
 
-FAST = dict(num_processes=2, device="cpu", threads_per_rank=1, timeout=300)
-
-
-def _words(i: int) -> str:
-    topics = ["cats purr softly", "rockets reach orbit", "bread rises slowly", "rivers cut valleys",
-              "chess needs patience", "violins need rosin", "glaciers move slowly", "bees make honey"]
-    return f"{topics[i % len(topics)]} {i}"
-
-
-def _args(out: str, **kw):
-    from sentence_transformers import SentenceTransformerTrainingArguments
-
-    base = dict(output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, logging_steps=1,
-                report_to="none", save_strategy="no", seed=7)
-    base.update(kw)
-    return SentenceTransformerTrainingArguments(**base)
 
 
 def _triplets(n=32):
