@@ -26,8 +26,14 @@ it (readings are relative to a barrier all ranks left together).
 FSDP (``fully_shard``) all-gathers a unit's parameters in its own forward pre-hook: two more pre-hooks
 around it (one before, one after FSDP's) time each unit's forward all-gather, blocking on CPU, so it
 counts as exposed communication. Backward's all-gathers and reduce-scatters run in autograd hooks
-stnb does not reach: they stay in ``backward_compute``, and ``comm`` says so. On CUDA the clock
-readings would time kernel launches, not kernels: the split says it is not measured there.
+stnb does not reach: they stay in ``backward_compute``, and ``comm`` says so.
+
+The readings are marks of a clock: on CPU ``time.perf_counter`` (what the CPU does is what gloo
+does); on CUDA a ``torch.cuda.Event`` recorded on the current stream at the same places, so a mark
+is when the GPU got there, not when Python launched the kernels (a bucket's completion is marked in
+its future's callback, on a stream that waits for the collective). A step's marks are turned into
+seconds once its last event has completed (no synchronisation per step; ``summary`` waits for the
+rest). ``method`` says which clock measured the run.
 """
 
 from __future__ import annotations
@@ -39,28 +45,72 @@ PHASES = ("data", "forward", "backward_compute", "comm_exposed", "optimizer", "o
 WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "embedding_rows": None}  # element size on the wire
 
 
+class HostClock:
+    """Marks are ``time.perf_counter`` readings (seconds)."""
+
+    method = "clock readings (CPU)"
+
+    def mark(self, host: float | None = None) -> float:
+        return time.perf_counter() if host is None else host
+
+    def done(self, mark) -> bool:
+        return True
+
+    def settle(self) -> None:
+        pass
+
+    def seconds(self, mark, origin) -> float:
+        return mark - origin
+
+
+class CudaEvents:
+    """Marks are CUDA events recorded on the current stream; seconds from ``origin``'s event."""
+
+    method = "CUDA events"
+
+    def __init__(self):
+        import torch
+
+        self.cuda = torch.cuda
+
+    def mark(self, host: float | None = None):
+        event = self.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def done(self, mark) -> bool:
+        return mark.query()
+
+    def settle(self) -> None:
+        self.cuda.synchronize()
+
+    def seconds(self, mark, origin) -> float:
+        return origin.elapsed_time(mark) / 1e3
+
+
 class StepTimer:
     """Per-step phase readings of one rank. ``attach(trainer, comm_hook)`` once (first step begin),
     then ``on_step_begin`` / ``on_pre_optimizer_step`` / ``on_optimizer_step`` / ``on_step_end(now)``;
     ``summary()`` returns plain data."""
 
-    def __init__(self, clock=time.perf_counter, enabled: bool | None = None):
-        self.clock = clock
+    def __init__(self, clock=None, enabled: bool | None = None):
+        self.clock = clock or HostClock()  # attach picks CudaEvents when the model is on a CUDA device
         # STNB_TIME_SPLIT=off measures nothing (the bench compares throughput with and without)
         self.enabled = os.environ.get("STNB_TIME_SPLIT", "on") != "off" if enabled is None else enabled
         self.steps = []
-        self.origin = None          # the clock after a barrier every rank left together
+        self.origin = None          # a mark taken after a barrier every rank left together
         self.method = None
         self.hook = None
         self.units = None
         self.comm_note = None
         self.comm = None            # what the comm fields measure
         self._prev_end = None
+        self._pending = []          # steps whose marks are not all resolved into seconds yet (CUDA)
         self._reset()
 
     def _reset(self):
         self._fwd_start = None      # first forward of the current micro-batch
-        self._marks = {"forward": 0.0, "backward": 0.0, "data": None, "bwd_start": None, "bwd_end": None,
+        self._marks = {"forward": [], "backward": [], "first_forward": None, "bwd_end": None,
                        "opt_start": None, "opt_end": None}
         self._buckets = []          # [handed over, completed, bytes]
         self._gathers = []          # FSDP forward all-gathers: (start, end)
@@ -74,13 +124,16 @@ class StepTimer:
 
         wrapped = trainer.model_wrapped
         is_ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
-        if not self.enabled or next(wrapped.parameters()).is_cuda:
+        device = next(wrapped.parameters()).device.type
+        if not self.enabled or device not in ("cpu", "cuda"):
             self.method = ("off (STNB_TIME_SPLIT=off)" if not self.enabled else
-                           "not measured on CUDA (clock readings would time kernel launches); use the profiler")
+                           f"not measured on {device} (clock readings would time kernel launches); use the profiler")
             if is_ddp and comm_hook != "none" and builtin_hook(comm_hook) is not None:
                 wrapped.register_comm_hook(None, builtin_hook(comm_hook))  # the hook asked for, untimed
             return
-        self.method = "clock readings (CPU)"
+        if device == "cuda":
+            self.clock = CudaEvents()
+        self.method = self.clock.method
         wrapped.register_forward_pre_hook(self._forward_pre, prepend=True)  # before FSDP's root all-gather
         for unit in fsdp_units(wrapped):  # around FSDP's own pre-forward hook: the unit's all-gather
             unit.register_forward_pre_hook(self._gather_start, prepend=True)
@@ -89,13 +142,13 @@ class StepTimer:
         backward = trainer.accelerator.backward
 
         def timed_backward(loss, **kw):
-            self._marks["bwd_start"] = start = self.clock()
+            start = self.clock.mark()
             if self._fwd_start is not None:
-                self._marks["forward"] += start - self._fwd_start
+                self._marks["forward"].append((self._fwd_start, start))
                 self._fwd_start = None
             backward(loss, **kw)
-            self._marks["bwd_end"] = end = self.clock()
-            self._marks["backward"] += end - start
+            self._marks["bwd_end"] = end = self.clock.mark()
+            self._marks["backward"].append((start, end))
 
         trainer.accelerator.backward = timed_backward
         if is_ddp:
@@ -110,19 +163,18 @@ class StepTimer:
         self.units = model_units(trainer.model)
         if dist.is_initialized():
             dist.barrier()
-        self.origin = self.clock()
+        self.clock.settle()
+        self.origin = self.clock.mark()
 
     def timed(self, hook):
-        """``hook`` (a DDP communication hook) with a clock reading at hand-over and at completion."""
+        """``hook`` (a DDP communication hook) with a mark at hand-over and at completion."""
         if not self.enabled:
             return hook
 
         def timed_hook(state, bucket):
             buf = bucket.buffer()
-            if buf.is_cuda:  # clock readings would time the launch (see the module's docstring)
-                return hook(state, bucket)
             wire = WIRE_BYTES.get(self.hook)
-            rec = [self.clock(), None, buf.numel() * (wire or buf.element_size())]
+            rec = [self.clock.mark(), None, buf.numel() * (wire or buf.element_size())]
             self._buckets.append(rec)
             if hasattr(state, "sent_elements"):  # stnb's embedding-rows hook counts what it sends
                 before = state.sent_elements
@@ -131,8 +183,8 @@ class StepTimer:
             else:
                 fut = hook(state, bucket)
 
-            def done(f):
-                rec[1] = self.clock()
+            def done(f):  # on CUDA this runs on a stream that waits for the collective
+                rec[1] = self.clock.mark()
                 return f.value()
 
             return fut.then(done)
@@ -141,17 +193,17 @@ class StepTimer:
 
     def _forward_pre(self, module, args):
         if module.training and self._fwd_start is None:  # evaluation's forwards are not a training step's
-            self._fwd_start = now = self.clock()
-            if self._marks["data"] is None:
-                self._marks["data"] = now - self._prev_end
+            self._fwd_start = self.clock.mark()
+            if self._marks["first_forward"] is None:
+                self._marks["first_forward"] = self._fwd_start
 
     def _gather_start(self, module, args):
         if module.training:
-            self._gather_from = self.clock()
+            self._gather_from = self.clock.mark()
 
     def _gather_end(self, module, args):
         if module.training and self._gather_from is not None:
-            self._gathers.append((self._gather_from, self.clock()))
+            self._gathers.append((self._gather_from, self.clock.mark()))
             self._gather_from = None
 
     # ---- the trainer's callbacks -------------------------------------------------------------
@@ -160,47 +212,66 @@ class StepTimer:
         """The first step's begin (``start``, the clock of stnb's step times); later steps begin where
         the previous one ended."""
         if self._prev_end is None:
-            self._prev_end = start
+            self._prev_end = self.clock.mark(start)
 
     def on_pre_optimizer_step(self) -> None:
-        self._marks["opt_start"] = self.clock()
+        self._marks["opt_start"] = self.clock.mark()
 
     def on_optimizer_step(self) -> None:
-        self._marks["opt_end"] = self.clock()
+        self._marks["opt_end"] = self.clock.mark()
 
     def on_step_end(self, now: float) -> None:
-        if self.method is None or not self.method.startswith("clock"):
-            self._prev_end = now
+        end = self.clock.mark(now)  # CPU: stnb's own step clock, so the split adds up to its step times
+        if self.origin is None:
+            self._prev_end = end
             return
-        m = self._marks
-        step = now - self._prev_end
-        last_ready = max((b[0] for b in self._buckets), default=None)
-        exposed = max(0.0, m["bwd_end"] - last_ready) if last_ready is not None and m["bwd_end"] else 0.0
-        opt = (m["opt_end"] - m["bwd_end"]) if m["opt_end"] and m["bwd_end"] else 0.0
-        rec = {"step": step, "data": m["data"] or 0.0, "forward": m["forward"],
-               "backward_compute": m["backward"] - exposed, "comm_exposed": exposed, "optimizer": opt}
+        self._pending.append((self._prev_end, end, self._marks, self._buckets, self._gathers))
+        self._prev_end = end
+        self._reset()
+        while self._pending and self.clock.done(self._pending[0][1]):  # CUDA: steps the GPU has finished
+            self.steps.append(self._split(*self._pending.pop(0)))
+
+    def _split(self, begin, end, m, buckets, gathers) -> dict:
+        """One step's marks turned into seconds (from ``origin``, the clock every rank shares)."""
+        def sec(mark):
+            return self.clock.seconds(mark, self.origin) if mark is not None else None
+
+        begin, end, bwd_end = sec(begin), sec(end), sec(m["bwd_end"])
+        step = end - begin
+        buckets = [(sec(b[0]), sec(b[1]), b[2]) for b in buckets]
+        last_ready = max((b[0] for b in buckets), default=None)
+        backward = sum(sec(e) - sec(s) for s, e in m["backward"])
+        exposed = max(0.0, bwd_end - last_ready) if last_ready is not None and bwd_end is not None else 0.0
+        opt = (sec(m["opt_end"]) - bwd_end) if m["opt_end"] is not None and bwd_end is not None else 0.0
+        first = sec(m["first_forward"])
+        rec = {"step": step, "data": first - begin if first is not None else 0.0,
+               "forward": sum(sec(e) - sec(s) for s, e in m["forward"]),
+               "backward_compute": backward - exposed, "comm_exposed": exposed, "optimizer": opt}
         rec["other"] = step - sum(rec[p] for p in PHASES if p != "other")
-        rec["start"] = self._prev_end - self.origin  # on the clock every rank shares (the barrier at attach)
-        if self.comm is not None and self.hook is None:  # FSDP: its forward all-gathers, blocking on CPU
-            gathered = sum(e - b for b, e in self._gathers)
+        rec["start"] = begin
+        if self.comm is not None and self.hook is None:  # FSDP: its forward all-gathers (blocking on CPU)
+            spans = [(sec(b), sec(e)) for b, e in gathers]
+            gathered = sum(e - b for b, e in spans)
             rec["forward"] -= gathered
             rec["comm_exposed"] += gathered
             rec["comm_total"], rec["comm_overlapped"] = gathered, 0.0
-            rec["comm_spans"] = [(b - self.origin, e - self.origin) for b, e in self._gathers]
-            rec["gathers"] = len(self._gathers)
+            rec["comm_spans"] = spans
+            rec["gathers"] = len(spans)
         if self.hook is not None:
-            done = [b for b in self._buckets if b[1] is not None]
-            rec["comm_spans"] = [(b[0] - self.origin, b[1] - self.origin) for b in done]
-            rec["comm_total"] = _union([(b[0], b[1]) for b in done])
-            rec["comm_overlapped"] = _union([(b[0], min(b[1], last_ready)) for b in done if b[0] < (last_ready or 0)])
-            rec["comm_bytes"] = sum(b[2] for b in self._buckets)
-            rec["buckets"] = len(self._buckets)
-            rec["backward_compute_end"] = last_ready - self.origin if last_ready is not None else None
-        self.steps.append(rec)
-        self._prev_end = now
-        self._reset()
+            done = [(b[0], b[1]) for b in buckets if b[1] is not None]
+            rec["comm_spans"] = done
+            rec["comm_total"] = _union(done)
+            rec["comm_overlapped"] = _union([(b, min(e, last_ready)) for b, e in done if b < (last_ready or 0)])
+            rec["comm_bytes"] = sum(b[2] for b in buckets)
+            rec["buckets"] = len(buckets)
+            rec["backward_compute_end"] = last_ready
+        return rec
 
     def summary(self) -> dict:
+        if self._pending:
+            self.clock.settle()  # the GPU finishes the last steps; their events can then be read
+            self.steps.extend(self._split(*p) for p in self._pending)
+            self._pending = []
         return {"method": self.method, "comm_hook": self.hook, "units": self.units, "steps": self.steps,
                 "comm": self.comm, "note": self.comm_note}
 
@@ -273,6 +344,32 @@ def combine(per_rank: list) -> list:
     return per_rank
 
 
+def problems(result, tolerance: float = 0.05, warmup: int | None = None) -> list:
+    """Why ``result``'s time split does not account for its steps (empty: it does): every rank measured,
+    no part negative, forward and backward seen, and what no mark attributes (``other``) under
+    ``tolerance`` of the steady steps. ``make gpu-check`` asks this of every CUDA run."""
+    r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    warm = int((r.get("config") or {}).get("warmup_steps_excluded", 2)) if warmup is None else warmup
+    found = []
+    for rank, split in enumerate(r.get("time_split") or []):
+        steps = (split or {}).get("steps", [])[warm:]
+        if not steps:
+            found.append(f"rank {rank}: no steady step measured ({(split or {}).get('method')})")
+            continue
+        for i, st in enumerate(steps):
+            negative = [p for p in (*PHASES, "wait") if (st.get(p) or 0.0) < -1e-6 * st["step"]]
+            if negative:
+                found.append(f"rank {rank} step {warm + i}: negative {', '.join(negative)}")
+            if not (st["forward"] > 0 and st["backward_compute"] > 0):
+                found.append(f"rank {rank} step {warm + i}: no forward or backward measured")
+        other = sum(st["other"] for st in steps) / sum(st["step"] for st in steps)
+        if other > tolerance:
+            found.append(f"rank {rank}: {other:.1%} of the step is attributed to nothing (limit {tolerance:.0%})")
+    if not r.get("time_split"):
+        found.append("no time split in the result")
+    return found
+
+
 def table(result, warmup: int | None = None):
     """A pandas DataFrame, one row per rank: each part's mean over the steady steps, in ms (the parts
     that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured)."""
@@ -293,18 +390,19 @@ def table(result, warmup: int | None = None):
     return pd.DataFrame(rows).set_index("rank") if rows else pd.DataFrame()
 
 
-def own_cost(buckets: int = 4, forwards: int = 2, repeats: int = 2000) -> float:
+def own_cost(buckets: int = 4, forwards: int = 2, repeats: int = 2000, device: str = "cpu") -> float:
     """Seconds the timer's own code takes per step (median of ``repeats`` simulated steps): ``forwards``
     forward pre-hooks, the backward wrapper, ``buckets`` timed comm hooks with their completion
     callbacks, the optimizer readings and ``on_step_end``. The rest of a real step is left out, so this
-    is the split's overhead on its own, free of the run-to-run noise a throughput comparison has."""
+    is the split's overhead on its own, free of the run-to-run noise a throughput comparison has.
+    ``device="cuda"``: with the CUDA events a GPU run marks (each mark records an event)."""
     import statistics
 
     import torch
 
     class Bucket:  # what DDP hands a hook, reduced to what ``timed`` reads
         def __init__(self):
-            self.tensor = torch.zeros(1024)
+            self.tensor = torch.zeros(1024, device=device)
 
         def buffer(self):
             return self.tensor
@@ -317,21 +415,23 @@ def own_cost(buckets: int = 4, forwards: int = 2, repeats: int = 2000) -> float:
     class Module(torch.nn.Module):
         pass
 
-    timer, module, bucket = StepTimer(enabled=True), Module(), Bucket()
-    timer.method, timer.hook, timer.origin = "clock readings (CPU)", "none", 0.0
+    timer = StepTimer(clock=CudaEvents() if device == "cuda" else HostClock(), enabled=True)
+    module, bucket = Module(), Bucket()
+    timer.method, timer.hook, timer.origin = timer.clock.method, "none", timer.clock.mark()
     hook = timer.timed(ready)
-    timer.on_step_begin(timer.clock())
+    timer.on_step_begin(timer.clock.mark())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(forwards):
             timer._forward_pre(module, ())
-        timer._marks["bwd_start"] = timer.clock()  # what the backward wrapper reads around backward
+        bwd_start = timer.clock.mark()  # what the backward wrapper marks around backward
         for _ in range(buckets):
             hook(None, bucket).wait()
-        timer._marks["bwd_end"] = timer.clock()
+        timer._marks["bwd_end"] = bwd_end = timer.clock.mark()
+        timer._marks["backward"].append((bwd_start, bwd_end))
         timer.on_pre_optimizer_step()
         timer.on_optimizer_step()
-        timer.on_step_end(timer.clock())
+        timer.on_step_end(timer.clock.mark())
         times.append(time.perf_counter() - start)
     return statistics.median(times)

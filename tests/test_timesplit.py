@@ -97,3 +97,46 @@ def test_split_figures_add_up_and_say_what_dominates(ddp):
     assert line.startswith("ddp x2: ") and line.endswith(".")  # the sentence, wrapped with <br>
     lanes = {y for t in pt.timeline(ddp).data for y in t.y}
     assert lanes == {"rank 0 compute", "rank 1 compute", "rank 0 comm", "rank 1 comm"}
+
+
+def test_problems_accepts_a_measured_split_and_names_what_does_not_add_up(ddp):
+    from stnb.timesplit import problems
+
+    assert problems(ddp) == []
+    broken = ddp.to_dict()
+    steps = broken["time_split"][1]["steps"]
+    for st in steps:  # half of every step attributed to nothing: what a missed phase would look like
+        st["other"] += st["step"]
+        st["step"] *= 2
+    steps[-1]["forward"] = 0.0
+    found = problems(broken)
+    assert any(p.startswith("rank 1:") and "attributed to nothing" in p for p in found), found
+    assert any(p.startswith(f"rank 1 step {len(steps) - 1}:") and "no forward" in p for p in found), found
+    assert not any(p.startswith("rank 0") for p in found), found
+    assert problems(dict(broken, time_split=[])) == ["no time split in the result"]
+
+
+def test_marks_become_seconds_once_the_step_is_done():
+    """The clock is pluggable (CUDA events on a GPU): a step whose end mark is not done yet stays
+    pending and is resolved in order once it is, or by ``summary`` (which waits for the device)."""
+    from stnb.timesplit import HostClock, StepTimer
+
+    class LateClock(HostClock):  # marks that complete only when ``settle`` is called, like CUDA events
+        def __init__(self):
+            self.settled = False
+
+        def done(self, mark):
+            return self.settled
+
+        def settle(self):
+            self.settled = True
+
+    clock = LateClock()
+    timer = StepTimer(clock=clock, enabled=True)
+    timer.method, timer.origin = "late", 0.0
+    timer.on_step_begin(1.0)
+    for end in (2.0, 3.5):
+        timer.on_step_end(end)
+    assert timer.steps == []
+    steps = timer.summary()["steps"]
+    assert [st["step"] for st in steps] == [1.0, 1.5] and [st["start"] for st in steps] == [1.0, 2.0]

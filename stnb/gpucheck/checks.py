@@ -19,6 +19,7 @@ import time
 import traceback
 
 from ..strategies import is_distributed
+from ..timesplit import problems as split_problems
 
 from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
 from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
@@ -61,6 +62,11 @@ def _judge_training(res, check) -> list:
         want = "nccl" if device == "cuda" else "gloo"
         if backends != {want}:
             problems.append(f"process group backend {sorted(map(str, backends))}, expected {want}")
+    if device == "cuda" and res.status == "ok":  # the split on NCCL ranks: CUDA events that add up
+        methods = {(s or {}).get("method") for s in res.time_split or [None]}
+        if methods != {"CUDA events"}:
+            problems.append(f"time split measured by {sorted(map(str, methods))}, expected CUDA events")
+        problems.extend(f"time split: {p}" for p in split_problems(res))
     return problems
 
 
