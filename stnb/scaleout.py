@@ -200,6 +200,11 @@ def run_here(config, *, results_file=None, build=None):
         # a user's TrainingArguments without use_cpu=True would set up accelerate for no distribution on a
         # CPU-only node (each rank training alone); stnb.launch's CPU ranks set the same
         env["ACCELERATE_USE_CPU"] = "true"
+    # what the strategy's ranks need in their environment (stnb.launch sets the same in its ranks):
+    # DeepSpeed's config for accelerate, and on CPU its CPU accelerator
+    env.update(config.strategy_object().rank_env(config, config.resolved_device()))
+    if int(env.get("LOCAL_RANK", "0")) == 0:  # once per node (DeepSpeed's CPU op is built here, not per rank)
+        config.strategy_object().before_launch(config, config.resolved_device())
     if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: keep gloo on loopback
 

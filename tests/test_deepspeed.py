@@ -112,6 +112,21 @@ def test_cli_runs_deepspeed_stage_2():
     assert {v["zero_stage_seen"] for v in d["verification"]["ranks"]} == {2}
 
 
+
+def test_torchrun_runs_deepspeed_stage_2(tmp_path):
+    """`torchrun ... -m stnb run --strategy deepspeed`: each rank (stnb.scaleout.run_here) gets what
+    stnb.launch's ranks get, DeepSpeed's config and on CPU its CPU accelerator, so the trainer enables
+    DeepSpeed (without it the rank refuses: "the trainer did not enable DeepSpeed")."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run([*torchrun, "-m", "stnb", "run", "--strategy", "deepspeed", "--stage", "2", "--model", "tiny",
+                          "--steps", "3", "--batch-size", "4", "--no-eval", "--json", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert d["launcher"] == "torchrun" and d["world_size"] == 2
+    assert d["strategy"] == "deepspeed" and d["verified"] is True and d["config"]["stage"] == 2
+    assert {v["zero_stage_seen"] for v in d["verification"]["ranks"]} == {2}
+
 # ---- a user's build function --------------------------------------------------------------------
 
 def build_pairs(outdir: str, deepspeed=None, batch=4):

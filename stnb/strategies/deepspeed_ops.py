@@ -43,7 +43,19 @@ def build_dir() -> str:
 
 
 def built() -> bool:
-    return os.path.exists(os.path.join(build_dir(), f"{NAME}.so"))
+    """The op is built and newer than every source its last build compiled (``build.ninja``'s
+    ``compile`` lines): a reinstalled DeepSpeed brings sources with new times, and ninja would build
+    again inside the ranks."""
+    so = os.path.join(build_dir(), f"{NAME}.so")
+    if not os.path.exists(so):
+        return False
+    try:
+        with open(os.path.join(build_dir(), "build.ninja")) as f:
+            sources = [line.split()[-1] for line in f if line.startswith("build ") and ": compile " in line]
+    except OSError:
+        return True
+    newest = max((os.path.getmtime(src) for src in sources if os.path.exists(src)), default=0.0)
+    return os.path.getmtime(so) >= newest
 
 
 def remove_stale_lock(echo=print) -> bool:
