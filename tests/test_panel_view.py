@@ -169,11 +169,13 @@ def test_build_mode_disables_the_recipes_controls_and_ignores_them():
 
 
 class Knobbed(Strategy):
-    """A strategy made up here: one knob of its own (a TrainConfig field), verified trivially."""
+    """A strategy made up here, owning two TrainConfig fields no built-in strategy owns: a flag, and one
+    with the values it takes listed in ``choices``; verified trivially."""
     name = "knobbed"
-    label = "made up, with a knob"
-    summary = "a test strategy that owns reshard_after_forward"
-    knobs = ("reshard_after_forward",)
+    label = "made up, with knobs"
+    summary = "a test strategy that owns reuse_freed_memory and threads_per_rank"
+    knobs = ("reuse_freed_memory", "threads_per_rank")
+    choices = {"threads_per_rank": (1, 2)}
 
     def check_prepared(self, trainer, world_size):
         return {}, []
@@ -186,21 +188,25 @@ def _visible(panel) -> list:
     return [name for name, k in panel.knobs.items() if k.widget.layout.display != "none"]
 
 
-def test_a_strategy_added_to_the_registry_appears_in_the_picker_with_its_knob():
+def test_a_strategy_added_to_the_registry_appears_in_the_picker_with_its_knobs():
+    assert "reuse_freed_memory" not in Panel(**SMALL).knobs  # no built-in strategy owns it
     strategies.register(Knobbed)
     try:
         panel = Panel(**SMALL)
-        assert dict(panel.strategy.options)["knobbed · made up, with a knob"] == "knobbed"
+        assert dict(panel.strategy.options)["knobbed · made up, with knobs"] == "knobbed"
         panel.strategy.value = "knobbed"
-        assert _visible(panel) == ["reshard_after_forward"]
-        assert "a test strategy that owns reshard_after_forward" in panel.strategy_help.value
-        box = panel.knobs["reshard_after_forward"].widget
-        assert box.value is True and "stnb-knob-reshard_after_forward" in box._dom_classes
-        box.value = False
-        assert panel.run_config().reshard_after_forward is False
-        assert "knobbed (reshard_after_forward=False)" in panel.validation.value
-        panel.strategy.value = "ddp"  # another strategy: the knob hidden, and not applied
-        assert "reshard_after_forward" not in _visible(panel) and panel.run_config().reshard_after_forward is True
+        assert _visible(panel) == ["reuse_freed_memory", "threads_per_rank"]
+        assert "a test strategy that owns reuse_freed_memory" in panel.strategy_help.value
+        box, threads = panel.knobs["reuse_freed_memory"].widget, panel.knobs["threads_per_rank"].widget
+        assert box.value is True and "stnb-knob-reuse_freed_memory" in box._dom_classes
+        assert [v for _, v in threads.options] == [None, 1, 2]
+        box.value, threads.value = False, 2
+        c = panel.run_config()
+        assert (c.reuse_freed_memory, c.threads_per_rank) == (False, 2)
+        assert "knobbed (reuse_freed_memory=False, threads_per_rank=2)" in panel.validation.value
+        panel.strategy.value = "ddp"  # another strategy: its knobs hidden, and not applied
+        assert "threads_per_rank" not in _visible(panel)
+        assert (panel.run_config().reuse_freed_memory, panel.run_config().threads_per_rank) == (True, None)
     finally:
         strategies.unregister("knobbed")
     assert "knobbed" not in dict(Panel(**SMALL).strategy.options).values()
