@@ -118,10 +118,10 @@ class Knob:
 
 def field_type(name: str) -> tuple[type, bool]:
     """(base type, may be None) of a TrainConfig field, from its annotation ('int | None' -> (int, True))."""
-    annotation = {f.name: f.type for f in dataclasses.fields(TrainConfig)}[name]
-    parts = str(annotation).replace(" ", "").split("|")
-    kinds = {"int": int, "float": float, "str": str, "dict": dict, "bool": bool}
-    return next(kinds[p] for p in parts if p in kinds), "None" in parts
+    from ..cli_options import base_type
+
+    annotation = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
+    return base_type(annotation), "None" in annotation.replace(" ", "").split("|")
 
 
 def knob(name: str, value, help_text: str = "") -> Knob:
