@@ -23,9 +23,9 @@ SMALL = dict(train_size=64, dev_size=16)
 
 
 def _result(strategy="ddp", world_size=2, sps=100.0, verified=True, peaks=(300, 310), losses=(0.9, 0.5),
-            steps=None, status="ok", reason="", warmup=0):
+            steps=None, status="ok", reason="", warmup=0, **knobs):
     cfg = TrainConfig(strategy=strategy, model="tiny", num_processes=world_size if world_size > 1 else None,
-                      warmup_steps_excluded=warmup).to_dict()
+                      warmup_steps_excluded=warmup, **knobs).to_dict()
     return RunResult(strategy=strategy, world_size=world_size, per_device_batch_size=4,
                      global_batch_size=4 * world_size, steps=len(losses), samples_per_second=sps,
                      step_times=[0.1] * len(losses), losses=list(losses),
@@ -85,7 +85,8 @@ def test_the_time_split_view_gives_each_parts_share_and_the_advice():
 @pytest.mark.parametrize("parts, words", [
     (dict(wait=0.03, forward=0.03, backward_compute=0.03), ("Waiting for the slowest rank takes 30%", "fewer ranks")),
     (dict(comm_exposed=0.05, forward=0.02, backward_compute=0.02), ("Exposed communication takes 50%",
-                                                                    "gradient accumulation", "bucket size")),
+                                                                    "gradient accumulation", "bucket_cap_mb",
+                                                                    "comm_hook='fp16'")),
     (dict(data=0.04, forward=0.03, backward_compute=0.03), ("Data loading and logging take 40%", "loader workers")),
     (dict(optimizer=0.03, forward=0.03, backward_compute=0.03), ("The optimizer takes 30%", "bigger batch")),
     (dict(forward=0.04, backward_compute=0.05, comm_exposed=0.01), ("Compute dominates (90%", "exposed communication 10%")),
@@ -96,10 +97,18 @@ def test_advice_names_what_dominates_and_what_to_change(parts, words):
         assert w in text, text
 
 
-def test_advice_for_a_strategy_whose_collectives_hide_in_compute_and_for_no_split():
-    steps = [{k: v for k, v in _step(0.1, forward=0.04, backward_compute=0.05).items()
-              if k not in ("comm_total", "comm_overlapped")}] * 2
-    assert "reshard_after_forward" in advice(_result("fsdp", steps=steps)) and "90%" in advice(_result("fsdp", steps=steps))
+def test_advice_names_the_knobs_of_the_runs_own_strategy():
+    unseen = [{k: v for k, v in _step(0.1, forward=0.04, backward_compute=0.05).items()
+               if k not in ("comm_total", "comm_overlapped")}] * 2  # collectives inside forward and backward
+    fsdp = advice(_result("fsdp", steps=unseen))
+    assert "Forward and backward take 90%" in fsdp and "reshard_after_forward=False" in fsdp
+    assert "bucket_cap_mb" not in fsdp and "ZeRO stage" not in fsdp
+    ds3 = advice(_result("deepspeed", steps=unseen, stage=3))
+    assert "a lower ZeRO stage" in ds3 and "reshard_after_forward" not in ds3
+    assert "ZeRO stage" not in advice(_result("deepspeed", steps=unseen, stage=1))  # already the lowest
+    comm = [_step(0.1, comm_exposed=0.05, forward=0.02, backward_compute=0.02)] * 2
+    assert "reshard_after_forward=False" in advice(_result("fsdp", steps=comm))
+    assert "comm_hook" not in advice(_result("fsdp", steps=comm))
     assert advice(_result()).startswith("No time split")
 
 

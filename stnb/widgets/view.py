@@ -179,6 +179,7 @@ def time_split_html(result) -> str:
     m = means(result)
     if not m.get("step"):
         return f"<b>Where the time went</b> ({name}): {escape(advice(result))}"
-    shares = " · ".join(f"{escape(LABELS[p])} {m[p] / m['step']:.0%}" for p in PARTS if m.get(p))
+    shares = " · ".join(f"{escape(LABELS[p])} {m[p] / m['step']:.0%}" for p in PARTS
+                        if m.get(p) and m[p] / m["step"] >= 0.005)  # what rounds to 0% is left out
     return (f"<b>Where the time went</b> ({name}, {1e3 * m['step']:.1f} ms per step): {shares}<br>"
             f"{escape(advice(result))}")
