@@ -27,6 +27,11 @@ def with_class(widget, css: str):
     return widget
 
 
+def html_output(css: str, value: str = ""):
+    """An HTML widget (the Panel's outputs: validation, status, error, table, advice...)."""
+    return with_class(W.HTML(value=value), css)
+
+
 def int_box(description: str, value: int, css: str, width: str, lo: int = 1, hi: int = 10_000_000):
     return with_class(W.BoundedIntText(value=value, min=lo, max=hi, description=description, style=WIDE,
                                        layout=W.Layout(width=width)), css)

@@ -14,15 +14,11 @@ from ..errors import ConfigError, LaunchError, StnbError, StrategyUnavailable
 from ..hardware import capacity_problem, max_processes, strategy_availability
 from ..profiles import current_profile
 from ..results import RunResult, load_results, results_frame
-from .controls import (knob_controls, processes_box, progress_rows, run_button, show_figure, show_knobs,
-                       strategy_picker, with_class)
+from .controls import (html_output, knob_controls, processes_box, progress_rows, run_button, show_figure,
+                       show_knobs, strategy_picker, with_class)
 from .view import (EMPTY_TABLE, done_html, error_html, has_time_split, header_html, problem_html, progress_text,
                    rank_logs, results_table, running_html, strategy_help, time_split_html)
 from .modes import BuildMode, RecipeMode
-
-
-def output_html(css: str, value: str = ""):
-    return with_class(W.HTML(value=value), css)
 
 
 class Panel(W.VBox):
@@ -61,7 +57,7 @@ class Panel(W.VBox):
 
         # ---- inputs --------------------------------------------------------------------------
         self.strategy = strategy_picker(self.base_config.strategy, self.availability)
-        self.strategy_help = output_html("stnb-strategy-help")
+        self.strategy_help = html_output("stnb-strategy-help")
         ws = self.base_config.replace(strategy=strategies.distributed_names()[0]).world_size()
         self.processes = processes_box(max(2, min(ws, self.max_processes)) if self.max_processes >= 2 else 2)
         self.batch, self.batch_override = self.mode.batch, self.mode.batch_override
@@ -70,16 +66,16 @@ class Panel(W.VBox):
         self.run_button = run_button(self.run)
 
         # ---- outputs -------------------------------------------------------------------------
-        self.validation = output_html("stnb-validation")
-        self.status = output_html("stnb-status", "<i>ready</i>")
+        self.validation = html_output("stnb-validation")
+        self.status = html_output("stnb-status", "<i>ready</i>")
         self.progress = with_class(W.VBox(), "stnb-progress")
-        self.error = output_html("stnb-error")
-        self.table = output_html("stnb-results", EMPTY_TABLE)
+        self.error = html_output("stnb-error")
+        self.table = html_output("stnb-results", EMPTY_TABLE)
         self.plot = with_class(W.Output(layout=W.Layout(min_height="40px")), "stnb-plot")
-        self.advice = output_html("stnb-advice")
+        self.advice = html_output("stnb-advice")
         self.split_plot = with_class(W.Output(), "stnb-split")
-        self.log_view = output_html("stnb-log")
-        self.build_info = output_html("stnb-build", self.mode.info)
+        self.log_view = html_output("stnb-log")
+        self.build_info = html_output("stnb-build", self.mode.info)
 
         for w in (self.strategy, self.processes, *self.mode.inputs(), *(k.widget for k in self.knobs.values())):
             w.observe(self.on_change, names="value")
@@ -87,8 +83,8 @@ class Panel(W.VBox):
             W.HTML(value=header_html(self.profile.name, self.device, self.max_processes)), self.build_info,
             self.strategy, self.strategy_help,
             W.HBox([self.processes, self.batch, self.batch_override, self.steps]),
-            with_class(W.HBox([k.widget for k in self.knobs.values()],
-                                       layout=W.Layout(flex_flow="row wrap")), "stnb-knobs"),
+            with_class(W.HBox([k.widget for k in self.knobs.values()], layout=W.Layout(flex_flow="row wrap")),
+                       "stnb-knobs"),
             W.HBox([self.model, self.run_button]),
             self.validation, self.status, self.progress, self.error, self.table, self.plot,
             self.advice, self.split_plot, self.log_view,
