@@ -109,6 +109,8 @@ def test_advice_names_the_knobs_of_the_runs_own_strategy():
     comm = [_step(0.1, comm_exposed=0.05, forward=0.02, backward_compute=0.02)] * 2
     assert "reshard_after_forward=False" in advice(_result("fsdp", steps=comm))
     assert "comm_hook" not in advice(_result("fsdp", steps=comm))
+    assert advice(_result("ddp", steps=comm)).endswith("(half the bytes on the wire), or another bucket_cap_mb would help.")
+    assert advice(_result("single", 1, steps=comm)).endswith("(fewer collectives per sample) would help.")
     assert advice(_result()).startswith("No time split")
 
 

@@ -71,8 +71,9 @@ def advice(result) -> str:
                 "(other work on the machine, uneven batches); fewer ranks, or one per free core/GPU, would help.")
     hints = knob_hints(_as_dict(result))
     if comm > 0.2:
-        return (f"Exposed communication takes {comm:.0%} of each step: a bigger batch per device or gradient "
-                f"accumulation (fewer collectives per sample){''.join(', ' + h for h in hints)} would help.")
+        ways = ["a bigger batch per device or gradient accumulation (fewer collectives per sample)", *hints]
+        return (f"Exposed communication takes {comm:.0%} of each step: {', '.join(ways[:-1])}"
+                f"{', or ' if len(ways) > 1 else ''}{ways[-1]} would help.")
     if share["data"] > 0.15:
         return f"Data loading and logging take {share['data']:.0%} of each step: more loader workers, or log less often."
     if share["optimizer"] > 0.2:
