@@ -62,7 +62,7 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _base_type(annotation: str):
+def base_type(annotation: str):
     """int / float / str / dict from a field's annotation string ('int | None' -> int)."""
     for part in annotation.replace(" ", "").split("|"):
         if part in ("int", "float", "str", "dict", "bool"):
@@ -90,7 +90,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     for f in config_fields():
         default = getattr(defaults, f.name)
-        kind = _base_type(str(f.type))
+        kind = base_type(str(f.type))
         helptext = HELP.get(f.name, "")
         if kind is bool:
             if default:

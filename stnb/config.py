@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from .errors import ConfigError, StrategyUnavailable
 from .hardware import START_METHODS, start_method as resolve_start_method
 from . import strategies
+from .strategies.ddp import COMM_HOOKS
 
 LOSSES = ("cosine", "mnrl", "softmax+cosine")  # softmax+cosine: stnb.seed_recipe (NLI + STS, one run)
 PRECISIONS = ("no", "fp16", "bf16")
-COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
 DEVICES = ("auto", "cpu", "cuda")
 
 # The fields that apply to any training, stnb's recipe or a user's own trainer (``stnb.run(build, ...)``):

@@ -298,6 +298,14 @@ def test_ddp_panel_in_jupyterlab(lab):
             plot.first.wait_for(state="visible", timeout=60_000)
             assert panel.locator(".stnb-plot .js-plotly-plot .bars, .stnb-plot .js-plotly-plot .trace").count() > 0
             assert "done" in panel.locator(".stnb-status").inner_text()
+            # where the time went: the sentence and the stacked bar of the measured split
+            advice = panel.locator(".stnb-advice").inner_text()
+            assert "Where the time went (ddp ×2," in advice and "ms per step" in advice, advice
+            panel.locator(".stnb-split .js-plotly-plot").first.wait_for(state="visible", timeout=60_000)
+            assert panel.locator(".stnb-split .js-plotly-plot .bars").count() > 0
+            # the chosen strategy's knobs (ddp: its bucket size and comm hook), the others' hidden
+            assert panel.locator(".stnb-knob-comm_hook").is_visible()
+            assert not panel.locator(".stnb-knob-stage").is_visible()
 
             # live progress: labels and bars changed while the run was going on
             assert running_seen, "the Run button never showed 'Running…' during the run"

@@ -257,9 +257,7 @@ def test_a_bundled_models_folder_is_shown_by_its_name_in_labels_hovers_and_the_p
     assert "model: minilm ·" in table.hover[1] and f"model: {path}" not in table.hover[1]
     assert table.speedup[1] == pytest.approx(1.6)              # compared with the single run of the same model
 
-    panel = stnb.widgets.Panel()
-    panel._results = list(runs)
-    html = panel._table_html()
+    html = stnb.widgets.view.results_table(runs)
     assert "<td>minilm</td>" in html and path not in html
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import sys
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 import stnb
 from stnb import widgets
 from stnb.hardware import strategy_availability
+from stnb.plots.timesplit import advice
 
 SMALL = dict(train_size=64, dev_size=16)
 
@@ -22,7 +24,7 @@ def _only_dp_unavailable(device=None):
 @pytest.fixture
 def no_dp(monkeypatch):
     """dp unavailable whatever this machine has: the panel and stnb.run both see it."""
-    monkeypatch.setattr(widgets, "strategy_availability", _only_dp_unavailable)
+    monkeypatch.setattr(sys.modules["stnb.widgets.panel"], "strategy_availability", _only_dp_unavailable)
     # sys.modules: the attribute stnb.hardware is the report function, not the module
     monkeypatch.setattr(sys.modules["stnb.hardware"], "strategy_availability", _only_dp_unavailable)
 
@@ -43,8 +45,8 @@ def test_defaults_come_from_the_current_profile():
 def test_unrunnable_strategy_is_marked_and_disables_run(no_dp):
     panel = widgets.Panel(**SMALL)
     labels = dict((v, k) for k, v in panel.strategy.options)
-    assert labels["dp"] == "dp (not runnable here: DataParallel needs at least 2 CUDA GPUs (test))"
-    assert labels["single"] == "single"
+    assert labels["dp"] == "dp · DataParallel (not runnable here: DataParallel needs at least 2 CUDA GPUs (test))"
+    assert labels["single"] == "single · single device" and labels["fsdp"] == "fsdp · FSDP (ZeRO-3)"
     panel.strategy.value = "dp"
     assert panel.run_button.disabled
     assert "dp cannot run here" in panel.validation.value and "2 CUDA GPUs" in panel.validation.value
@@ -96,6 +98,26 @@ def test_run_button_trains_ddp_and_adds_a_row_with_live_progress():
     assert panel.figure is not None and any(t.name == "samples/s (this machine)" for t in panel.figure.data)
     assert not panel.run_button.disabled and panel.run_button.description == "Run"
     assert "done" in panel.status.value
+    # where the time went: the measured split of both ranks as a stacked bar, and the sentence whose
+    # share is the one the ranks measured (worked out here from the raw per-step readings)
+    res = panel.last_result
+    warm = res.config["warmup_steps_excluded"]
+    steady = [st for split in res.time_split for st in split["steps"][warm:]]
+    assert len(res.time_split) == 2 and steady
+    step = sum(st["step"] for st in steady)
+    share = {p: sum(st.get(p) or 0.0 for st in steady) / step for p in
+             ("data", "forward", "backward_compute", "comm_exposed", "wait", "optimizer")}
+    sentence = advice(res)
+    named = {"Waiting": share["wait"], "Exposed": share["comm_exposed"], "Data": share["data"],
+             "The optimizer": share["optimizer"], "Forward and": share["forward"] + share["backward_compute"],
+             "Compute": share["forward"] + share["backward_compute"]}
+    first = next(v for k, v in named.items() if sentence.startswith(k))
+    assert f"{first:.0%}" in sentence, (sentence, share)
+    assert "Where the time went</b> (ddp ×2" in panel.advice.value and html.escape(sentence) in panel.advice.value
+    assert f"forward (+ loss) {share['forward']:.0%}" in panel.advice.value
+    bars = {t.name: t for t in panel.split_figure.data if t.type == "bar"}
+    assert bars["forward (+ loss)"].y[0] == pytest.approx(1e3 * sum(st["forward"] for st in steady) / len(steady))
+    assert "application/vnd.plotly.v1+json" in panel.split_plot.outputs[0]["data"]
 
 
 def test_invalid_config_shows_the_error_and_the_panel_stays_usable(tmp_path):

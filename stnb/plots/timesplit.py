@@ -5,7 +5,8 @@
                             communication that overlapped backward as a marker; a sentence under it
     timeline(result)        per rank, a compute lane and a communication lane for a few steps, the
                             wait for the slowest rank visible; a sentence under it
-    advice(result)          that sentence: what dominates and what to change
+    advice(result)          that sentence: what dominates and what to change (the knobs named are the
+                            ones the run's strategy owns: ``knob_hints``)
 
 Each reads ``RunResult.time_split`` (``stnb.timesplit``); means over the steady steps of every rank.
 """
@@ -36,6 +37,26 @@ def means(result) -> dict:
     return out
 
 
+# what a strategy's knob changes about its communication: the advice names the knobs the run's strategy owns
+COMM_KNOB_HINTS = {"comm_hook": "comm_hook='fp16' (half the bytes on the wire)",
+                   "bucket_cap_mb": "another bucket_cap_mb",
+                   "reshard_after_forward": "reshard_after_forward=False (no second all-gather in backward)",
+                   "stage": "a lower ZeRO stage (fewer collectives)"}
+
+
+def knob_hints(r: dict) -> list:
+    """The COMM_KNOB_HINTS of the knobs the run's strategy owns (none for a strategy not registered here)."""
+    from ..errors import ConfigError
+    from ..strategies import get
+
+    try:
+        knobs = get(r.get("strategy")).knobs
+    except ConfigError:
+        return []
+    lowest = (r.get("config") or {}).get("stage") == 1
+    return [hint for knob, hint in COMM_KNOB_HINTS.items() if knob in knobs and not (knob == "stage" and lowest)]
+
+
 def advice(result) -> str:
     """One sentence: which part dominates the step, and the knob that would shrink it."""
     m = means(result)
@@ -48,9 +69,11 @@ def advice(result) -> str:
     if share["wait"] > 0.15:
         return (f"Waiting for the slowest rank takes {share['wait']:.0%} of each step: the ranks are uneven "
                 "(other work on the machine, uneven batches); fewer ranks, or one per free core/GPU, would help.")
+    hints = knob_hints(_as_dict(result))
     if comm > 0.2:
-        return (f"Exposed communication takes {comm:.0%} of each step: a bigger batch per device or gradient "
-                "accumulation (fewer all-reduces per sample), the fp16 comm hook, or another bucket size would help.")
+        ways = ["a bigger batch per device or gradient accumulation (fewer collectives per sample)", *hints]
+        return (f"Exposed communication takes {comm:.0%} of each step: {', '.join(ways[:-1])}"
+                f"{', or ' if len(ways) > 1 else ''}{ways[-1]} would help.")
     if share["data"] > 0.15:
         return f"Data loading and logging take {share['data']:.0%} of each step: more loader workers, or log less often."
     if share["optimizer"] > 0.2:
@@ -59,7 +82,7 @@ def advice(result) -> str:
     unseen = m.get("comm_total") is None and int(_as_dict(result).get("world_size") or 1) > 1
     if unseen:
         return (f"Forward and backward take {compute:.0%} of each step, this strategy's own collectives inside them "
-                "(not separated without the profiler): compare with DDP's split, or reshard less (reshard_after_forward).")
+                f"(not separated without the profiler): compare with DDP's split{''.join(', or ' + h for h in hints)}.")
     return (f"Compute dominates ({compute:.0%} of each step, exposed communication {comm:.0%}): the run scales; "
             "more devices add throughput.")
 

@@ -4,7 +4,8 @@ A strategy answers every question the rest of stnb has about it, so nothing outs
 ``stnb/strategies/`` compares a strategy's name:
 
 - facts: ``name``, ``label``, ``summary``, ``color``, ``aka`` (the ZeRO stage it is), ``distributed``
-  (one process per device), ``min_gpus``, ``min_ranks``, ``knobs`` (the TrainConfig fields it owns);
+  (one process per device), ``min_gpus``, ``min_ranks``, ``knobs`` (the TrainConfig fields it owns) and ``choices`` (the values
+  a knob takes, where it has a fixed set);
 - memory: ``sharded`` says which parts of the model state a rank holds only 1/N of (``held``);
 - availability on this hardware, with the reason (``available``);
 - config validation before any process starts (``validate``);
@@ -34,6 +35,7 @@ class Strategy(abc.ABC):
     min_gpus: ClassVar[int] = 0        # GPUs needed at all (dp: 2, in one process)
     min_ranks: ClassVar[int] = 1       # a sharding strategy needs 2 ranks to shard over
     knobs: ClassVar[tuple] = ()        # TrainConfig fields this strategy owns
+    choices: ClassVar[dict] = {}       # knob -> the values it takes (the Panel's drop-downs)
     sharded: ClassVar[frozenset] = frozenset()  # parts of PARTS each rank holds 1/N of
     # parameters whole in memory during forward and backward, beyond the rank's own shard:
     # 'all' (zero2: gathered for the whole step), 'layer' (fsdp: one block at a time), '' (none)

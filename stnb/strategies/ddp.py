@@ -15,6 +15,8 @@ from __future__ import annotations
 from .base import Strategy, config_default
 
 DDP_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "comm_hook")
+COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
+DDP_CHOICES = {"comm_hook": COMM_HOOKS}
 # (stnb.run knob, SentenceTransformerTrainingArguments field)
 DDP_ARGS = (("bucket_cap_mb", "ddp_bucket_cap_mb"), ("broadcast_buffers", "ddp_broadcast_buffers"),
             ("static_graph", "ddp_static_graph"))
@@ -26,6 +28,7 @@ class DistributedDataParallel(Strategy):
     summary = "DistributedDataParallel: one process per device, gradients all-reduced"
     color = "#1f77b4"
     knobs = DDP_KNOBS
+    choices = DDP_CHOICES
     ddp_buckets = True
 
     def validate(self, config):

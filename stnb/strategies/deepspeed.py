@@ -97,6 +97,7 @@ class DeepSpeed(Strategy):
     color = "#e377c2"
     min_ranks = 1
     knobs = ("stage", "deepspeed_config")
+    choices = {"stage": STAGES}
     owns_deepspeed = True
     master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
 

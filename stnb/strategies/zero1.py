@@ -10,7 +10,7 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 from __future__ import annotations
 
 from .base import Strategy, rebuild_optimizer
-from .ddp import DDP_KNOBS, apply_ddp, check_ddp_wrapper
+from .ddp import DDP_CHOICES, DDP_KNOBS, apply_ddp, check_ddp_wrapper
 
 # optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
 ZERO_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adam", "adamw", "sgd", "adagrad", "rmsprop")
@@ -23,6 +23,7 @@ class Zero1(Strategy):
     summary = "DDP + ZeroRedundancyOptimizer: optimizer state sharded, parameters and gradients whole"
     color = "#9467bd"
     knobs = DDP_KNOBS
+    choices = DDP_CHOICES
     ddp_buckets = True
     sharded = frozenset({"optimizer_state"})
 
