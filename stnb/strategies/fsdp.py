@@ -9,6 +9,10 @@ give this rank (the last rank's piece is smaller when a dimension does not divid
 after the first backward likewise, and the ranks' shards add up to the model.
 
 ``zero2`` (``stnb.strategies.zero2``) is the same machinery with ``reshard_after_forward=False``.
+
+Laid out for speed where it costs no peak memory (issue 20, measured in docs/scaling.md): the root and the
+last block keep their gathered parameters for the backward that needs them first, each unit prefetches the
+next block's all-gather, and on CPU the all-gathers are asynchronous (``shard_fsdp``).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class FullyShardedDataParallel(Strategy):
         info = {"initial_weights": same_start(trainer.model)}
         info.update(shard_fsdp(trainer.model, device_type, world, config.fsdp_layer_cls,
                                self.reshard_after_forward(config), mixed_precision(trainer.args)))
-        trainer.stnb_after_forward = watch_after_forward(trainer.model)
+        trainer.stnb_after_forward = watch_after_forward(trainer.model, self.reshard_after_forward(config))
         keep_shards_apart(trainer)
         # the trainer reads this at construction; the model was sharded after it (the same contract)
         trainer.is_distributed_loading_by_transformers = True
@@ -92,13 +96,13 @@ class FullyShardedDataParallel(Strategy):
         held = sum(g.to_local().numel() if hasattr(g, "to_local") else g.numel() for _, g in grads)
         # parameters after a block's training forward: whole (kept for the backward) or resharded, observed
         watched = getattr(trainer, "stnb_after_forward", {})
-        seen = watched.get("whole")
-        asked = not self.reshard_after_forward(trainer.stnb_config)
+        seen, asked = watched.get("whole"), watched.get("expected_whole")
         if seen is None and not watched.get("forwards_inside_backward"):
             problems.append("no training forward of a sharded block was observed")
         elif seen is not None and seen != asked:
-            problems.append(f"a block's parameters were {'whole' if seen else 'resharded'} after its forward; "
-                            f"{self.name} with reshard_after_forward={not asked} keeps them "
+            raf = self.reshard_after_forward(trainer.stnb_config)
+            problems.append(f"the first block's parameters were {'whole' if seen else 'resharded'} after its "
+                            f"forward; {self.name} with reshard_after_forward={raf} keeps them "
                             f"{'whole' if asked else 'sharded'}")
         return {"grad_local_count": held, "grad_expected_local_count": expected, "grads_checked": len(grads),
                 "params_whole_after_forward": seen}, problems
@@ -121,7 +125,20 @@ class FullyShardedDataParallel(Strategy):
 
 def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None,
                reshard_after_forward: bool = True, mixed_precision: str = "no") -> dict:
-    """Apply FSDP2 fully_shard to each transformer block, then to the root. Returns details."""
+    """Apply FSDP2 fully_shard to each transformer block, then to the root. Returns details.
+
+    What runs is laid out for speed where it costs no peak memory (``python -m stnb split --fsdp`` measures it):
+
+    * the root (embeddings, head) keeps its gathered parameters from forward to backward, FSDP2's own
+      default for the root: its backward hook would all-gather them again at the very start of backward;
+    * with ``reshard_after_forward``, every block but the last reshards after its forward; the last block's
+      backward runs first, so resharding it only to gather it again at once saves no peak memory;
+    * each unit's forward all-gathers the next block's parameters (explicit forward prefetch); backward
+      prefetches the previous block (FSDP2's default);
+    * on CPU the gathers are issued asynchronously (``async_op=True``): gloo has no streams, so FSDP2's
+      default (a synchronous all-gather on the side stream it uses on GPUs) blocks the rank and makes
+      prefetching useless there; on GPUs FSDP2's streams overlap them already.
+    """
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -135,29 +152,35 @@ def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif mixed_precision == "fp16":
         mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    wrapped = 0
-    for m in list(model.modules()):
-        if isinstance(m, classes):
-            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-            wrapped += 1
-    # FSDP re-gathers a resharded module for the backward from hooks on its forward's output tensors; a
-    # CrossEncoder's forward returns a transformers BatchEncoding, which torch's pytree cannot look into, so
-    # its root (embeddings and classifier head) would be freed before its backward ("storage of size 0"):
-    # the root keeps its parameters from the forward through the backward
-    root_reshards = reshard_after_forward and not outputs_hidden_from_fsdp(model)
-    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshards, mp_policy=mp)
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    plan = reshard_plan(len(blocks), reshard_after_forward)
+    units = [fully_shard(m, mesh=mesh, reshard_after_forward=r, mp_policy=mp) for m, r in zip(blocks, plan)]
+    # the root is gathered again by its backward hook as soon as backward starts; kept, it costs no peak memory
+    # (a CrossEncoder's BatchEncoding output, which torch's pytree cannot look into, needs it kept anyway)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    prefetch(model, units, asynchronous=device == "cpu")
     # Trainer contract for models that own their placement and gradient reduction
     model.is_distributed_loading_by_transformers = True
-    return {"wrapped_layer_class": [c.__name__ for c in classes], "wrapped_layers": wrapped,
-            "reshard_after_forward": reshard_after_forward, "root_reshard_after_forward": root_reshards}
+    return {"wrapped_layer_class": [c.__name__ for c in classes], "wrapped_layers": len(units),
+            "reshard_after_forward": reshard_after_forward, "blocks_resharded_after_forward": sum(plan),
+            "root_reshard_after_forward": False, "forward_prefetch": len(units) > 0,
+            "async_all_gather": device == "cpu"}
 
 
-def outputs_hidden_from_fsdp(model) -> bool:
-    """A model whose forward returns a container torch's pytree does not flatten (a reranker's BatchEncoding)."""
-    from ..model_types import of_model
+def reshard_plan(blocks: int, reshard_after_forward: bool) -> list[bool]:
+    """``reshard_after_forward`` per block: asked for, every block but the last (the first one backward needs)."""
+    return [reshard_after_forward and i < blocks - 1 for i in range(blocks)]
 
-    kind = of_model(model)
-    return kind is not None and kind.kind == "reranker"
+
+def prefetch(root, units: list, asynchronous: bool) -> None:
+    """The root prefetches the first block's all-gather in its forward, each block the next one's;
+    ``asynchronous``: FSDP2 issues its all-gathers with ``async_op=True`` (CPU: gloo blocks otherwise)."""
+    for unit, following in zip([root, *units], units):
+        unit.set_modules_to_forward_prefetch([following])
+    if asynchronous:
+        # FSDP2's switch for async pre-forward/pre-backward all-gathers (torch names it with an underscore;
+        # documented on FSDPModule)
+        root._set_unshard_async_op(True)
 
 
 def keep_shards_apart(trainer) -> None:
@@ -179,15 +202,17 @@ def keep_shards_apart(trainer) -> None:
     rebuild_optimizer(trainer, split_groups)
 
 
-def watch_after_forward(model) -> dict:
+def watch_after_forward(model, reshard_after_forward: bool) -> dict:
     """Observe, at the first training forward of the first sharded block, whether its parameters are whole
-    after the forward (FSDP2 swaps a block's DTensor shards for plain tensors while it is unsharded)."""
+    after the forward (FSDP2 swaps a block's DTensor shards for plain tensors while it is unsharded);
+    ``expected_whole``: what ``reshard_plan`` asked of that block."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    seen = {"whole": None, "forwards_inside_backward": 0}
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    seen = {"whole": None, "forwards_inside_backward": 0,
+            "expected_whole": not reshard_plan(len(blocks), reshard_after_forward)[0] if blocks else None}
     if not blocks:
         return seen
     task_id = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass

@@ -4,6 +4,7 @@ FSDP2 ``fully_shard(reshard_after_forward=False)``: the parameters all-gathered 
 until the backward is done (no second all-gather in the backward, ZeRO-2's communication), the gradients
 are reduce-scattered into 1/N shards and the optimizer updates only this rank's shard. Between steps FSDP2
 keeps only the rank's parameter shard, so "whole parameters" is the step's peak, not the resting state.
+Each unit's forward prefetches the next block's all-gather, asynchronous on CPU, as for fsdp (``shard_fsdp``).
 
 Verified from the gradients' local shards after the first backward (exact sizes from their placements),
 the parameters' shards, and the ranks' shards adding up to the model.
