@@ -105,8 +105,11 @@ class MemorySplit:
         (held by any tensor Python can reach: a parameter, a ``.data``, a copy's view) are a full copy."""
         self.built_params = {}
         for p in model.parameters():
-            st = p.untyped_storage()
-            self.built_params[st.data_ptr()] = st.nbytes()
+            try:
+                st = p.untyped_storage()
+                self.built_params[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):  # already sharded (a DTensor) or without storage (meta)
+                continue
 
     def unsharded_alive(self) -> int:
         """Bytes of the remembered storages that a live tensor still holds (same address, same size)."""
