@@ -31,9 +31,9 @@ during_steps_other          residual: the steps' peak minus what was resident wh
 Facts beside the split (not in the sum): ``baseline_rss`` (CPU: the resident size when the rank began,
 Python + torch + the process group; the peak is growth over it), ``built`` (resident growth once the
 trainer and the whole model were built), ``prepared`` (once the strategy prepared it: sharded, wrapped),
-``unsharded_params_alive`` (bytes of the storages of the model's parameters as built that a live tensor
-still holds once it was prepared, found through the garbage collector's objects: a sharding strategy that
-keeps the model as built alive shows it here; DDP trains those very tensors),
+``unsharded_params_alive`` (bytes of the storages of the model's parameters as built that are still alive
+once it was prepared, through weak references to the storages: a sharding strategy that keeps the model
+as built alive shows it here, whatever holds it; DDP trains those very tensors),
 ``saved_params`` (the parameters and gathered parameters the forward saved for its backward).
 """
 
@@ -87,7 +87,7 @@ class MemorySplit:
         self.cuda = peak.cuda
         self.base = 0 if self.cuda else peak.base
         self.marks = {}
-        self.built_params = {}
+        self.built_params = []
         self.activations = 0
         self.saved_params = 0
         self.forwards_counted = 0
@@ -96,36 +96,26 @@ class MemorySplit:
         self.marks[name] = resident(self.cuda) - self.base
         if name == "prepared":
             self.marks["unsharded_params_alive"] = self.unsharded_alive()
-            self.built_params = {}
+            self.built_params = []
         if name == "train_start":
             self.marks["allocator_free"] = 0 if self.cuda else allocator_free()
 
     def remember_built(self, model) -> None:
-        """The storages of the parameters as built (address and size): after sharding, those still alive
-        (held by any tensor Python can reach: a parameter, a ``.data``, a copy's view) are a full copy."""
-        self.built_params = {}
+        """Weak references to the storages of the parameters as built: after sharding, those still alive
+        (held by any tensor: a parameter, a ``.data``, a view) are a full copy kept by someone."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.built_params = []
         for p in model.parameters():
             try:
                 st = p.untyped_storage()
-                self.built_params[st.data_ptr()] = st.nbytes()
+                self.built_params.append((StorageWeakRef(st), st.nbytes()))
             except (RuntimeError, NotImplementedError):  # already sharded (a DTensor) or without storage (meta)
                 continue
 
     def unsharded_alive(self) -> int:
-        """Bytes of the remembered storages that a live tensor still holds (same address, same size)."""
-        import gc
-
-        import torch
-
-        live = {}
-        for o in gc.get_objects():
-            if isinstance(o, torch.Tensor):
-                try:
-                    st = o.untyped_storage()
-                    live[st.data_ptr()] = st.nbytes()
-                except (RuntimeError, NotImplementedError):  # a DTensor (its local tensor is found apart),
-                    continue  # a storage FSDP freed (resized to nothing)
-        return sum(n for ptr, n in self.built_params.items() if n and live.get(ptr) == n)
+        """Bytes (as built) of the remembered storages that are still alive."""
+        return sum(n for ref, n in self.built_params if not ref.expired())
 
     def watch_activations(self, trainer, forwards: int = 3) -> None:
         """Count the tensors saved for the backward in the first ``forwards`` training forwards."""
