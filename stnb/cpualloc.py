@@ -11,6 +11,13 @@ blocks come from the heap and freed ones are reused by the next allocation. The 
 its peak memory until it exits. stnb applies it inside training processes only (``TrainConfig.
 reuse_freed_memory``, default True, CPU runs), never in the notebook kernel. Other C libraries (musl,
 macOS) have no ``mallopt``: nothing is changed there and the result says so.
+
+``release_freed_memory()`` (glibc ``malloc_trim``) gives the freed pages back to the kernel. A strategy that
+gathers parameters during its steps (FSDP, ZeRO-2) allocates and frees blocks of many sizes every step (the
+all-gather outputs, the unsharded parameters and gradients, the reduce-scatter buffers, activations whose
+size follows each batch's padded length): on the bundled MiniLM the heap's free part grew from 390 to
+815 MiB over four FSDP steps while the memory in use stayed at 320 MiB (DDP: free levels off at 310 MiB).
+stnb calls it at every step's end in those runs (``stnb.training``); docs/memory.md has the numbers.
 """
 
 from __future__ import annotations
@@ -34,3 +41,17 @@ def reuse_freed_memory() -> dict:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     return {"applied": ok, "reason": "" if ok else "mallopt refused the thresholds; allocator unchanged"}
+
+
+def release_freed_memory() -> int:
+    """Give glibc's free heap pages back to the kernel (``malloc_trim(0)``); returns the resident bytes
+    released (measured), 0 where there is no glibc."""
+    import psutil
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    before = psutil.Process().memory_info().rss
+    trim(0)
+    return max(0, before - psutil.Process().memory_info().rss)

@@ -34,6 +34,7 @@ class RunResult:
     versions: dict
     memory_breakdown: list = field(default_factory=list)   # per rank {params, grads, optimizer_state}
     peak_memory_run_bytes: list = field(default_factory=list)  # per rank, the whole run (evaluation, save...)
+    memory_split: list = field(default_factory=list)  # per rank: where the peak went (stnb.memsplit)
     spearman_before: float | None = None
     spearman_after: float | None = None
     dev_metric: str | None = None      # the dev evaluator's primary metric, e.g. 'dev_spearman_cosine'
@@ -153,6 +154,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
         device=r0["device"],
         versions=versions(),
         memory_breakdown=[r["memory_breakdown"] for r in rank_results],
+        memory_split=[r.get("memory_split") for r in rank_results],
         spearman_before=r0.get("dev_metric_before") if spearman else None,
         spearman_after=r0.get("dev_metric_after") if spearman else None,
         dev_metric=r0.get("dev_metric"),

@@ -35,6 +35,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     import transformers
 
     from . import checks, memory, prepare, strategies
+    from .memsplit import MemorySplit
     from .mfu import FlopMeter, device_peak
     from .timesplit import StepTimer
 
@@ -64,6 +65,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
     n_gpu = torch.cuda.device_count() if use_cuda else 0
     peak_memory = memory.PeakMemory(use_cuda)
+    memory_split = MemorySplit(peak_memory)  # where the peak goes (stnb.memsplit)
     requested = world_size if world_size is not None else config.world_size()
 
     torch.manual_seed(config.seed)
@@ -74,6 +76,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     else:
         trainer = prepare.call_build(build)
     prepare.refusals(trainer, config, use_cuda)
+    memory_split.mark("built")
+    memory_split.remember_built(trainer.model)
     model, evaluator = trainer.model, trainer.evaluator
     overridden, removed = prepare.own_display(trainer)
     overridden.update(prepare.apply_overrides(trainer, config))
@@ -81,7 +85,9 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
 
     state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
              "memory_breakdown": None, "world_size_requested": requested, "process_group_size": world,
-             "n_gpu": n_gpu, "first_step_wall": None}
+             "n_gpu": n_gpu, "first_step_wall": None,
+             # CPU, a strategy that gathers parameters in its steps: freed memory goes back at each step's end
+             "release_each_step": not use_cuda and bool(strategy.gathered_during_step), "released_bytes": []}
     metric, dev_before = _dev_metric(evaluator, model) if evaluator is not None and rank == 0 else (None, None)
     initial_path, scratch = model_path, None
     if build is not None and rank == 0 and (strategy.shards_params(config) or config.save_to):
@@ -99,6 +105,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     trainer.stnb_config = config
     prepared = strategy.prepare(trainer, config, "cuda" if use_cuda else "cpu", world)
     prep = prepared["info"]
+    memory_split.mark("prepared")
+    memory_split.watch_activations(trainer)
     overridden.update(prepared["overridden"])
     state["loss_sync"] = strategies.LossParameterSync(trainer)  # a collective: rank 0's loss parameters
     state["prepare_info"] = prep
@@ -110,12 +118,14 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     try:
         # the peak of the training steps alone: rank 0's evaluation, FSDP's gathered full copy and
         # the save/reload come after training and are in the whole-run peak only
+        memory_split.mark("train_start")
         peak_memory.start_phase()
         trainer.train()
         train_peak = peak_memory.phase_peak()
         if state["verification"] is not None:
             state["verification"]["frozen_unused"] = frozen
             state["verification"]["reuse_freed_memory"] = allocator
+            state["verification"]["released_each_step"] = state["released_bytes"] if state["release_each_step"] else None
             if state.get("embedding_rows") is not None:
                 state["verification"]["embedding_rows"] = state["embedding_rows"].stats()
             if "per_device_train_batch_size" in overridden:
@@ -159,6 +169,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         "peak_memory_bytes": int(train_peak),
         "peak_memory_run_bytes": int(run_peak),
         "peak_memory_method": peak_memory.method,
+        "memory_split": memory_split.summary(state["memory_breakdown"], train_peak),
         "weight_digests": digests,
         "dev_metric": metric,
         "dev_metric_before": dev_before,
@@ -253,6 +264,10 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
             state["timer"].on_step_end(now)
+            if state["release_each_step"]:
+                from .cpualloc import release_freed_memory
+
+                state["released_bytes"].append(release_freed_memory())
             state["flops"].end_step()
             prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
             state["step_times"].append(now - prev)

@@ -288,3 +288,76 @@ def test_compare_refusals_name_the_run():
         memory.optimizer_kind("lion")
     assert str(e.value) == f"no memory prediction for optimizer 'lion'; stnb knows {', '.join(memory.OPTIMIZER_SLOTS)}"
     assert "adamw, adam, sgd" in str(e.value)
+
+
+# ---- where the peak goes (stnb.memsplit), real 2-rank runs of the tiny model -----------------------------
+
+SPLIT_RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=4, evaluate=False, threads_per_rank=1,
+                 timeout=300, warmup_steps_excluded=1, train_size=64)
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    return {s: stnb.run(TrainConfig(strategy=s, **SPLIT_RUN), echo=False) for s in ("ddp", "fsdp")}
+
+
+def test_memory_split_parts_add_up_to_the_measured_peak(split_runs):
+    """Every rank's parts add up to the peak the run reports (peak_memory_bytes), each counted part (tensors,
+    the allocator's free bytes) fits inside the peak, and the residual before the steps is not negative
+    beyond 4 MiB (the resident size when training starts holds at least the parameters and the free heap)."""
+    from stnb.memsplit import RESIDUALS, SPLIT
+
+    for name, r in split_runs.items():
+        assert r.status == "ok" and r.verified, (name, r.reason)
+        assert len(r.memory_split) == 2
+        for rank, (split, peak) in enumerate(zip(r.memory_split, r.peak_memory_bytes)):
+            assert sum(split[k] for k in SPLIT) == peak, (name, rank, split)
+            counted = [k for k in SPLIT if k not in RESIDUALS]
+            assert all(0 <= split[k] <= peak for k in counted), (name, rank, split)
+            assert split["before_steps_other"] >= -4 * 2**20, (name, rank, split)
+            assert split["activations"] > 0 and split["baseline_rss"] > 0
+            for part in ("params", "grads", "optimizer_state"):  # the tensors counted after the first step
+                assert split[part] == r.memory_breakdown[rank][part]
+
+
+def test_fsdp_model_state_is_half_of_ddps_and_its_activations_are_not(split_runs):
+    """Model state halves under FSDP on 2 ranks; the activations (same batch, same data) do not, which also
+    says the gathered parameters FSDP saves for the backward are not counted as activations."""
+    ddp, fsdp = (split_runs[s].memory_split[0] for s in ("ddp", "fsdp"))
+    state = lambda s: s["params"] + s["grads"] + s["optimizer_state"]  # noqa: E731
+    assert 0.45 < state(fsdp) / state(ddp) < 0.56
+    assert 0.8 < fsdp["activations"] / ddp["activations"] < 1.25
+    assert fsdp["saved_params"] > 0  # FSDP's unsharded block weights were saved, and kept apart
+
+
+def test_sharding_frees_the_model_as_built(split_runs):
+    """The parameters as built are gone once FSDP sharded the model (a reference kept anywhere shows here);
+    DDP trains those very tensors, so all of them are alive."""
+    ddp, fsdp = split_runs["ddp"], split_runs["fsdp"]
+    for rank in range(2):
+        assert fsdp.memory_split[rank]["unsharded_params_alive"] == 0
+        assert ddp.memory_split[rank]["unsharded_params_alive"] == 4 * ddp.total_param_count
+
+
+def test_freed_memory_goes_back_at_each_step_end_where_parameters_are_gathered(split_runs):
+    for rank in range(2):
+        released = split_runs["fsdp"].verification["ranks"][rank]["released_each_step"]
+        assert isinstance(released, list) and len(released) == SPLIT_RUN["steps"] and all(b >= 0 for b in released)
+        assert split_runs["ddp"].verification["ranks"][rank]["released_each_step"] is None
+
+
+def test_memory_split_plot_and_sentence(split_runs):
+    from stnb.memsplit import SPLIT, advice
+
+    runs = [split_runs["ddp"], split_runs["fsdp"]]
+    fig = stnb.plots.memory_split(runs)
+    bars = [t for t in fig.data if t.type == "bar"]
+    peak = next(t for t in fig.data if t.type == "scatter")
+    for i, r in enumerate(runs):
+        top = max(r.peak_memory_bytes)
+        assert sum(t.y[i] for t in bars) == pytest.approx(top / 2**20)
+        assert peak.y[i] == pytest.approx(top / 2**20)
+    assert {t.name for t in bars} <= {stnb.memsplit.LABELS[k] for k in SPLIT}
+    sentence = advice(runs[1])
+    assert f"{max(runs[1].peak_memory_bytes) / 2**20:,.0f} MiB" in sentence
+    assert "older stnb" in advice({"strategy": "fsdp", "memory_split": [], "peak_memory_bytes": []})

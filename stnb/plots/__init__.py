@@ -15,6 +15,7 @@ text gives the reason.
     knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnb.bench`` summary
     split_bars(results) where each step's time goes, a stacked bar per run (``plots.timesplit``)
     timeline(result)    per rank, compute and communication lanes of a few steps
+    memory_split(results) where each rank's peak memory goes, a stacked bar per run (``plots.memsplit``)
 
 ``reference_frame()`` holds the numbers published in the sentence-transformers documentation
 (``stnb.reference``: 4x V100, microsoft/mpnet-base). ``throughput(df, reference=True)``, ``speedup(..., reference=True)``
@@ -25,9 +26,10 @@ from .figures import dashboard, efficiency, knobs, loss_curves, memory, speedup,
 from .table import MIB, OURS, REFERENCE_SOURCE, REFERENCE_URL, comparison_table, reference_frame
 from .traces import GHOST_COLOR, PART_COLORS, STRATEGY_COLORS
 from .timesplit import split_bars, timeline
+from .memsplit import memory_split
 
 __all__ = [
     "throughput", "speedup", "efficiency", "memory", "loss_curves", "dashboard", "knobs", "with_reference",
-    "comparison_table", "reference_frame", "split_bars", "timeline",
+    "comparison_table", "reference_frame", "split_bars", "timeline", "memory_split",
     "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "GHOST_COLOR", "MIB",
 ]
