@@ -4,8 +4,8 @@ Every rank of a run executes ``train_rank``: started by ``stnb.run`` through ``s
 (notebook side, ``stnb.runner``), or by torchrun / accelerate launch (``stnb.scaleout.run_here``).
 The trainer comes from stnb's recipe (``stnb.recipe``, from the TrainConfig) or from the user's
 build function; ``stnb.prepare`` applies the strategy to it the same way in both cases. The
-configuration arrives as a ``TrainConfig``; the rank returns plain data, which
-``stnb.results.merge`` combines into one RunResult.
+configuration arrives as a ``TrainConfig``; the rank returns a ``RankReport`` (``stnb.rankreport``),
+which ``stnb.results.merge`` combines with the other ranks' into one RunResult.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import time
 
 from .config import TrainConfig
 from .launch import rank_context, report_progress, wait_for_all
+from .rankreport import RankReport
 
 
 def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: float | None = None,
-               world_size: int | None = None, build=None) -> dict:
-    """Runs in every rank: build, prepare, verify, train, measure. Returns plain data.
+               world_size: int | None = None, build=None) -> RankReport:
+    """Runs in every rank: build, prepare, verify, train, measure. Returns this rank's RankReport.
 
     model_path: the model of stnb's recipe (``models.resolve_model(config.model)``); None with ``build``.
     world_size: the world size the caller requested (default: the config's); verification
@@ -147,39 +148,39 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     per_device_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     gbs = per_device_step * (world if distributed else strategy.devices(n_gpu))
     train_columns = getattr(trainer.train_dataset, "column_names", None)
-    return {
-        "rank": rank,
-        "device": device.split(":")[0],
-        "global_batch_size": gbs,
-        "step_times": state["step_times"],
-        "losses": state["losses"],
-        "verification": state["verification"] or {},
-        "memory_breakdown": state["memory_breakdown"] or {},
-        "model_shape": model_shape,
-        "peak_memory_bytes": int(train_peak),
-        "peak_memory_run_bytes": int(run_peak),
-        "peak_memory_method": peak_memory.method,
-        "weight_digests": digests,
-        "dev_metric": metric,
-        "dev_metric_before": dev_before,
-        "dev_metric_after": dev_after,
+    return RankReport(
+        rank=rank,
+        device=device.split(":")[0],
+        global_batch_size=gbs,
+        step_times=state["step_times"],
+        losses=state["losses"],
+        verification=state["verification"] or {},
+        memory_breakdown=state["memory_breakdown"] or {},
+        model_shape=model_shape,
+        peak_memory_bytes=int(train_peak),
+        peak_memory_run_bytes=int(run_peak),
+        peak_memory_method=peak_memory.method,
+        weight_digests=digests,
+        dev_metric=metric,
+        dev_metric_before=dev_before,
+        dev_metric_after=dev_after,
         # a dict of datasets (one per loss): {dataset: its columns}
-        "data_columns": train_columns if isinstance(train_columns, (list, dict)) else None,
-        "loss_inputs": state.get("loss_inputs"),
-        "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
-        "saved_model": saved,
-        "time_split": state["timer"].summary(),
-        "train_flops": state["flops"].per_step,
-        "train_tokens": state["flops"].tokens,
-        "flops_shape": state["flops"].shape,
-        "peak": device_peak(device, precision),
-        "overridden_args": overridden,
-        "build": None if build is None else prepare.describe(build),
+        data_columns=train_columns if isinstance(train_columns, (list, dict)) else None,
+        loss_inputs=state.get("loss_inputs"),
+        time_to_first_step_s=(state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
+        saved_model=saved,
+        time_split=state["timer"].summary(),
+        train_flops=state["flops"].per_step,
+        train_tokens=state["flops"].tokens,
+        flops_shape=state["flops"].shape,
+        peak=device_peak(device, precision),
+        overridden_args=overridden,
+        build=None if build is None else prepare.describe(build),
         # how this rank was started, observed in it (None under torchrun / accelerate launch)
-        "start_method": ctx.start_method if ctx else None,
-        "start_method_requested": ctx.start_method_requested if ctx else None,
-        "training": _training_facts(trainer, precision) if build is not None else None,
-    }
+        start_method=ctx.start_method if ctx else None,
+        start_method_requested=ctx.start_method_requested if ctx else None,
+        training=_training_facts(trainer, precision) if build is not None else None,
+    )
 
 
 def _training_facts(trainer, precision: str) -> dict:
