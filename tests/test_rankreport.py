@@ -61,3 +61,38 @@ def test_train_rank_reports_across_a_spawned_launch():
     res = merge(cfg, reports, device="cpu")
     assert res.verified, res.reason
     assert res.start_method == "spawn" and res.verification["ranks"] == [r.verification]
+
+
+def test_every_check_of_a_rank_reaches_its_one_verification_record():
+    """The record is composed in one place from what the rank observed: a problem found at the first
+    optimizer step, a loss that never called the module that trains, a batch other than the one asked
+    for, each one lands in ``problems`` (in the order training found them) and turns ``ok`` off; a rank
+    where no step began has an empty record, which merges as never verified."""
+    from stnb.training import Observed, verification_record
+
+    def observed(**kw):
+        seen = Observed(world_size_requested=2, process_group_size=2, flops=None, timer=None)
+        seen.prepared = {"strategy": "ddp", "world_size_seen": 2, "problems": [], "ok": True}
+        seen.loss_model = {"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 1, "ok": True}
+        for k, v in kw.items():
+            setattr(seen, k, v)
+        return seen
+
+    good_batch = {"batch_override": {"asked": 4, "first_batch_rows": 4, "ok": True}}
+    v = verification_record(observed(step_check=({"grads_sharded": False}, []), trained_parameters={"model": 3}),
+                            {"wrapper_kind": "ddp"}, {"added": "StnbCallback"}, good_batch)
+    assert v["ok"] is True and v["problems"] == [] and v["grads_sharded"] is False and v["wrapper_kind"] == "ddp"
+    assert v["trained_parameters"] == {"model": 3} and v["callbacks"] == {"added": "StnbCallback"}
+
+    bad = observed(step_check=({}, ["the optimizer updates 1 parameter(s) that neither the model nor the loss own"]),
+                   loss_model={"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 0, "ok": False})
+    v = verification_record(bad, {}, {}, {"batch_override": {"asked": 4, "first_batch_rows": 2, "ok": False}})
+    assert v["ok"] is False and len(v["problems"]) == 3
+    assert v["problems"][0].startswith("the optimizer updates 1 parameter(s)")
+    assert v["problems"][1].startswith("the loss never called the DistributedDataParallel that trains")
+    assert v["problems"][2] == ("per_device_train_batch_size was overridden to 4, but the loss's first batch "
+                                "had 2 rows")
+    never = verification_record(observed(prepared=None), {}, {}, good_batch)
+    assert never == {}
+    res = merge(_cfg(), [RankReport(**dict(REQUIRED, verification=never))], device="cpu")
+    assert not res.verified and "no training step began" in res.reason

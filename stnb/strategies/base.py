@@ -116,7 +116,8 @@ class Strategy(abc.ABC):
 
     def on_first_step(self, trainer, config, world: int, timed=None) -> dict:
         """Called at the first step's begin, before verification (e.g. a DDP comm hook; ``timed`` wraps a
-        comm hook so that stnb.timesplit times it). Returns details for the rank's state."""
+        comm hook so that stnb.timesplit times it). Returns ``{name: observer}``: after training, each
+        observer's ``stats()`` goes into the rank's verification record under its name."""
         return {}
 
     @abc.abstractmethod
