@@ -44,6 +44,8 @@ class Mutation:
 
 NOOP_HOOK = '''                if config.strategy == "ddp" and seen.process_group_size > 1:  # MUTATION: DDP never all-reduces
                     def _noop(_state, bucket):
+                        import torch
+
                         fut = torch.futures.Future()
                         fut.set_result(bucket.buffer())
                         return fut
