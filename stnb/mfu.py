@@ -203,18 +203,19 @@ class FlopMeter:
 
 
 def summarize(rank_results: list, warm: int, n_steps: int, span: float, samples: int, devices: int) -> dict | None:
-    """MFU over the measured steps, from every rank's ``train_flops`` and ``peak`` (results.merge).
+    """MFU over the measured steps, from every rank's ``train_flops`` and ``peak`` (results.merge; the
+    ranks' ``rankreport.RankReport``s).
 
     ``devices``: GPUs each rank drives (DataParallel: all of them; otherwise 1). ``mfu`` is None on
     CPU (no peak) and where a rank measured nothing."""
-    if not span or span <= 0 or not samples or any(not r.get("train_flops") for r in rank_results):
+    if not span or span <= 0 or not samples or any(not r.train_flops for r in rank_results):
         return None
-    flops = sum(sum(r["train_flops"][warm:n_steps]) for r in rank_results)
-    tokens = sum(sum(r.get("train_tokens", [])[warm:n_steps]) for r in rank_results)
+    flops = sum(sum(r.train_flops[warm:n_steps]) for r in rank_results)
+    tokens = sum(sum(r.train_tokens[warm:n_steps]) for r in rank_results)
     achieved = flops / span
-    peaks = [r.get("peak") for r in rank_results]
+    peaks = [r.peak for r in rank_results]
     out = {"achieved_tflops": achieved / 1e12, "flops_per_sample": flops / samples,
-           "tokens_per_sample": tokens / samples, "shape": rank_results[0].get("flops_shape"),
+           "tokens_per_sample": tokens / samples, "shape": rank_results[0].flops_shape,
            "mfu": None, "peak_tflops": None, "peak_source": None, "gpu": None, "precision": None}
     if all(peaks):
         total = sum(p["flops_per_s"] for p in peaks) * devices

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .files import write_atomic
 from .errors import ResultsFileError
+from .rankreport import check_reports
 
 
 @dataclass
@@ -109,22 +110,23 @@ class RunResult:
 
 def merge(config, rank_results: list, device: str, n_gpu: int = 0,
           wall_time_s: float | None = None, launcher: str = "stnb") -> RunResult:
-    """Combine every rank's measurements (``stnb.training.train_rank``'s dicts) into one RunResult.
+    """Combine every rank's measurements (``stnb.training.train_rank``'s RankReports) into one RunResult.
 
     config: the run's TrainConfig."""
     import uuid
 
     from .hardware import versions
 
+    rank_results = check_reports(rank_results)
     r0 = rank_results[0]
-    training = r0.get("training") or {}  # a user's trainer: what it trains with (not the recipe's fields)
-    n_steps = min(len(r["step_times"]) for r in rank_results)
-    step_times = [max(r["step_times"][i] for r in rank_results) for i in range(n_steps)]
+    training = r0.training or {}  # a user's trainer: what it trains with (not the recipe's fields)
+    n_steps = min(len(r.step_times) for r in rank_results)
+    step_times = [max(r.step_times[i] for r in rank_results) for i in range(n_steps)]
     warm = min(config.warmup_steps_excluded, max(0, n_steps - 1))
-    gbs = r0["global_batch_size"]
+    gbs = r0.global_batch_size
     # the slowest rank's own time for the measured steps (the sum of per-step maxima would also add
     # the ranks' timing jitter, which is not time the job spent)
-    span = max(sum(r["step_times"][warm:n_steps]) for r in rank_results)
+    span = max(sum(r.step_times[warm:n_steps]) for r in rank_results)
     sps = gbs * (n_steps - warm) / span if n_steps > warm and span > 0 else None
     from .mfu import summarize as mfu_summary
     from .timesplit import combine as combine_time_split
@@ -133,7 +135,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
                       devices=config.strategy_object().devices(n_gpu))
     verification, problems = cross_rank_checks(config, rank_results)
     ok = not problems
-    spearman = (r0.get("dev_metric") or "").endswith("spearman_cosine")
+    spearman = (r0.dev_metric or "").endswith("spearman_cosine")
     return RunResult(
         strategy=config.strategy,
         world_size=len(rank_results) if config.strategy_object().distributed else 1,
@@ -142,35 +144,35 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
         steps=n_steps,
         samples_per_second=sps,
         step_times=step_times,
-        losses=r0["losses"],
-        peak_memory_bytes=[r["peak_memory_bytes"] for r in rank_results],
-        peak_memory_run_bytes=[r.get("peak_memory_run_bytes") for r in rank_results],
-        local_param_count=[r["verification"].get("local_param_count") for r in rank_results],
-        total_param_count=r0["verification"].get("total_param_count") or 0,
+        losses=r0.losses,
+        peak_memory_bytes=[r.peak_memory_bytes for r in rank_results],
+        peak_memory_run_bytes=[r.peak_memory_run_bytes for r in rank_results],
+        local_param_count=[r.verification.get("local_param_count") for r in rank_results],
+        total_param_count=r0.verification.get("total_param_count") or 0,
         verified=ok,
         verification=verification,
         reason="" if ok else "not verified: " + "; ".join(problems),
         model=training.get("model", config.model),
-        device=r0["device"],
+        device=r0.device,
         versions=versions(),
-        memory_breakdown=[r["memory_breakdown"] for r in rank_results],
-        memory_split=[r.get("memory_split") for r in rank_results],
-        spearman_before=r0.get("dev_metric_before") if spearman else None,
-        spearman_after=r0.get("dev_metric_after") if spearman else None,
-        dev_metric=r0.get("dev_metric"),
-        dev_metric_before=r0.get("dev_metric_before"),
-        dev_metric_after=r0.get("dev_metric_after"),
-        time_to_first_step_s=max((r["time_to_first_step_s"] for r in rank_results
-                                  if r["time_to_first_step_s"] is not None), default=None),
+        memory_breakdown=[r.memory_breakdown for r in rank_results],
+        memory_split=[r.memory_split for r in rank_results],
+        spearman_before=r0.dev_metric_before if spearman else None,
+        spearman_after=r0.dev_metric_after if spearman else None,
+        dev_metric=r0.dev_metric,
+        dev_metric_before=r0.dev_metric_before,
+        dev_metric_after=r0.dev_metric_after,
+        time_to_first_step_s=max((r.time_to_first_step_s for r in rank_results
+                                  if r.time_to_first_step_s is not None), default=None),
         wall_time_s=wall_time_s,
         launcher=launcher,
         start_method=verification.get("start_method", {}).get("seen"),
         mfu=mfu,
-        time_split=combine_time_split([r.get("time_split") for r in rank_results]),
-        saved_to=(r0.get("saved_model") or {}).get("saved_to"),
-        build=r0.get("build"),
-        overridden_args=r0.get("overridden_args") or {},
-        config=config.to_dict() if r0.get("build") is None else _own_config(config, r0["build"], training),
+        time_split=combine_time_split([r.time_split for r in rank_results]),
+        saved_to=(r0.saved_model or {}).get("saved_to"),
+        build=r0.build,
+        overridden_args=r0.overridden_args or {},
+        config=config.to_dict() if r0.build is None else _own_config(config, r0.build, training),
         run_id=uuid.uuid4().hex[:12],
     )
 
@@ -189,12 +191,13 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
     own cross-rank checks (shards adding up, optimizer partitions), and the saved model's check (rank 0)."""
     from .checks import compare_digests
 
+    rank_results = check_reports(rank_results)
     requested = config.world_size()
-    ranks = [r["verification"] for r in rank_results]
+    ranks = [r.verification for r in rank_results]
     verification = {"ranks": ranks, "world_size_requested": requested,
                     "world_size_seen": sorted({v.get("world_size_seen") for v in ranks}, key=str),
-                    "model_shape": rank_results[0].get("model_shape"),
-                    "peak_memory_method": rank_results[0].get("peak_memory_method")}
+                    "model_shape": rank_results[0].model_shape,
+                    "peak_memory_method": rank_results[0].peak_memory_method}
     never = "no training step began, so the prepared model was never verified"
     problems = [f"rank {i}: " + "; ".join(v.get("problems") or [never]) for i, v in enumerate(ranks) if not v.get("ok")]
     strategy = config.strategy_object()
@@ -205,22 +208,22 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
     own, own_problems = verify_ranks(strategy, rank_results, requested)
     verification.update(own)
     problems += own_problems
-    started = [r.get("start_method") for r in rank_results]
-    asked = rank_results[0].get("start_method_requested")
+    started = [r.start_method for r in rank_results]
+    asked = rank_results[0].start_method_requested
     if asked is not None:  # stnb started the ranks: each saw how it was started
         same = len(set(started)) == 1
         verification["start_method"] = {"requested": asked, "seen": started[0] if same else None,
                                         "per_rank": started}
         if not same or started[0] != asked:
             problems.append(f"start method {asked!r} was requested, the ranks were started by {started}")
-    saved = rank_results[0].get("saved_model")
+    saved = rank_results[0].saved_model
     if saved is not None:
         verification["saved_model"] = saved
         problems += [f"save_to: {p}" for p in saved.get("problems") or []]
     # the data reached the loss whole: every text column as an input, the score as the label
-    cols = rank_results[0].get("data_columns")
-    if cols is not None:  # train_rank always reports them; hand-built results may not
-        seen = [r.get("loss_inputs") for r in rank_results]
+    cols = rank_results[0].data_columns
+    if cols is not None:  # None: a trainer whose dataset has no column names
+        seen = [r.loss_inputs for r in rank_results]
         verification["data_columns"] = cols
         verification["loss_inputs"] = seen
         if isinstance(cols, dict):  # one dataset per loss: checked per dataset

@@ -226,7 +226,7 @@ def run_here(config, *, results_file=None, build=None):
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
-        gathered.sort(key=lambda d: d["rank"])
+        gathered.sort(key=lambda d: d.rank)
         payload = [None, None]  # [RunResult dict, error message] decided on rank 0
         if rank == 0:
             try:

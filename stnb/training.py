@@ -4,8 +4,8 @@ Every rank of a run executes ``train_rank``: started by ``stnb.run`` through ``s
 (notebook side, ``stnb.runner``), or by torchrun / accelerate launch (``stnb.scaleout.run_here``).
 The trainer comes from stnb's recipe (``stnb.recipe``, from the TrainConfig) or from the user's
 build function; ``stnb.prepare`` applies the strategy to it the same way in both cases. The
-configuration arrives as a ``TrainConfig``; the rank returns plain data, which
-``stnb.results.merge`` combines into one RunResult.
+configuration arrives as a ``TrainConfig``; the rank returns a ``RankReport`` (``stnb.rankreport``),
+which ``stnb.results.merge`` combines with the other ranks' into one RunResult.
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 from .config import TrainConfig
 from .launch import rank_context, report_progress, wait_for_all
+from .rankreport import RankReport
 
 
 def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: float | None = None,
-               world_size: int | None = None, build=None) -> dict:
-    """Runs in every rank: build, prepare, verify, train, measure. Returns plain data.
+               world_size: int | None = None, build=None) -> RankReport:
+    """Runs in every rank: build, prepare, verify, train, measure. Returns this rank's RankReport.
 
     model_path: the model of stnb's recipe (``models.resolve_model(config.model)``); None with ``build``.
     world_size: the world size the caller requested (default: the config's); verification
@@ -83,11 +85,6 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     overridden.update(prepare.apply_overrides(trainer, config))
     kept = [type(c).__name__ for c in trainer.callback_handler.callbacks]
 
-    state = {"t_first_begin": None, "t_last_end": None, "step_times": [], "losses": [], "verification": None,
-             "memory_breakdown": None, "world_size_requested": requested, "process_group_size": world,
-             "n_gpu": n_gpu, "first_step_wall": None,
-             # CPU, a strategy that gathers parameters in its steps: freed memory goes back at each step's end
-             "release_each_step": not use_cuda and bool(strategy.gathered_during_step), "released_bytes": []}
     metric, dev_before = _dev_metric(evaluator, model) if evaluator is not None and rank == 0 else (None, None)
     initial_path, scratch = model_path, None
     if build is not None and rank == 0 and (strategy.shards_params(config) or config.save_to):
@@ -99,20 +96,20 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
 
     frozen = strategies.freeze_unused_pooler(model) if build is None else []
     model_shape = memory.model_shape(model)  # before sharding and training: the prediction's inputs
-    state["flops"] = FlopMeter(model)  # counts the tokens of every training forward (stnb.mfu)
-    state["timer"] = StepTimer()  # where each step's time goes (stnb.timesplit)
-    _record_loss_inputs(trainer.loss, state)
+    # counts the tokens of every training forward (stnb.mfu); where each step's time goes (stnb.timesplit)
+    seen = Observed(world_size_requested=requested, process_group_size=world, flops=FlopMeter(model), timer=StepTimer(),
+                    # CPU, a strategy that gathers parameters in its steps: freed memory goes back at each step's end
+                    release_each_step=not use_cuda and bool(strategy.gathered_during_step))
+    _record_loss_inputs(trainer.loss, seen)
     trainer.stnb_config = config
     prepared = strategy.prepare(trainer, config, "cuda" if use_cuda else "cpu", world)
     prep = prepared["info"]
     memory_split.mark("prepared")
     memory_split.watch_activations(trainer)
     overridden.update(prepared["overridden"])
-    state["loss_sync"] = strategies.LossParameterSync(trainer)  # a collective: rank 0's loss parameters
-    state["prepare_info"] = prep
-    state["callbacks"] = {"kept": kept, "removed": removed, "added": "StnbCallback"}
-    trainer_ref = {"trainer": trainer}
-    trainer.add_callback(_make_callback(trainer_ref, config, state))
+    seen.loss_sync = strategies.LossParameterSync(trainer)  # a collective: rank 0's loss parameters
+    callbacks = {"kept": kept, "removed": removed, "added": "StnbCallback"}
+    trainer.add_callback(_make_callback(trainer, strategy, config, seen))
     model_shape["optimizer"] = memory.optimizer_kind(trainer.args.optim)
     precision = prepare.mixed_precision(trainer.args)
     try:
@@ -122,14 +119,12 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         peak_memory.start_phase()
         trainer.train()
         train_peak = peak_memory.phase_peak()
-        if state["verification"] is not None:
-            state["verification"]["frozen_unused"] = frozen
-            state["verification"]["reuse_freed_memory"] = allocator
-            state["verification"]["released_each_step"] = state["released_bytes"] if state["release_each_step"] else None
-            if state.get("embedding_rows") is not None:
-                state["verification"]["embedding_rows"] = state["embedding_rows"].stats()
-            if "per_device_train_batch_size" in overridden:
-                _check_batch_override(state, trainer, config)
+        after = {"frozen_unused": frozen, "reuse_freed_memory": allocator,
+                 "released_each_step": seen.released_bytes if seen.release_each_step else None,
+                 **{name: watched.stats() for name, watched in seen.strategy_watch.items()}}
+        if "per_device_train_batch_size" in overridden:
+            after["batch_override"] = _batch_override(seen, trainer, config)
+        verification = verification_record(seen, prep, callbacks, after)
 
         digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))
         saved = dev_after = None
@@ -157,40 +152,40 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     per_device_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     gbs = per_device_step * (world if distributed else strategy.devices(n_gpu))
     train_columns = getattr(trainer.train_dataset, "column_names", None)
-    return {
-        "rank": rank,
-        "device": device.split(":")[0],
-        "global_batch_size": gbs,
-        "step_times": state["step_times"],
-        "losses": state["losses"],
-        "verification": state["verification"] or {},
-        "memory_breakdown": state["memory_breakdown"] or {},
-        "model_shape": model_shape,
-        "peak_memory_bytes": int(train_peak),
-        "peak_memory_run_bytes": int(run_peak),
-        "peak_memory_method": peak_memory.method,
-        "memory_split": memory_split.summary(state["memory_breakdown"], train_peak),
-        "weight_digests": digests,
-        "dev_metric": metric,
-        "dev_metric_before": dev_before,
-        "dev_metric_after": dev_after,
+    return RankReport(
+        rank=rank,
+        device=device.split(":")[0],
+        global_batch_size=gbs,
+        step_times=seen.step_times,
+        losses=seen.losses,
+        verification=verification,
+        memory_breakdown=seen.memory_breakdown or {},
+        model_shape=model_shape,
+        peak_memory_bytes=int(train_peak),
+        peak_memory_run_bytes=int(run_peak),
+        peak_memory_method=peak_memory.method,
+        memory_split=memory_split.summary(seen.memory_breakdown, train_peak),
+        weight_digests=digests,
+        dev_metric=metric,
+        dev_metric_before=dev_before,
+        dev_metric_after=dev_after,
         # a dict of datasets (one per loss): {dataset: its columns}
-        "data_columns": train_columns if isinstance(train_columns, (list, dict)) else None,
-        "loss_inputs": state.get("loss_inputs"),
-        "time_to_first_step_s": (state["first_step_wall"] - launch_time) if state["first_step_wall"] else None,
-        "saved_model": saved,
-        "time_split": state["timer"].summary(),
-        "train_flops": state["flops"].per_step,
-        "train_tokens": state["flops"].tokens,
-        "flops_shape": state["flops"].shape,
-        "peak": device_peak(device, precision),
-        "overridden_args": overridden,
-        "build": None if build is None else prepare.describe(build),
+        data_columns=train_columns if isinstance(train_columns, (list, dict)) else None,
+        loss_inputs=seen.loss_inputs,
+        time_to_first_step_s=(seen.first_step_wall - launch_time) if seen.first_step_wall else None,
+        saved_model=saved,
+        time_split=seen.timer.summary(),
+        train_flops=seen.flops.per_step,
+        train_tokens=seen.flops.tokens,
+        flops_shape=seen.flops.shape,
+        peak=device_peak(device, precision),
+        overridden_args=overridden,
+        build=None if build is None else prepare.describe(build),
         # how this rank was started, observed in it (None under torchrun / accelerate launch)
-        "start_method": ctx.start_method if ctx else None,
-        "start_method_requested": ctx.start_method_requested if ctx else None,
-        "training": _training_facts(trainer, precision) if build is not None else None,
-    }
+        start_method=ctx.start_method if ctx else None,
+        start_method_requested=ctx.start_method_requested if ctx else None,
+        training=_training_facts(trainer, precision) if build is not None else None,
+    )
 
 
 def _training_facts(trainer, precision: str) -> dict:
@@ -219,8 +214,67 @@ def _rows(dataset):
     return len(dataset) if hasattr(dataset, "__len__") else None
 
 
-def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
-    import torch
+@dataclass
+class Observed:
+    """What a rank observes while it trains, filled in by its ``StnbCallback`` and the loss's hooks; read
+    after training for its ``RankReport`` and, by ``verification_record``, its verification record."""
+
+    world_size_requested: int            # the world the caller asked for (compared with the process group)
+    process_group_size: int
+    flops: object                        # mfu.FlopMeter: the training forwards' FLOPs and tokens, per step
+    timer: object                        # timesplit.StepTimer: where each step's time goes
+    loss_sync: object = None             # strategies.LossParameterSync: the loss's own parameters across ranks
+    step_times: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    t_first_begin: float | None = None   # perf_counter at the first step's begin (None: no step began)
+    t_last_end: float | None = None
+    first_step_wall: float | None = None  # time.time() at the first step's end
+    strategy_watch: dict = field(default_factory=dict)  # strategy.on_first_step's {name: observer with .stats()}
+    prepared: dict | None = None         # strategies.verify_prepared at the first step (None: never verified)
+    loss_model: dict | None = None       # the module the loss calls: {"trains", "rebound", "calls_in_first_step", "ok"}
+    loss_model_calls: int = 0            # forwards of the training module during the first step
+    loss_model_hook: object = None
+    step_check: tuple | None = None      # after the first optimizer step: (the strategy's details, problems)
+    trained_parameters: dict | None = None  # what the optimizer updates: the model's and the loss's own
+    memory_breakdown: dict | None = None  # memory.measure after the first optimizer step
+    loss_inputs: dict | None = None      # what the loss received at its first call ({dataset: that} per loss)
+    first_batch_rows: int | None = None  # rows of the loss's first input at its first call
+    release_each_step: bool = False      # give freed heap pages back at each step's end (cpualloc)
+    released_bytes: list = field(default_factory=list)  # what each step's end gave back
+
+    def count_loss_model_call(self, *_) -> None:
+        self.loss_model_calls += 1
+
+
+def verification_record(seen: Observed, prepare_info: dict, callbacks: dict, after: dict) -> dict:
+    """The rank's verification record, composed here only: ``verify_prepared``'s world and counts at the
+    first step, the strategy's ``prepare`` details, the trainer's callbacks, the loss's model, the first
+    optimizer step's checks, then ``after`` (what training showed: the frozen pooler, the allocator, the
+    strategy's observers, the batch override). ``ok`` is True when no check found a problem; empty when
+    no training step began (the report then merges as never verified)."""
+    if seen.prepared is None:
+        return {}
+    v = {**seen.prepared, **prepare_info, "callbacks": callbacks, "loss_model": seen.loss_model}
+    problems = list(seen.prepared["problems"])
+    if seen.step_check is not None:
+        info, step_problems = seen.step_check
+        v.update(info)
+        v["trained_parameters"] = seen.trained_parameters
+        problems += step_problems
+    if seen.loss_model.get("ok") is False:  # checked at the first step's end
+        problems.append(f"the loss never called the {seen.loss_model['trains']} that trains in the first step: "
+                        "it holds its own reference to the model; store the model as `self.model` in the loss")
+    v.update(after)
+    batch = after.get("batch_override")
+    if batch is not None and not batch["ok"]:
+        problems.append(f"per_device_train_batch_size was overridden to {batch['asked']}, but the loss's first "
+                        f"batch had {batch['first_batch_rows']} rows")
+    v["problems"] = problems
+    v["ok"] = not problems
+    return v
+
+
+def _make_callback(trainer, strategy, config: TrainConfig, seen: Observed):
     from transformers import TrainerCallback
 
     from . import memory, prepare, strategies
@@ -229,96 +283,71 @@ def _make_callback(trainer_ref: dict, config: TrainConfig, state: dict):
         """Times every step, keeps losses, verifies the prepared model and the loss's model, measures memory."""
 
         def on_step_begin(self, args, st, control, **kw):
-            state["flops"].start_step()  # evaluation forwards before this step do not count
-            if state["t_first_begin"] is None:
-                tr = trainer_ref["trainer"]
-                strategy = strategies.get(config.strategy)
+            seen.flops.start_step()  # evaluation forwards before this step do not count
+            if seen.t_first_begin is None:
+                tr = trainer
                 # before the first backward: a strategy's own DDP comm hook (embedding rows), timed
-                state.update(strategy.on_first_step(tr, config, state["process_group_size"], timed=state["timer"].timed))
-                state["t_first_begin"] = time.perf_counter()
-                state["timer"].attach(tr, config.comm_hook)  # registers DDP's comm hook, timed
-                state["verification"] = strategies.verify_prepared(strategy, tr, state["world_size_requested"])
-                state["verification"].update(state.get("prepare_info", {}))
-                state["verification"]["callbacks"] = state["callbacks"]
+                seen.strategy_watch = strategy.on_first_step(tr, config, seen.process_group_size, timed=seen.timer.timed)
+                seen.t_first_begin = time.perf_counter()
+                seen.timer.attach(tr, config.comm_hook)  # registers DDP's comm hook, timed
+                seen.prepared = strategies.verify_prepared(strategy, tr, seen.world_size_requested)
                 # the loss must call the module that trains (sentence-transformers #3023)
                 rebound = prepare.rebind_loss_model(tr)
-                calls = state["loss_model_calls"] = [0]
-                state["loss_model_hook"] = tr.model_wrapped.register_forward_pre_hook(
-                    lambda *_: calls.__setitem__(0, calls[0] + 1))
-                state["verification"]["loss_model"] = {"trains": type(tr.model_wrapped).__name__,
-                                                       "rebound": rebound}
-                state["timer"].on_step_begin(state["t_first_begin"])  # steps timed as step_times are
+                seen.loss_model = {"trains": type(tr.model_wrapped).__name__, "rebound": rebound}
+                seen.loss_model_hook = tr.model_wrapped.register_forward_pre_hook(seen.count_loss_model_call)
+                seen.timer.on_step_begin(seen.t_first_begin)  # steps timed as step_times are
 
         def on_optimizer_step(self, args, st, control, optimizer=None, model=None, **kw):
-            state["timer"].on_optimizer_step()
-            if state["memory_breakdown"] is None:
-                tr = trainer_ref["trainer"]
-                held = strategies.get(config.strategy).held_bytes(tr)
-                state["memory_breakdown"] = memory.measure(tr.model, optimizer, held)
-                _check_first_step(tr, config, state, optimizer)
+            seen.timer.on_optimizer_step()
+            if seen.memory_breakdown is None:
+                seen.memory_breakdown = memory.measure(trainer.model, optimizer, strategy.held_bytes(trainer))
+                if seen.prepared is not None:
+                    _check_first_step(trainer, strategy, seen, optimizer)
 
         def on_pre_optimizer_step(self, args, st, control, **kw):
-            state["timer"].on_pre_optimizer_step()
-            state["loss_sync"].sync_grads()  # the loss's own parameters: mean gradient over the ranks
+            seen.timer.on_pre_optimizer_step()
+            seen.loss_sync.sync_grads()  # the loss's own parameters: mean gradient over the ranks
 
         def on_step_end(self, args, st, control, **kw):
             now = time.perf_counter()
-            state["timer"].on_step_end(now)
-            if state["release_each_step"]:
+            seen.timer.on_step_end(now)
+            if seen.release_each_step:
                 from .cpualloc import release_freed_memory
 
-                state["released_bytes"].append(release_freed_memory())
-            state["flops"].end_step()
-            prev = state["t_last_end"] if state["t_last_end"] is not None else state["t_first_begin"]
-            state["step_times"].append(now - prev)
-            if state["t_last_end"] is None:
-                state["first_step_wall"] = time.time()
-                _check_loss_model(state)
-            state["t_last_end"] = now
+                seen.released_bytes.append(release_freed_memory())
+            seen.flops.end_step()
+            prev = seen.t_last_end if seen.t_last_end is not None else seen.t_first_begin
+            seen.step_times.append(now - prev)
+            if seen.t_last_end is None:
+                seen.first_step_wall = time.time()
+                seen.loss_model_hook.remove()  # did the loss call the module that trains? (forward hook)
+                seen.loss_model.update(calls_in_first_step=seen.loss_model_calls, ok=seen.loss_model_calls > 0)
+            seen.t_last_end = now
             report_progress(st.global_step, st.max_steps)  # the step's loss follows in on_log
 
         def on_log(self, args, st, control, logs=None, **kw):
             if logs and "loss" in logs:
-                state["losses"].append(float(logs["loss"]))
+                seen.losses.append(float(logs["loss"]))
                 report_progress(st.global_step, st.max_steps, float(logs["loss"]))
 
     return StnbCallback()
 
 
-def _check_first_step(trainer, config, state: dict, optimizer) -> None:
+def _check_first_step(trainer, strategy, seen: Observed, optimizer) -> None:
     """After the first optimizer step: the strategy's own check of gradients / optimizer state, and every
     parameter the optimizer updates named (the model's or the loss's: the replicated ones are compared
     across ranks after training, the sharded ones by the strategy's shard checks)."""
     from . import strategies
 
-    v = state["verification"]
-    if v is None:
-        return
-    info, problems = strategies.get(config.strategy).check_step(trainer, state["world_size_requested"])
-    v.update(info)
+    info, problems = strategy.check_step(trainer, seen.world_size_requested)
     names, unnamed = strategies.optimizer_parameter_names(trainer, optimizer)
-    sync = state["loss_sync"]
-    v["trained_parameters"] = {"optimizer_updates": len(names) + unnamed, "model": len(names) - len(sync.names()),
+    sync = seen.loss_sync
+    seen.trained_parameters = {"optimizer_updates": len(names) + unnamed, "model": len(names) - len(sync.names()),
                                "loss": sync.names(), "loss_parameters_synced": sync.active}
     if unnamed:
         problems.append(f"the optimizer updates {unnamed} parameter(s) that neither the model nor the loss own, "
                         "so stnb cannot check them across ranks")
-    if problems:
-        v["problems"] += problems
-        v["ok"] = False
-
-
-def _check_loss_model(state: dict) -> None:
-    """After the first step: did the loss call the module that trains? (observed by a forward hook)"""
-    state.pop("loss_model_hook").remove()
-    v = state["verification"]
-    calls = state["loss_model_calls"][0]
-    v["loss_model"]["calls_in_first_step"] = calls
-    v["loss_model"]["ok"] = calls > 0
-    if not calls:
-        v["problems"].append(f"the loss never called the {v['loss_model']['trains']} that trains in the first step: "
-                             "it holds its own reference to the model; store the model as `self.model` in the loss")
-        v["ok"] = False
+    seen.step_check = (info, problems)
 
 
 def _dev_metric(evaluator, model) -> tuple:
@@ -328,42 +357,38 @@ def _dev_metric(evaluator, model) -> tuple:
     return name, float(scores[name])
 
 
-def _record_loss_inputs(loss, state: dict) -> None:
+def _record_loss_inputs(loss, seen: Observed) -> None:
     """Note what the loss really receives at its first call: how many text inputs, and a label or not
     (and, in ``first_batch_rows``, how many rows its first input has). A dict of losses (one per
     dataset): ``{dataset: that}`` for each loss that ran."""
     def hook(name, module, args):
-        if args and (name is None and state.get("loss_inputs") is None
-                     or name is not None and name not in state.setdefault("loss_inputs", {})):
-            features = list(args[0])
-            labels = args[1] if len(args) > 1 else None
-            seen = {"texts": len(features), "label": labels is not None}
-            if name is None:
-                state["loss_inputs"] = seen
-            else:
-                state["loss_inputs"][name] = seen
+        if not args or (seen.loss_inputs is not None and (name is None or name in seen.loss_inputs)):
+            return
+        first = not seen.loss_inputs  # nothing recorded yet: this call's batch is the first one
+        features = list(args[0])
+        labels = args[1] if len(args) > 1 else None
+        observed = {"texts": len(features), "label": labels is not None}
+        if name is None:
+            seen.loss_inputs = observed
+        else:
+            seen.loss_inputs = {**(seen.loss_inputs or {}), name: observed}
+        if first:
             tensors = [v for v in (features[0].values() if features and isinstance(features[0], dict) else [])
                        if hasattr(v, "shape") and len(v.shape) >= 1]
-            state.setdefault("first_batch_rows", int(tensors[0].shape[0]) if tensors else None)
+            seen.first_batch_rows = int(tensors[0].shape[0]) if tensors else None
 
     for name, one in (loss.items() if isinstance(loss, dict) else [(None, loss)]):
         one.register_forward_pre_hook(functools.partial(hook, name))
 
 
-def _check_batch_override(state: dict, trainer, config: TrainConfig) -> None:
+def _batch_override(seen: Observed, trainer, config: TrainConfig) -> dict:
     """An overridden per-device batch: the loss's first batch must have had the rows asked for
     (observed by the loss's hook), unless the data has fewer rows than one batch."""
-    v = state["verification"]
     # per device, times the GPUs under dp (where the loss sees the whole batch)
     asked = config.arg_overrides()["per_device_train_batch_size"][0] * max(1, trainer.args.n_gpu)
-    seen = state.get("first_batch_rows")
     rows = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else None
-    ok = seen == asked or (rows is not None and seen == rows < asked)
-    v["batch_override"] = {"asked": asked, "first_batch_rows": seen, "ok": ok}
-    if not ok:
-        v["problems"].append(f"per_device_train_batch_size was overridden to {asked}, but the loss's first batch "
-                             f"had {seen} rows")
-        v["ok"] = False
+    got = seen.first_batch_rows
+    return {"asked": asked, "first_batch_rows": got, "ok": got == asked or (rows is not None and got == rows < asked)}
 
 
 def _full_model_on_rank0(strategy, model, initial_path, device, rank, max_seq_length):

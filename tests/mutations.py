@@ -42,14 +42,16 @@ class Mutation:
     pending: str = ""
 
 
-NOOP_HOOK = '''                if config.strategy == "ddp" and state["process_group_size"] > 1:  # MUTATION: DDP never all-reduces
+NOOP_HOOK = '''                if config.strategy == "ddp" and seen.process_group_size > 1:  # MUTATION: DDP never all-reduces
                     def _noop(_state, bucket):
+                        import torch
+
                         fut = torch.futures.Future()
                         fut.set_result(bucket.buffer())
                         return fut
 
                     tr.model_wrapped.register_comm_hook(None, _noop)
-                state["t_first_begin"] = time.perf_counter()
+                seen.t_first_begin = time.perf_counter()
 '''
 
 AFTER_TRAIN = "        trainer.train()\n"
@@ -58,7 +60,7 @@ MUTATIONS = [
     Mutation(
         "ddp-no-allreduce",
         "a no-op DDP comm hook: each rank trains on its own half batch",
-        (("stnb/training.py", '                state["t_first_begin"] = time.perf_counter()\n', NOOP_HOOK),),
+        (("stnb/training.py", "                seen.t_first_begin = time.perf_counter()\n", NOOP_HOOK),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(
         "save-untrained",

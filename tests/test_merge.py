@@ -3,9 +3,12 @@ memory, verification and its reason), from hand-built rank results, in this proc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import stnb
+from stnb.rankreport import RankReport
 from stnb.results import merge
 
 
@@ -22,7 +25,7 @@ def _rank(rank, step_times, verification=None, **kw):
            "memory_breakdown": {"rank": rank}, "peak_memory_bytes": 100 + rank, "peak_memory_run_bytes": 50 + rank,
            "time_to_first_step_s": 1.5 + rank, "weight_digests": {"w": "a"}}
     out.update(kw)
-    return out
+    return RankReport(**out)
 
 
 def test_throughput_counts_the_measured_steps_of_the_slowest_rank():
@@ -34,7 +37,7 @@ def test_throughput_counts_the_measured_steps_of_the_slowest_rank():
     assert res.samples_per_second == pytest.approx(8 * 3 / 7.0)
     assert res.world_size == 2 and res.global_batch_size == 8
     assert res.per_device_batch_size == _cfg().per_device_batch_size  # stnb's recipe: the config's
-    assert res.losses == r0["losses"] and res.device == "cpu0"
+    assert res.losses == r0.losses and res.device == "cpu0"
     assert res.peak_memory_bytes == [100, 101] and res.peak_memory_run_bytes == [50, 51]
     assert res.local_param_count == [10, 11] and res.total_param_count == 21
     assert res.memory_breakdown == [{"rank": 0}, {"rank": 1}]
@@ -81,7 +84,7 @@ def test_dev_metrics_and_what_a_users_trainer_trained_with():
     assert res.config["build"] == "build" and res.config["loss"] == "X" and res.config["per_device_batch_size"] == 3
     assert res.config["strategy"] == "single" and "learning_rate" not in res.config
     assert res.overridden_args == {"a": 1} and res.saved_to == "/m" and res.start_method == "fork"
-    ir = merge(_cfg("single"), [dict(r, dev_metric="ir_cosine_ndcg@10")], device="cpu")
+    ir = merge(_cfg("single"), [replace(r, dev_metric="ir_cosine_ndcg@10")], device="cpu")
     assert ir.spearman_before is None and ir.spearman_after is None and ir.dev_metric_after == 0.7
 
 
@@ -117,14 +120,14 @@ def test_cross_rank_checks_start_method_saved_model_and_columns():
                           "['spawn', 'fork']; save_to: not trained; the loss received {'texts': 2, 'label': True} "
                           "but the data has columns ['anchor', 'positive', 'score'] (expected {'texts': 2, "
                           "'label': True})")
-    same = merge(_cfg(), [dict(r0, saved_model=None), dict(r1, start_method="fork", loss_inputs=r0["loss_inputs"],
+    same = merge(_cfg(), [replace(r0, saved_model=None), replace(r1, start_method="fork", loss_inputs=r0.loss_inputs,
                                                              saved_model=None)],
                  device="cpu")
     assert same.verification["start_method"]["seen"] is None  # spawn asked, one rank forked: both differ
-    both = [dict(r, start_method="spawn", saved_model=None, loss_inputs={"texts": 2, "label": True}) for r in (r0, r1)]
+    both = [replace(r, start_method="spawn", saved_model=None, loss_inputs={"texts": 2, "label": True}) for r in (r0, r1)]
     ok = merge(_cfg(), both, device="cpu")
     assert ok.verified and ok.start_method == "spawn" and ok.verification["loss_received_all_columns"] is True
-    forked = merge(_cfg(), [dict(r, start_method="fork") for r in both], device="cpu")
+    forked = merge(_cfg(), [replace(r, start_method="fork") for r in both], device="cpu")
     assert forked.reason == ("not verified: start method 'spawn' was requested, the ranks were started by "
                              "['fork', 'fork']")
 

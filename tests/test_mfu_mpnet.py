@@ -168,13 +168,21 @@ def test_peak_of_an_h200_nvl_and_of_a_mig_slice():
 
 def test_summarize_mfu_from_rank_results():
     peak = {"gpu": "NVIDIA L4", "precision": "bf16", "flops_per_s": 121e12, "source": "datasheet"}
-    ranks = [{"train_flops": [9e12, 1e12, 2e12], "train_tokens": [10, 20, 30], "peak": peak},
-             {"train_flops": [9e12, 3e12, 2e12], "train_tokens": [10, 20, 30], "peak": peak}]
+    from dataclasses import replace
+
+    from stnb.rankreport import RankReport
+
+    def report(rank, train_flops):
+        return RankReport(rank=rank, device="cuda", global_batch_size=64, step_times=[1.0] * 3, losses=[],
+                          verification={"ok": True}, peak_memory_bytes=1, weight_digests={},
+                          train_flops=train_flops, train_tokens=[10, 20, 30], peak=peak)
+
+    ranks = [report(0, [9e12, 1e12, 2e12]), report(1, [9e12, 3e12, 2e12])]
     out = mfu.summarize(ranks, warm=1, n_steps=3, span=0.5, samples=64, devices=1)
     assert out["achieved_tflops"] == pytest.approx(8e12 / 0.5 / 1e12)
     assert out["mfu"] == pytest.approx(16e12 / (2 * 121e12))
     assert out["tokens_per_sample"] == pytest.approx(100 / 64)
-    cpu = mfu.summarize([dict(r, peak=None) for r in ranks], 1, 3, 0.5, 64, 1)
+    cpu = mfu.summarize([replace(r, peak=None) for r in ranks], 1, 3, 0.5, 64, 1)
     assert cpu["mfu"] is None and "CPU" in cpu["peak_source"]
 
 

@@ -337,9 +337,11 @@ def test_results_path_under_a_regular_file(tmp_path):
 
 
 def _rank_result(step_times, rank):
-    return {"rank": rank, "device": "cpu", "global_batch_size": 8, "step_times": step_times, "losses": [0.5] * 5,
-            "verification": {"ok": True, "world_size_seen": 2, "local_param_count": 10, "total_param_count": 10},
-            "memory_breakdown": {}, "peak_memory_bytes": 1, "weight_digests": {"w": "same"}, "time_to_first_step_s": 1.0}
+    from stnb.rankreport import RankReport
+
+    return RankReport(rank=rank, device="cpu", global_batch_size=8, step_times=step_times, losses=[0.5] * 5,
+                      verification={"ok": True, "world_size_seen": 2, "local_param_count": 10, "total_param_count": 10},
+                      memory_breakdown={}, peak_memory_bytes=1, weight_digests={"w": "same"}, time_to_first_step_s=1.0)
 
 
 def test_merge_times_the_slowest_rank_not_the_sum_of_per_step_maxima():

@@ -114,8 +114,8 @@ def two_node_rank(config: stnb.TrainConfig, model_path: str) -> dict:
     ctx = stnb.rank_context()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "allreduce": t.item(),
             "ctx_rank": ctx.rank, "ctx_world": ctx.world_size, "pid": os.getpid(),
-            "digests": trained["weight_digests"], "seen": trained["verification"]["world_size_seen"],
-            "steps": len(trained["step_times"]), "losses": trained["losses"]}
+            "digests": trained.weight_digests, "seen": trained.verification["world_size_seen"],
+            "steps": len(trained.step_times), "losses": trained.losses}
 
 
 _NODE = """

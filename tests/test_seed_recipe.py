@@ -129,8 +129,11 @@ def test_command_line_ddp_run_is_verified():
 def _checked(loss_inputs):
     from stnb.results import cross_rank_checks
 
-    rank = {"verification": {"ok": True}, "weight_digests": {}, "loss_inputs": loss_inputs,
-            "data_columns": {"nli": ["sentence1", "sentence2", "label"], "sentence": ["sentence1", "score"]}}
+    from stnb.rankreport import RankReport
+
+    rank = RankReport(rank=0, device="cpu", global_batch_size=8, step_times=[1.0], losses=[0.5],
+                      verification={"ok": True}, peak_memory_bytes=1, weight_digests={}, loss_inputs=loss_inputs,
+                      data_columns={"nli": ["sentence1", "sentence2", "label"], "sentence": ["sentence1", "score"]})
     return cross_rank_checks(TrainConfig(strategy="single", device="cpu"), [rank])
 
 

@@ -17,6 +17,7 @@ import pytest
 import stnb
 from stnb import checks, saving, strategies
 from stnb.models import load_model, tiny_path
+from stnb.rankreport import RankReport
 from stnb.results import merge
 
 EMB = "0.model.embeddings.word_embeddings.weight"
@@ -143,9 +144,9 @@ def _verify_message(model):
 def _rank_result(rank, digests=None, verification=None, **kw):
     v = {"ok": True, "problems": [], "world_size_seen": 2, "local_param_count": 10, "total_param_count": 10}
     v.update(verification or {})
-    return {"rank": rank, "device": "cpu", "global_batch_size": 8, "step_times": [1.0, 1.0, 1.0],
-            "losses": [0.5] * 3, "verification": v, "memory_breakdown": {}, "peak_memory_bytes": 1,
-            "time_to_first_step_s": 1.0, "weight_digests": digests or {"w": "a"}, **kw}
+    return RankReport(rank=rank, device="cpu", global_batch_size=8, step_times=[1.0, 1.0, 1.0], losses=[0.5] * 3,
+                      verification=v, memory_breakdown={}, peak_memory_bytes=1, time_to_first_step_s=1.0,
+                      weight_digests=digests or {"w": "a"}, **kw)
 
 
 def _cfg(strategy="ddp", **kw):

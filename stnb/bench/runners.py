@@ -240,7 +240,7 @@ def torchrun_worker(argv) -> int:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, res)
     if int(os.environ.get("RANK", "0")) == 0:
-        gathered.sort(key=lambda d: d["rank"])
+        gathered.sort(key=lambda d: d.rank)
         result = merge(config, gathered, device=config.resolved_device(), n_gpu=gpu_count(),
                        wall_time_s=time.time() - launch_time, launcher="torchrun")
         data = json.dumps(result.to_dict())

@@ -118,7 +118,8 @@ class Strategy(abc.ABC):
 
     def on_first_step(self, trainer, config, world: int, timed=None) -> dict:
         """Called at the first step's begin, before verification (e.g. a DDP comm hook; ``timed`` wraps a
-        comm hook so that stnb.timesplit times it). Returns details for the rank's state."""
+        comm hook so that stnb.timesplit times it). Returns ``{name: observer}``: after training, each
+        observer's ``stats()`` goes into the rank's verification record under its name."""
         return {}
 
     @abc.abstractmethod
@@ -137,7 +138,8 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def check_ranks(self, rank_results: list, world_size: int) -> tuple[dict, list]:
-        """After the run, with every rank's results: (details, problems) of what needs all ranks."""
+        """After the run, with every rank's ``rankreport.RankReport``: (details, problems) of what needs
+        all ranks (each rank's own verification record is ``report.verification``)."""
 
     def full_model(self, model, rank: int):
         """The trained model whole, on rank 0 (None on the others; a collective where sharded).
@@ -145,13 +147,13 @@ class Strategy(abc.ABC):
         return (model if rank == 0 else None), False
 
 
-def replicated_check(rank_results: list, key: str = "weight_digests") -> tuple[dict, list]:
+def replicated_check(rank_results: list) -> tuple[dict, list]:
     """Every replicated tensor identical across ranks (sha256 per tensor; a mismatch names it)."""
     from ..checks import compare_digests
 
     if len(rank_results) < 2:
         return {}, []
-    same = compare_digests([r.get(key) or {} for r in rank_results])
+    same = compare_digests([r.weight_digests or {} for r in rank_results])
     if not same["tensors"]:
         return {"weights_tensors_compared": 0}, []  # nothing replicated (every parameter sharded)
     info = {"weights_identical_across_ranks": same["identical"], "weights_checksums": same["model_digests"],

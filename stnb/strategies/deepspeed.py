@@ -275,7 +275,7 @@ class DeepSpeed(Strategy):
         return held_bytes(trainer)
 
     def check_ranks(self, rank_results, world_size):
-        ranks = [r["verification"] for r in rank_results]
+        ranks = [r.verification for r in rank_results]
         problems = []
         total = ranks[0].get("trainable_numel") or 0
         held = [(v.get("partition_numel") or 0) - (v.get("partition_padding") or 0) for v in ranks]

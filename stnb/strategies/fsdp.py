@@ -108,7 +108,7 @@ class FullyShardedDataParallel(Strategy):
                 "params_whole_after_forward": seen}, problems
 
     def check_ranks(self, rank_results, world_size):
-        ranks = [r["verification"] for r in rank_results]
+        ranks = [r.verification for r in rank_results]
         held = sum(v.get("local_param_count") or 0 for v in ranks)
         total = ranks[0].get("total_param_count")
         problems = [] if held == total else [f"the ranks' local shards hold {held} parameter values, "

@@ -92,7 +92,7 @@ class Zero1(Strategy):
                 "optimizer_all_numel": sum(p.numel() for g in opt.param_groups for p in g["params"])}, []
 
     def check_ranks(self, rank_results, world_size):
-        ranks = [r["verification"] for r in rank_results]
+        ranks = [r.verification for r in rank_results]
         parts = [set(v.get("optimizer_partition") or []) for v in ranks]
         total = ranks[0].get("optimizer_all_numel") or 0
         held = [v.get("optimizer_partition_numel") or 0 for v in ranks]

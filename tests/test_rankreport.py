@@ -1,0 +1,98 @@
+"""What a rank returns is a typed RankReport: a rank's record cannot go missing on the way to the merged
+RunResult, and the report crosses a spawned launch as itself."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+import stnb
+from stnb.models import tiny_path
+from stnb.rankreport import RankReport
+from stnb.results import merge
+
+REQUIRED = dict(rank=0, device="cpu", global_batch_size=4, step_times=[1.0, 1.0], losses=[0.5, 0.4],
+                verification={"ok": True, "problems": [], "world_size_seen": 1, "local_param_count": 5,
+                              "total_param_count": 5},
+                peak_memory_bytes=1, weight_digests={})
+
+
+def _cfg():
+    return stnb.TrainConfig(strategy="single", model="tiny", steps=2, per_device_batch_size=4, train_size=16,
+                            dev_size=8, evaluate=False, device="cpu", warmup_steps_excluded=0)
+
+
+def test_a_report_without_its_verification_record_cannot_be_built():
+    """Fail closed: no default stands in for a rank's record, and a record of the wrong type is refused."""
+    with pytest.raises(TypeError, match="verification"):
+        RankReport(**{k: v for k, v in REQUIRED.items() if k != "verification"})
+    with pytest.raises(TypeError, match="verification record"):
+        RankReport(**dict(REQUIRED, verification=None))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weights_digest'"):  # a misspelt field
+        RankReport(**REQUIRED, weights_digest={})
+    assert merge(_cfg(), [RankReport(**REQUIRED)], device="cpu").verified
+
+
+def test_merge_refuses_what_is_not_a_rank_report():
+    """A plain dict (what train_rank returned before, or a rank's own value) is refused by name, with the
+    fix, instead of merging with fields read as missing."""
+    report = RankReport(**REQUIRED)
+    with pytest.raises(TypeError, match=r"item 1 of the ranks' results is a dict, not a stnb.rankreport.RankReport"):
+        merge(_cfg(), [report, asdict(report)], device="cpu")
+    with pytest.raises(ValueError, match="no rank reported"):
+        merge(_cfg(), [], device="cpu")
+
+
+def test_train_rank_reports_across_a_spawned_launch():
+    """A spawned rank (a fresh interpreter) sends its RankReport back pickled; it arrives as a RankReport
+    whose record merges as verified, with the start method the rank itself observed."""
+    from stnb.training import train_rank
+
+    cfg = _cfg()
+    reports = stnb.launch(train_rank, cfg, tiny_path(), None, 1, num_processes=1, device="cpu", start_method="spawn",
+                          distributed=False,
+                          timeout=300, echo=False)
+    assert [type(r) for r in reports] == [RankReport]
+    (r,) = reports
+    assert r.start_method == "spawn" and r.start_method_requested == "spawn"
+    assert len(r.step_times) == cfg.steps and r.verification["ok"] is True
+    assert r.verification["loss_model"]["ok"] is True and r.verification["trained_parameters"]["model"] > 0
+    res = merge(cfg, reports, device="cpu")
+    assert res.verified, res.reason
+    assert res.start_method == "spawn" and res.verification["ranks"] == [r.verification]
+
+
+def test_every_check_of_a_rank_reaches_its_one_verification_record():
+    """The record is composed in one place from what the rank observed: a problem found at the first
+    optimizer step, a loss that never called the module that trains, a batch other than the one asked
+    for, each one lands in ``problems`` (in the order training found them) and turns ``ok`` off; a rank
+    where no step began has an empty record, which merges as never verified."""
+    from stnb.training import Observed, verification_record
+
+    def observed(**kw):
+        seen = Observed(world_size_requested=2, process_group_size=2, flops=None, timer=None)
+        seen.prepared = {"strategy": "ddp", "world_size_seen": 2, "problems": [], "ok": True}
+        seen.loss_model = {"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 1, "ok": True}
+        for k, v in kw.items():
+            setattr(seen, k, v)
+        return seen
+
+    good_batch = {"batch_override": {"asked": 4, "first_batch_rows": 4, "ok": True}}
+    v = verification_record(observed(step_check=({"grads_sharded": False}, []), trained_parameters={"model": 3}),
+                            {"wrapper_kind": "ddp"}, {"added": "StnbCallback"}, good_batch)
+    assert v["ok"] is True and v["problems"] == [] and v["grads_sharded"] is False and v["wrapper_kind"] == "ddp"
+    assert v["trained_parameters"] == {"model": 3} and v["callbacks"] == {"added": "StnbCallback"}
+
+    bad = observed(step_check=({}, ["the optimizer updates 1 parameter(s) that neither the model nor the loss own"]),
+                   loss_model={"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 0, "ok": False})
+    v = verification_record(bad, {}, {}, {"batch_override": {"asked": 4, "first_batch_rows": 2, "ok": False}})
+    assert v["ok"] is False and len(v["problems"]) == 3
+    assert v["problems"][0].startswith("the optimizer updates 1 parameter(s)")
+    assert v["problems"][1].startswith("the loss never called the DistributedDataParallel that trains")
+    assert v["problems"][2] == ("per_device_train_batch_size was overridden to 4, but the loss's first batch "
+                                "had 2 rows")
+    never = verification_record(observed(prepared=None), {}, {}, good_batch)
+    assert never == {}
+    res = merge(_cfg(), [RankReport(**dict(REQUIRED, verification=never))], device="cpu")
+    assert not res.verified and "no training step began" in res.reason
