@@ -225,6 +225,46 @@ def global_objects(fn) -> dict:
     return out
 
 
+def read_objects(fn, import_roots: tuple = ("sentence_transformers",)) -> dict:
+    """``global_objects(fn)``, and the attributes the function reads of the modules among them, named
+    ``module.attribute`` (``losses.SoftmaxLoss`` when it writes ``losses.SoftmaxLoss(...)``). Modules
+    under ``import_roots`` that the function imports in its body are imported here first (the ranks
+    import them anyway; sentence-transformers starts no device)."""
+    import importlib
+    import sys
+
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    code = getattr(inner, "__code__", None)
+    if code is None:
+        return global_objects(fn)
+    for module, name in _imported_names(code):
+        if module.split(".")[0] in import_roots:
+            if module not in sys.modules:
+                importlib.import_module(module)
+            if not hasattr(sys.modules[module], name):  # a submodule (``from sentence_transformers import losses``)
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    pass
+    objects = global_objects(fn)
+    attributes = _attribute_names(code)
+    for name, obj in list(objects.items()):
+        if isinstance(obj, types.ModuleType):
+            objects.update({f"{name}.{a}": getattr(obj, a) for a in attributes if hasattr(obj, a)})
+    return objects
+
+
+def _attribute_names(code) -> set:
+    """Names the code reads as attributes (``x.name``), in nested code too."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_ATTR", "LOAD_METHOD")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _attribute_names(const)
+    return names
+
+
 def _imported_names(code) -> set:
     """(module, name) of every ``from module import name`` in the code (nested code too)."""
     found, module = set(), None

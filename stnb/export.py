@@ -193,10 +193,12 @@ def render_script(config, *, script_name: str = "train.py", results_file=None,
     build = None
     if callable(config) and not isinstance(config, (TrainConfig, dict)):
         from .buildsource import build_source
-        from .runner import check_build
+        from .runner import check_build, check_build_for
 
-        build = build_source(check_build(config))  # ConfigError naming what stays in this kernel
+        fn = check_build(config)
+        build = build_source(fn)  # ConfigError naming what stays in this kernel
         config = TrainConfig.for_build(**options)
+        check_build_for(fn, config)
     else:
         if isinstance(config, dict):
             config = TrainConfig.from_dict(config)

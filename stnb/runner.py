@@ -42,6 +42,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
     if config is not None and not isinstance(config, TrainConfig):
         build = check_build(config)
         config = TrainConfig.for_build(**overrides)
+        check_build_for(build, config)
     else:
         config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
     from . import scaleout
@@ -125,6 +126,16 @@ def check_build(build):
     if problem:
         raise ConfigError(problem)
     return build
+
+
+def check_build_for(build, config) -> None:
+    """ConfigError when ``config``'s strategy cannot train what ``build`` reads (seen before any process
+    starts: ``Strategy.build_refusal``)."""
+    from .buildsource import read_objects
+
+    problem = config.strategy_object().build_refusal(read_objects(build))
+    if problem:
+        raise ConfigError(f"strategy {config.strategy!r}: {problem}")
 
 
 def preimport_training_stack() -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import faultcases as fc
 import stnb
@@ -235,14 +236,76 @@ def build_softmax_loss(outdir: str):
     return SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss)
 
 
-def test_a_loss_with_its_own_parameters_is_refused_naming_the_strategies_that_sync_them(tmp_path):
+def test_a_loss_with_its_own_parameters_is_refused_before_any_process_starts(tmp_path):
+    """SoftmaxLoss's classifier is seen in the build function (its class's ``__init__`` makes an
+    ``nn.Linear``), so the refusal comes in the cell, naming the strategies that keep it in sync."""
     before = fc.descendants()
-    with pytest.raises(stnb.LaunchError) as ei:  # a BuildError in the ranks, carried by the launch
+    with pytest.raises(ConfigError) as ei:
         stnb.run(functools.partial(build_softmax_loss, str(tmp_path)), strategy="deepspeed", stage=2, echo=False,
                  **BUILD)
     msg = str(ei.value)
-    assert "BuildError" in msg and "classifier" in msg and "strategy='zero1' or 'ddp'" in msg
+    assert "SoftmaxLoss" in msg and "strategy='zero1' or 'ddp'" in msg and "'deepspeed'" in msg
     assert fc.new_descendants(before) == []
+    script = tmp_path / "train.py"
+    with pytest.raises(ConfigError, match="SoftmaxLoss"):  # nor written as a script for torchrun
+        stnb.export_script(functools.partial(build_softmax_loss, str(tmp_path)), script, strategy="deepspeed",
+                           num_processes=2, echo=False)
+    assert not script.exists()
+
+
+class MaybeScaledLoss(torch.nn.Module):
+    """In-batch negatives whose learnable scale exists only when asked: the build function's source cannot
+    tell, so it is the ranks that find the loss's own parameter."""
+
+    def __init__(self, model, learn_scale: bool = True):
+        super().__init__()
+        self.model = model
+        if learn_scale:
+            self.log_scale = torch.nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, features, labels):
+        a, b = (self.model(f)["sentence_embedding"] for f in features)
+        scores = torch.nn.functional.normalize(a, dim=-1) @ torch.nn.functional.normalize(b, dim=-1).T
+        return torch.nn.functional.cross_entropy(scores * self.log_scale.exp(), torch.arange(len(a)))
+
+
+def build_maybe_scaled(outdir: str):
+    trainer = build_pairs(outdir)
+    trainer.loss = MaybeScaledLoss(trainer.model)
+    return trainer
+
+
+def test_a_loss_parameter_only_the_ranks_can_see_is_refused_there(tmp_path):
+    from stnb.buildsource import read_objects
+    from stnb.strategies.tensors import loss_classes_with_parameters
+
+    build = functools.partial(build_maybe_scaled, str(tmp_path))
+    assert loss_classes_with_parameters(read_objects(build)) == []  # under a condition: not seen in the cell
+    before = fc.descendants()
+    with pytest.raises(stnb.LaunchError) as ei:  # a BuildError in the ranks, carried by the launch
+        stnb.run(build, strategy="deepspeed", stage=2, echo=False, **BUILD)
+    msg = str(ei.value)
+    assert "BuildError" in msg and "log_scale" in msg and "strategy='zero1' or 'ddp'" in msg
+    assert fc.new_descendants(before) == []
+
+
+def test_which_loss_classes_are_seen_owning_parameters():
+    """Unconditional ``nn.Parameter`` / ``nn.Linear`` in ``__init__``: refused up front; an optional
+    projection (MSELoss's ``projection_dim``) or none: left to the ranks, which see the instance."""
+    from sentence_transformers.sentence_transformer import losses
+
+    from stnb.strategies.tensors import loss_classes_with_parameters
+
+    class TemperatureLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = torch.nn.Parameter(torch.zeros(()))
+
+    seen = {"losses.SoftmaxLoss": losses.SoftmaxLoss, "losses.MSELoss": losses.MSELoss,
+            "losses.MultipleNegativesRankingLoss": losses.MultipleNegativesRankingLoss,
+            "TemperatureLoss": TemperatureLoss, "MaybeScaledLoss": MaybeScaledLoss,
+            "Linear": torch.nn.Linear}  # a module, not a loss
+    assert loss_classes_with_parameters(seen) == ["SoftmaxLoss", "TemperatureLoss"]
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):

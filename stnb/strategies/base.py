@@ -96,6 +96,12 @@ class Strategy(abc.ABC):
     def check_recipe(self, config) -> None:
         """ConfigError for what stnb's recipe (not a user's trainer) cannot run with this strategy."""
 
+    def build_refusal(self, objects: dict) -> str:
+        """Before any process starts: why this strategy cannot train what a user's build function reads
+        (``objects``: ``buildsource.read_objects``), with the fix; '' when nothing is seen. The ranks
+        check the trainer itself again (``refusals``)."""
+        return ""
+
     def rank_env(self, config, device: str) -> dict:
         """Environment every rank needs, set before it imports anything (the runner merges it in)."""
         return dict(self.env)

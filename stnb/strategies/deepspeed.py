@@ -88,6 +88,10 @@ def contradictions(cfg: dict, stage: int, batch: int, accumulation: int, precisi
     return problems
 
 
+LOSS_PARAMETERS_FIX = ("DeepSpeed's engine reduces only its module's gradients, so every rank would train its own "
+                       "copy: use strategy='zero1' or 'ddp', which keep them in sync")
+
+
 class DeepSpeed(Strategy):
     name = "deepspeed"
     label = "DeepSpeed ZeRO"
@@ -162,6 +166,15 @@ class DeepSpeed(Strategy):
     def trainer_arguments(self, config, device):
         return {"deepspeed": ds_config(config), "use_cpu": False}
 
+    def build_refusal(self, objects):
+        from .tensors import loss_classes_with_parameters
+
+        owned = loss_classes_with_parameters(objects)
+        if not owned:
+            return ""
+        return (f"your build function uses {', '.join(owned)}, a loss with its own trainable parameters; "
+                f"{LOSS_PARAMETERS_FIX}")
+
     # ---- in each rank -------------------------------------------------------------------------
     def refusals(self, trainer, config):
         from .tensors import loss_owned_parameters
@@ -184,8 +197,7 @@ class DeepSpeed(Strategy):
         owned = loss_owned_parameters(trainer)
         if owned:
             problems.append(f"your loss has its own trainable parameters ({', '.join(n for n, _ in owned[:3])}); "
-                            "DeepSpeed's engine reduces only its module's gradients, so every rank would train its "
-                            "own copy: use strategy='zero1' or 'ddp', which keep them in sync")
+                            f"{LOSS_PARAMETERS_FIX}")
         if trainer.optimizer is not None:
             problems.append(f"your trainer came with a ready optimizer ({type(trainer.optimizer).__name__}); "
                             "DeepSpeed partitions the optimizer the trainer builds: pass optim=... instead")

@@ -78,6 +78,46 @@ def loss_owned_parameters(trainer) -> list:
     return out
 
 
+_MAKES_PARAMETERS = ("Parameter", "Linear", "Bilinear")
+
+
+def loss_classes_with_parameters(objects: dict) -> list:
+    """Names of the loss classes among ``objects`` (the build function's, ``buildsource.read_objects``)
+    whose ``__init__`` always makes trainable parameters: a ``nn.Parameter`` / ``nn.Linear`` /
+    ``nn.Bilinear`` call in a statement of its own body, not under a condition (SoftmaxLoss's classifier,
+    a learnable temperature; not MSELoss's optional projection). Seen before any instance exists; a loss
+    that gets parameters any other way is found in the ranks (``loss_owned_parameters``). A loss class:
+    a ``torch.nn.Module`` named ``*Loss`` or defined in a ``losses`` module."""
+    import torch
+
+    found = set()
+    for obj in objects.values():
+        if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+                and (obj.__name__.endswith("Loss") or ".losses" in (obj.__module__ or ""))
+                and _init_makes_parameters(obj)):
+            found.add(obj.__name__)
+    return sorted(found)
+
+
+def _init_makes_parameters(cls) -> bool:
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    init = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    for statement in init.body if init is not None else []:
+        if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.Expr)):
+            for node in ast.walk(statement):
+                func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+                if getattr(func, "attr", getattr(func, "id", None)) in _MAKES_PARAMETERS:
+                    return True
+    return False
+
+
 def optimizer_parameter_names(trainer, optimizer) -> tuple[list, int]:
     """(names, unnamed): every parameter the optimizer updates, named as the model or the loss names it
     (the optimizer itself only holds tensors). ``unnamed`` counts those neither owns."""
