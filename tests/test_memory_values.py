@@ -40,6 +40,7 @@ def test_predict_takes_the_edges_of_what_it_accepts():
     assert (frozen["params"], frozen["grads"], frozen["optimizer_state"]) == (40, 0, 0)
     assert memory.predict("single", 10, trainable_param_count=10) == memory.predict("single", 10)
     assert memory.predict("ddp", 10, world_size=1)["ddp_buckets"] == 40
+    assert memory.predict("fsdp", 10) == memory.predict("single", 10)     # the default world is one rank
     assert memory.predict("single", 10, optimizer="AdamW")["optimizer_state"] == 80   # case does not matter
     assert memory.predict("single", 10, optimizer="adafactor")["optimizer_state"] == 40
     assert memory.predict("single", 10, optimizer="adam")["optimizer_state"] == 80
@@ -107,6 +108,10 @@ def test_model_shape_counts_parameters_trainable_ones_and_their_element_size():
     assert memory.model_shape(model, optimizer="sgd_momentum")["optimizer"] == "sgd_momentum"
     model[0].half()                                   # 35 fp16 numbers against 24 fp32: most are 2 bytes
     assert memory.model_shape(model)["bytes_per_param"] == 2
+    # the element size held by the most numbers, summed over tensors (not the last tensor's count):
+    # 35 fp16 numbers in two tensors against one fp32 tensor of 20
+    mixed = torch.nn.Sequential(torch.nn.Linear(6, 5).half(), torch.nn.Linear(5, 4, bias=False))
+    assert memory.model_shape(mixed)["bytes_per_param"] == 2
     assert memory.model_shape(torch.nn.Module()) == {"param_count": 0, "trainable_param_count": 0,
                                                      "bytes_per_param": 4, "optimizer": "adamw"}
 
@@ -201,6 +206,8 @@ def test_compare_predicts_from_the_recorded_shape_bytes_and_optimizer():
     assert df[(0, "optimizer_state")]["note"] == "sgd_momentum: 1 states per trainable parameter"
     assert df[(0, "grads")]["note"] == "400 frozen parameters (requires_grad=False) have no gradient"
     assert df[(0, "params")]["note"] == "" and df[(0, "total")]["note"] == "params + grads + optimizer_state"
+    nothing_frozen = _by(memory.compare(_result()))
+    assert nothing_frozen[(0, "grads")]["note"] == ""              # no '0 frozen parameters' line
     # the optimizer asked for here wins over the recorded one; a shape without bytes or optimizer: fp32 AdamW
     asked = _by(memory.compare(_result(breakdown=[part], shape=shape), optimizer="adamw_torch"))
     assert asked[(0, "optimizer_state")]["predicted_bytes"] == 2 * 2 * 600
@@ -212,7 +219,10 @@ def test_compare_predicts_from_the_recorded_shape_bytes_and_optimizer():
 def test_compare_ratio_is_measured_over_predicted_and_mib_are_2_to_the_20_bytes():
     shape = {"param_count": MIB, "trainable_param_count": MIB, "bytes_per_param": 4, "optimizer": "adamw"}
     part = {"params": 2 * MIB, "grads": 4 * MIB, "optimizer_state": 12 * MIB}
-    df = _by(memory.compare(_result(breakdown=[part], shape=shape, peaks=[48 * MIB])))
+    frame = memory.compare(_result(breakdown=[part], shape=shape, peaks=[48 * MIB]))
+    assert list(frame.columns) == ["rank", "component", "predicted_bytes", "measured_bytes", "measured_over_predicted",
+                                   "predicted_mib", "measured_mib", "note"]
+    df = _by(frame)
     want = {"params": (4, 2), "grads": (4, 4), "optimizer_state": (8, 12), "total": (16, 18), "peak": (16, 48)}
     for comp, (predicted, measured) in want.items():
         r = df[(0, comp)]
@@ -241,6 +251,7 @@ def test_compare_a_rank_that_recorded_nothing_counts_as_zero_and_peaks_only_wher
     assert df[(0, "total")]["measured_bytes"] == 16000
     assert [k for k in df if k[1] == "peak"] == [(0, "peak")]            # rank 1's 0 and rank 2's missing peak
     assert df[(0, "peak")]["predicted_bytes"] == 20000                   # model state + DDP's buckets
+    assert df[(0, "ddp_buckets")]["note"] == "not measured: the buckets live inside DDP's reducer"
 
 
 def test_compare_refuses_a_run_without_a_measurement_with_its_reason():
