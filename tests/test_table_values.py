@@ -255,6 +255,9 @@ def test_hover_of_a_ddp_run_with_the_default_bucket_and_accumulated_steps():
         "verified: True · run d2",
     ])
     assert table.baseline_reason[0] == "no 'single' run of model tiny on cpu to compare with"
+    # beside a run that set its bucket size, one that did not still reads 'default (25)' (not 'nan')
+    mixed = comparison_table([run("ddp", 2, 20.0), run("ddp", 2, 20.0, bucket_cap_mb=100)])
+    assert "bucket_cap_mb: default (25)<br>" in mixed.hover[0] and "bucket_cap_mb: 100.0<br>" in mixed.hover[1]
 
 
 def test_hover_of_a_run_that_could_not_run_gives_the_reason_and_no_numbers():
@@ -301,8 +304,11 @@ def test_the_table_takes_a_run_a_list_a_tuple_or_a_frame_and_refuses_anything_el
 def test_the_table_does_not_change_the_frame_it_was_given():
     frame = stnb.results_frame([run("single", 1, 10.0), run("ddp", 2, 15.0)])
     columns = list(frame.columns)
-    comparison_table(frame, reference=True)
+    table = comparison_table(frame, reference=True)
     assert list(frame.columns) == columns and len(frame) == 2
+    # the table's rows are numbered 0..n-1 and it gains no column from renumbering them
+    assert list(table.index) == list(range(6)) and not {"index", "level_0"} & set(table.columns)
+    assert list(comparison_table(frame.iloc[::-1]).index) == [0, 1]
 
 
 def test_asking_for_the_reference_twice_shows_it_once_and_keeps_ours():
@@ -350,3 +356,24 @@ def test_list_columns_are_lists_and_options_come_from_the_config_when_the_row_la
     assert b["comm_hook"] == "fp16" and pd.isna(b["max_seq_length"]) and pd.isna(b["loss"])
     assert list(table.label) == ["ddp ×2 · hook bf16", "ddp ×2 · hook fp16"]
     assert "final loss: 0.2500" in a["hover"] and "seq ≤ 32" in a["hover"] and "seq ≤" not in b["hover"]
+
+
+def test_a_row_without_a_strategy_is_refused_with_the_strategies_there_are():
+    from stnb.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        comparison_table(pd.DataFrame([{"samples_per_second": 1.0}]))
+    assert str(e.value) == ("unknown strategy '?'; choose one of "
+                            + ", ".join(repr(n) for n in stnb.strategies.names()))
+
+
+def test_is_num_says_which_cells_hold_a_number():
+    """The figures plot a cell only when it holds a number: a missing one, NaN or words are not."""
+    from stnb.plots.table import is_num
+
+    assert [is_num(v) for v in (3, 2.5, "2.5", 0)] == [True, True, True, True]
+    assert [is_num(v) for v in (None, float("nan"), "fast", [1.0], {})] == [False] * 5
+    table = comparison_table(pd.DataFrame([{"strategy": "single", "samples_per_second": 4.0},
+                                           {"strategy": "ddp", "world_size": 2, "samples_per_second": "n/a"}]))
+    assert table.speedup[0] == 1.0 and pd.isna(table.speedup[1]) and table.baseline[1] == ""
+    assert "samples/s" not in table.hover[1]
