@@ -185,11 +185,11 @@ def _hover(r) -> str:
                  + (f" (accumulation {r['gradient_accumulation_steps']})"
                     if (r["gradient_accumulation_steps"] or 1) > 1 else ""))
     lines.append(f"model: {fmt(r['model_name'])} · device: {fmt(r['device'])}"
-                 + (f" · seq ≤ {fmt(r['max_seq_length'])}" if r.get("max_seq_length") is not None else ""))
+                 + (f" · seq ≤ {int(r['max_seq_length'])}" if is_num(r.get("max_seq_length")) else ""))
     if not theirs:
         lines.append(f"steps: {fmt(r['steps'])} · loss: {fmt(r.get('loss'))} · mixed precision: "
-                     f"{fmt(r.get('mixed_precision'))}" + (f" · threads/rank: {fmt(r.get('threads_per_rank'))}"
-                                                            if r.get("threads_per_rank") else ""))
+                     f"{fmt(r.get('mixed_precision'))}" + (f" · threads/rank: {int(r['threads_per_rank'])}"
+                                                            if is_num(r.get("threads_per_rank")) else ""))
     if "comm_hook" in strategies.get(r["strategy"]).knobs and not theirs:
         cap = r.get("bucket_cap_mb")
         lines.append(f"comm_hook: {fmt(r.get('comm_hook'))} · gradient_as_bucket_view: "
