@@ -151,9 +151,45 @@ def test_something_that_is_no_config_is_refused_naming_what_it_got(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_config_literal_is_one_field_per_line_and_reads_back_equal():
-    d = {"strategy": "fsdp", "columns": {"q": "anchor"}, "long": list(range(40))}
+def test_the_config_literal_is_one_field_per_line_and_a_value_wraps_past_90_columns():
+    at_90, over_90 = list(range(25)), list(range(1, 26))  # reprs of 90 and 91 characters
+    assert (len(repr(at_90)), len(repr(over_90))) == (90, 91)
+    wrapped = ",\n ".join(map(str, over_90))  # pprint's wrap: one item per line
+    d = {"strategy": "fsdp", "columns": {"q": "anchor"}, "at_90": at_90, "over_90": over_90}
     text = _dict_literal(d)
     assert ast.literal_eval(text) == d
-    assert text.splitlines()[:3] == ["{", "    'strategy': 'fsdp',", "    'columns': {'q': 'anchor'},"]
-    assert text.endswith(",\n}") and all(len(line) <= 4 + len("'long': ,") + 90 for line in text.splitlines())
+    assert text == "\n".join(["{", "    'strategy': 'fsdp',", "    'columns': {'q': 'anchor'},",
+                              f"    'at_90': [{', '.join(map(str, at_90))}],",
+                              f"    'over_90': [{wrapped}],", "}"])
+
+
+def test_export_script_writes_an_executable_script_with_the_default_node_commands(tmp_path):
+    cfg = TrainConfig(strategy="ddp", num_processes=2, **TINY)
+    out = stnb.export_script(cfg, tmp_path / "t.py", echo=False)
+    assert (out.num_nodes, out.master_addr, out.master_port, out.nproc_per_node) == (2, "$MASTER_ADDR", 29500, 2)
+    assert out.node_commands("torchrun") == [
+        f"torchrun --nnodes=2 --nproc_per_node=2 --node_rank={i} --master_addr=$MASTER_ADDR --master_port=29500 "
+        f"{tmp_path / 't.py'}" for i in range(2)]
+    assert (tmp_path / "t.py").stat().st_mode & 0o777 == 0o755  # ./t.py runs it (#!/usr/bin/env python)
+    assert (tmp_path / "t.py").read_text().startswith("#!/usr/bin/env python\n")
+    custom = stnb.export_script(cfg, tmp_path / "u.py", echo=False, num_nodes=3, master_addr="10.2.0.1",
+                                master_port="29700")
+    assert (custom.num_nodes, custom.master_addr, custom.master_port) == (3, "10.2.0.1", 29700)
+
+
+def test_a_script_that_cannot_be_written_is_refused_with_the_folder_to_change(tmp_path):
+    cfg = TrainConfig(strategy="ddp", num_processes=2, **TINY)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError) as e:  # its folder cannot be made: a file is in the way
+        stnb.export_script(cfg, tmp_path / "a_file" / "t.py", echo=False)
+    assert str(e.value).startswith(f"cannot write {str(tmp_path / 'a_file' / 't.py')!r}: [Errno ")
+    assert str(e.value).endswith("; choose a writable folder")
+    with pytest.raises(ConfigError) as e:  # the folder exists, but no file can be created in it (even by root)
+        stnb.export_script(cfg, "/proc/stnb-export-test.py", echo=False)
+    assert str(e.value).startswith("cannot write '/proc/stnb-export-test.py': [Errno 2] No such file or directory")
+    assert str(e.value).endswith("; choose a writable folder")
+
+
+def test_a_build_function_without_options_passes_none():
+    text, *_ = render_script(h.reads_body_and_comprehension)
+    assert "\nSTNB_OPTIONS = {}\n" in text
