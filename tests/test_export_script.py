@@ -16,7 +16,7 @@ import buildsource_helpers as h
 import stnb
 from stnb import TrainConfig
 from stnb.errors import ConfigError
-from stnb.export import _dict_literal, render_script
+from stnb.export import render_script
 from stnb.hardware import versions
 from stnb.strategies import is_distributed, names
 
@@ -151,16 +151,16 @@ def test_something_that_is_no_config_is_refused_naming_what_it_got(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_config_literal_is_one_field_per_line_and_a_value_wraps_past_90_columns():
-    at_90, over_90 = list(range(25)), list(range(1, 26))  # reprs of 90 and 91 characters
+def test_the_config_is_one_field_per_line_and_a_value_wraps_past_90_columns():
+    at_90, over_90 = {"a": list(range(1, 24))}, {"ab": list(range(1, 24))}  # reprs of 90 and 91 characters
     assert (len(repr(at_90)), len(repr(over_90))) == (90, 91)
-    wrapped = ",\n ".join(map(str, over_90))  # pprint's wrap: one item per line
-    d = {"strategy": "fsdp", "columns": {"q": "anchor"}, "at_90": at_90, "over_90": over_90}
-    text = _dict_literal(d)
-    assert ast.literal_eval(text) == d
-    assert text == "\n".join(["{", "    'strategy': 'fsdp',", "    'columns': {'q': 'anchor'},",
-                              f"    'at_90': [{', '.join(map(str, at_90))}],",
-                              f"    'over_90': [{wrapped}],", "}"])
+    cfg = TrainConfig(strategy="ddp", num_processes=2, columns={"q": "anchor"}, **TINY)
+    text, *_ = render_script(cfg.replace(extra=at_90))
+    assert "\n    'columns': {'q': 'anchor'},\n" in text and f"\n    'extra': {at_90!r},\n" in text
+    text, *_ = render_script(cfg.replace(extra=over_90))
+    wrapped = "{'ab': [" + ",\n        ".join(map(str, range(1, 24))) + "]}"  # pprint: one item per line
+    assert f"\n    'extra': {wrapped},\n" in text
+    assert _constants(text)["CONFIG"] == cfg.replace(extra=over_90).to_dict()
 
 
 def test_export_script_writes_an_executable_script_with_the_default_node_commands(tmp_path):
