@@ -295,3 +295,10 @@ def imports_inside():
         return sep
 
     return dumps, loads, inner, len, SIZE, NOT_DEFINED_C  # noqa: F821
+
+
+from buildsource_other import calls_other_helper  # noqa: E402  reads another shared_helper
+
+
+def reads_two_helpers_named_alike():
+    return shared_helper(), calls_other_helper()

@@ -347,3 +347,14 @@ def test_global_objects_are_what_a_function_reads_and_imports_inside_itself():
     assert global_objects(h.imports_inside) == want  # not NOT_DEFINED_C: nothing by that name exists
     assert global_objects(functools.partial(h.imports_inside)) == want
     assert global_objects(len) == {} and global_objects(h.Builder()) == {}
+
+
+def test_two_different_functions_of_one_name_are_refused(monkeypatch):
+    import buildsource_other as other
+
+    for fn in (h.shared_helper, other.shared_helper, other.calls_other_helper):
+        monkeypatch.setattr(fn, "__module__", "__main__")  # all defined in the notebook: copied as source
+    with pytest.raises(ConfigError) as e:
+        build_source(h.reads_two_helpers_named_alike)
+    assert str(e.value) == ("two different objects are named 'shared_helper' in the functions exported (function and "
+                            "function); rename one of them")

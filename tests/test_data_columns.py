@@ -377,3 +377,22 @@ def test_loss_objects_name_their_class_the_inputs_missing_and_the_label_kind_the
     assert columns.plan_columns(["anchor", "positive", "score"], Mine()).keep == ["anchor", "positive", "score"]
     li = columns.LOSS_INPUTS["mnrl"]
     assert columns.loss_inputs(li) is li and columns.loss_inputs("cosine") is columns.LOSS_INPUTS["cosine"]
+
+
+def test_a_names_only_plan_keeps_the_mapping_and_a_plain_negative_comes_before_negative_1():
+    plan = columns.plan_columns(["q", "a", "id"], None, {"q": "anchor", "a": "positive", "id": None})
+    assert (plan.texts, plan.rename, plan.dropped) == (("anchor", "positive"), {"q": "anchor", "a": "positive"},
+                                                        ("id",))
+    assert columns.plan_columns(["anchor", "positive", "negative_1", "negative"], "mnrl").texts == (
+        "anchor", "positive", "negative", "negative_1")
+
+
+def test_two_label_columns_are_refused_and_extra_texts_with_a_label_get_no_loss_suggested():
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["sentence1", "sentence2", "label", "score"], "cosine")
+    assert str(e.value).endswith("It has 2 label columns ['label', 'score'], and the trainer would use only 'label'; "
+                                 "keep one, e.g. drop the others with columns={'score': None}")
+    with pytest.raises(ConfigError) as e:  # mnrl would take the texts but not the score: not offered
+        columns.plan_columns(["anchor", "positive", "negative", "score"], "cosine")
+    assert str(e.value).endswith("The column(s) ['negative'] would not be used by CosineSimilarityLoss, or drop them "
+                                 "explicitly with columns={'negative': None}")
