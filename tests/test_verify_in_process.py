@@ -310,3 +310,26 @@ def test_replicated_digests_cover_every_tensor_not_sharded_and_the_extra_ones(wo
     assert all(got[n] == everything[n] for n in ("0.bias", "1.bias", "2.weight", "2.bias"))
     assert got["loss.scale"] == checks.digests_of([("x", torch.ones(4))])["x"]
     assert list(checks.replicated_digests(torch.nn.Linear(2, 2))) == ["weight", "bias"]
+
+
+def test_differing_tensors_name_missing_ones_and_a_dtype_change_with_equal_values():
+    a = {"w": torch.zeros(2), "only_a": torch.ones(1), "same": torch.ones(3)}
+    b = {"w": torch.zeros(2, dtype=torch.int64), "same": torch.ones(3), "only_b": torch.ones(1)}
+    assert checks.differing_tensors(a, b) == ["w", "only_a", "only_b"]  # a's order, then b's extra names
+
+
+def test_saved_model_problems_name_the_first_differing_tensor_and_an_untrained_save():
+    trained = {f"t{i:02d}": torch.full((2,), float(i)) for i in range(12)}
+    initial = {k: v - 1 for k, v in trained.items()}
+    off = {k: v + 1 for k, v in trained.items()}  # every tensor differs from the trained ones
+    problems, details = checks.saved_model_problems(off, trained, initial)
+    assert problems == ["the saved model's weights are not the trained ones: 12 tensor(s) differ, first 't00'"]
+    assert details == {"tensors": 12, "differing_from_trained": [f"t{i:02d}" for i in range(10)],
+                       "equals_trained": False, "changed_from_initial": 12, "differs_from_initial": True}
+    problems, details = checks.saved_model_problems(dict(initial), trained, initial)  # the untrained model saved
+    assert problems[1] == ("the saved model's weights equal the initial (untrained) model's: nothing shows that "
+                           "training changed it (was the untrained model saved, or did training change no weight?)")
+    assert (details["changed_from_initial"], details["differs_from_initial"]) == (0, False)
+    assert checks.saved_model_problems(dict(trained), trained, initial) == (
+        [], {"tensors": 12, "differing_from_trained": [], "equals_trained": True, "changed_from_initial": 12,
+             "differs_from_initial": True})
