@@ -10,7 +10,7 @@ importable ``__module__`` / ``__qualname__``, ``name = <literal>`` for a simple 
 strings, and lists / tuples / dicts / sets of them), and the source of a helper function defined
 in the notebook (checked the same way). Anything else exists only in this kernel, and the export
 is refused naming it, with the fix (ConfigError): a closure over a local variable
-(``inspect.getclosurevars``), a global holding an object built in the notebook (a dataset, a
+(its free variables), a global holding an object built in the notebook (a dataset, a
 model), a class defined in a cell, a lambda, a function whose source cannot be found (made by
 ``exec``), a decorated function.
 """
@@ -120,7 +120,7 @@ class _State:
         self.seen.add(id(fn))
         self.bind(fn.__name__, ("function", id(fn)))
         if fn.__closure__:
-            names = sorted(inspect.getclosurevars(fn).nonlocals) or list(fn.__code__.co_freevars)
+            names = sorted(fn.__code__.co_freevars)  # not getclosurevars: it raises on a cell not assigned yet
             raise ConfigError(f"{label}() closes over {', '.join(names)}, local variable(s) of the function it "
                               "was defined in, which exist only in this kernel; define it at the top level of a "
                               "cell and build those objects inside it (or pass numbers and strings with "

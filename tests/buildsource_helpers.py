@@ -175,3 +175,130 @@ def reads_alias():
 
 
 alias_of_helper = notebook_helper
+
+
+# ---- more shapes for test_buildsource ----------------------------------------------------------
+
+@tag
+@tag
+def decorated_twice():
+    return None
+
+
+from collections import OrderedDict  # noqa: E402  a class imported under its own name
+from xml.etree import ElementTree  # noqa: E402  a module three names deep, by its last name
+
+
+def reads_deep_module_and_a_class_by_its_own_name():
+    return ElementTree, OrderedDict
+
+
+def _tuples(levels):
+    x = 0
+    for _ in range(levels):
+        x = (x,)
+    return x
+
+
+KEY_AT_LIMIT = {_tuples(19): 1}   # the dict is depth 0, its key 1: the key's number is at depth 20
+KEY_TOO_DEEP = {_tuples(20): 1}
+VALUE_AT_LIMIT = {"k": _nest(19)}
+VALUE_TOO_DEEP = {"k": _nest(20)}
+NOT_A_NUMBER = float("nan")  # repr 'nan' is no literal: it cannot be written into a script
+
+
+def reads_key_at_limit():
+    return KEY_AT_LIMIT
+
+
+def reads_key_too_deep():
+    return KEY_TOO_DEEP
+
+
+def reads_value_at_limit():
+    return VALUE_AT_LIMIT
+
+
+def reads_value_too_deep():
+    return VALUE_TOO_DEEP
+
+
+def reads_not_a_number():
+    return NOT_A_NUMBER
+
+
+AT_110 = list(range(30))        # repr: exactly 110 characters, one line
+OVER_110 = list(range(1, 31))   # repr: 111 characters, wrapped
+
+
+def reads_at_and_over_110():
+    return AT_110, OVER_110
+
+
+def shared_helper():  # called by left and right: its source goes in once
+    return SIZE * 2
+
+
+def left():
+    return shared_helper() + SIZE
+
+
+def right():
+    return shared_helper()
+
+
+def reads_left_and_right():
+    return left(), right()
+
+
+def calls_build(n):  # reads the global `build`, the name a partial's entry point takes
+    return build, n
+
+
+def main():  # the exported script's own entry point's name
+    return SIZE
+
+
+STNB_OPTIONS = {"strategy": "ddp"}
+
+
+def reads_reserved_names():
+    return STNB_OPTIONS, main()
+
+
+def reads_two_kernel_objects():
+    return OBJECT_AS_VALUE, OBJECT_IN_A_LIST
+
+
+def reads_undefined_names():
+    return NOT_DEFINED_B, NOT_DEFINED_A  # noqa: F821
+
+
+class Builder:  # a callable object: not a function a script can define
+    def __call__(self, *args):
+        return args
+
+    def __repr__(self):
+        return "Builder()"
+
+
+class LongRepr:
+    def __repr__(self):
+        return "<" + "L" * 70 + ">"
+
+
+def imports_inside():
+    from json import dumps, loads
+
+    def inner():
+        from os import sep
+        return sep
+
+    return dumps, loads, inner, len, SIZE, NOT_DEFINED_C  # noqa: F821
+
+
+from buildsource_other import calls_other_helper  # noqa: E402  reads another shared_helper
+
+
+def reads_two_helpers_named_alike():
+    return shared_helper(), calls_other_helper()

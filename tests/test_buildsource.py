@@ -190,3 +190,171 @@ def test_a_notebook_function_under_another_name_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match=r"alias_of_helper \(the function notebook_helper under another name; "
                                           r"call it by its own name\)"):
         build_source(h.reads_alias)
+
+
+# ---- the words of each refusal, and the script's parts --------------------------------------------------
+
+def test_every_decorator_is_named():
+    with pytest.raises(ConfigError) as e:
+        build_source(h.decorated_twice)
+    assert str(e.value).startswith("decorated_twice() is decorated (tag, tag); ")
+
+
+def test_a_module_deep_in_a_package_and_a_class_under_its_own_name_are_imported_as_written():
+    assert build_source(h.reads_deep_module_and_a_class_by_its_own_name).imports == [
+        "from collections import OrderedDict", "from xml.etree import ElementTree"]
+
+
+@pytest.mark.parametrize("fn, name", [(h.reads_key_at_limit, "KEY_AT_LIMIT"),
+                                      (h.reads_value_at_limit, "VALUE_AT_LIMIT")])
+def test_dict_keys_and_values_nested_up_to_the_limit_are_literals(fn, name):
+    assert _script_names(build_source(fn).text)[name] == getattr(h, name)
+
+
+@pytest.mark.parametrize("fn, name", [(h.reads_key_too_deep, "KEY_TOO_DEEP"), (h.reads_value_too_deep, "VALUE_TOO_DEEP"),
+                                      (h.reads_not_a_number, "NOT_A_NUMBER")])
+def test_dict_keys_and_values_nested_too_deep_and_a_nan_are_refused(fn, name):
+    kind = type(getattr(h, name)).__name__
+    with pytest.raises(ConfigError, match=rf"exist only in this kernel: {name} \(a builtins\.{kind} object built in "
+                                          r"the notebook\)"):
+        build_source(fn)
+
+
+def test_a_literal_of_110_characters_stays_on_one_line_and_one_more_wraps():
+    at, over = build_source(h.reads_at_and_over_110).literals
+    assert at == "AT_110 = [" + ", ".join(str(i) for i in range(30)) + "]"
+    assert over == "OVER_110 = [" + ",\n ".join(str(i) for i in range(1, 31)) + "]"
+
+
+def test_a_helper_two_functions_call_goes_in_once_with_the_literal_both_read(monkeypatch):
+    for fn in (h.shared_helper, h.left, h.right):
+        monkeypatch.setattr(fn, "__module__", "__main__")  # defined in the notebook: copied as source
+    src = build_source(h.reads_left_and_right)
+    assert src.functions == ["shared_helper", "left", "right", "reads_left_and_right"]
+    assert src.literals == ["SIZE = 3"]
+    assert src.text.count("def shared_helper():") == 1 and src.text.count("SIZE = 3") == 1
+
+
+@pytest.mark.parametrize("kind", ["import", "function", "module", "literal"])
+def test_a_global_named_like_the_partials_entry_point_is_refused_naming_both(monkeypatch, kind):
+    import functools
+    import json
+
+    if kind == "function":
+        monkeypatch.setattr(h.build, "__module__", "__main__")
+    elif kind == "module":
+        monkeypatch.setattr(h, "build", json)
+    elif kind == "literal":
+        monkeypatch.setattr(h, "build", 3)
+    with pytest.raises(ConfigError) as e:
+        build_source(functools.partial(h.calls_build, 1))
+    assert str(e.value) == (f"two different objects are named 'build' in the functions exported ({kind} and "
+                            "partial); rename one of them")
+
+
+def test_the_scripts_own_names_are_refused_for_a_function_and_for_globals():
+    with pytest.raises(ConfigError) as e:
+        build_source(h.main)
+    assert str(e.value) == ("the exported script uses the name(s) ['main'] itself; rename your function(s) main and "
+                            "export again")
+    with pytest.raises(ConfigError) as e:
+        build_source(h.reads_reserved_names)
+    assert str(e.value) == ("the exported script uses the name(s) ['STNB_OPTIONS', 'main'] itself; rename your "
+                            "global(s) STNB_OPTIONS, main and export again")
+
+
+def test_partials_of_partials_and_of_objects_are_refused_naming_what_they_bind():
+    import functools
+
+    inner = functools.partial(h.takes_one)
+    inner.note = "mine"  # a partial with attributes of its own: functools does not flatten a partial of it
+    with pytest.raises(ConfigError) as e:
+        build_source(functools.partial(inner, 1))
+    assert str(e.value) == ("export_script takes a function or one functools.partial of it, not a partial of a "
+                            "partial; combine the arguments into one partial")
+    long = repr(h.LongRepr())
+    with pytest.raises(ConfigError) as e:
+        build_source(functools.partial(h.Builder(), h.LongRepr(), k=h.LongRepr()))
+    assert str(e.value) == (f"the functools.partial of Builder() binds {long[:60]}, {long[:60]}, which exist only in "
+                            "this kernel; bind only numbers, strings, lists and dicts of them, or build those objects "
+                            "inside the function")
+
+
+def test_a_callable_object_and_a_lambda_are_refused_with_the_fix():
+    with pytest.raises(ConfigError) as e:
+        build_source(h.Builder())
+    assert str(e.value) == "export_script takes a function defined with def in a cell; got Builder Builder()"
+    with pytest.raises(ConfigError) as e:
+        build_source(lambda: None)
+    assert str(e.value) == ("a lambda has no name or source of its own a script can call; define the build function "
+                            "with def in a cell (def build(): ... return trainer) and export that")
+
+
+def _closure(assign: bool):
+    if assign:
+        later = other = 1
+
+    def build():
+        return later, other
+
+    return build
+
+
+@pytest.mark.parametrize("assign", [True, False])
+def test_a_closure_is_refused_naming_every_local_it_reads_even_one_never_assigned(assign):
+    with pytest.raises(ConfigError) as e:
+        build_source(_closure(assign))
+    assert str(e.value) == ("_closure.<locals>.build() closes over later, other, local variable(s) of the function it "
+                            "was defined in, which exist only in this kernel; define it at the top level of a cell "
+                            "and build those objects inside it (or pass numbers and strings with functools.partial)")
+
+
+def test_a_function_without_source_kernel_objects_and_undefined_names_are_refused_naming_them():
+    ns = {}
+    exec("def made_by_exec():\n    return None\n", ns)
+    with pytest.raises(ConfigError) as e:
+        build_source(ns["made_by_exec"])
+    assert str(e.value).startswith("the source of made_by_exec() cannot be found (")
+    assert str(e.value).endswith("): it was made by exec/eval or in a session that is gone; define it with def in a "
+                                 "notebook cell or a .py file")
+    with pytest.raises(ConfigError) as e:
+        build_source(h.reads_two_kernel_objects)
+    assert str(e.value) == ("reads_two_kernel_objects() reads global(s) that exist only in this kernel: "
+                            "OBJECT_AS_VALUE (a builtins.dict object built in the notebook); OBJECT_IN_A_LIST (a "
+                            "builtins.list object built in the notebook). A script has only imports, literals and "
+                            "functions: build these objects inside the function (load the dataset, create the model "
+                            "there)")
+    with pytest.raises(ConfigError) as e:
+        build_source(h.reads_undefined_names)
+    assert str(e.value) == ("reads_undefined_names() uses NOT_DEFINED_A, NOT_DEFINED_B, not defined in this kernel; "
+                            "define or import them before exporting")
+
+
+def test_a_functions_source_goes_in_without_trailing_blanks_and_ends_as_written():
+    fn = _with_source_lines("tidy", ["def tidy():\n", "    MAX = 1\n", "    return MAX   \n"])
+    assert build_source(fn).text == "def tidy():\n    MAX = 1\n    return MAX\n"
+
+
+def test_global_objects_are_what_a_function_reads_and_imports_inside_itself():
+    """What stnb.run checks before anything starts (a trainer class the build function reads or imports)."""
+    import functools
+    import json
+    import os
+
+    from stnb.buildsource import global_objects
+
+    want = {"SIZE": h.SIZE, "len": len, "dumps": json.dumps, "loads": json.loads, "sep": os.sep}
+    assert global_objects(h.imports_inside) == want  # not NOT_DEFINED_C: nothing by that name exists
+    assert global_objects(functools.partial(h.imports_inside)) == want
+    assert global_objects(len) == {} and global_objects(h.Builder()) == {}
+
+
+def test_two_different_functions_of_one_name_are_refused(monkeypatch):
+    import buildsource_other as other
+
+    for fn in (h.shared_helper, other.shared_helper, other.calls_other_helper):
+        monkeypatch.setattr(fn, "__module__", "__main__")  # all defined in the notebook: copied as source
+    with pytest.raises(ConfigError) as e:
+        build_source(h.reads_two_helpers_named_alike)
+    assert str(e.value) == ("two different objects are named 'shared_helper' in the functions exported (function and "
+                            "function); rename one of them")

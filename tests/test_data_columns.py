@@ -252,3 +252,147 @@ def test_text_columns_leave_out_the_labels():
 
     ds = Dataset.from_dict({"score": [0.5], "sentence1": ["a"], "label": [1], "sentence2": ["b"]})
     assert columns.text_columns(ds) == ["sentence1", "sentence2"]
+
+
+# ---- plan_columns: what goes to the loss, and each refusal's words ------------------------------------
+
+NAMES_ONLY = ("stnb reads text columns named sentence1,sentence2 or anchor,positive[,negative_1..n] plus an "
+              "optional score")
+COSINE = "loss 'cosine' (CosineSimilarityLoss) reads (sentence1, sentence2, score)"
+MNRL = f"loss 'mnrl' (MultipleNegativesRankingLoss) reads {MNRL_SHAPE}"
+KNOWN = "sentence1, sentence2, anchor, positive, negative / negative_1..n, score"
+
+
+def test_a_plan_orders_texts_as_the_loss_reads_them_then_the_label_and_keeps_the_mapping():
+    plan = columns.plan_columns(["sim", "b", "id", "a"], "cosine",
+                                {"a": "sentence1", "b": "sentence2", "sim": "score", "id": None})
+    assert (plan.texts, plan.label) == (("sentence1", "sentence2"), "score")
+    assert plan.rename == {"a": "sentence1", "b": "sentence2", "sim": "score"} and plan.dropped == ("id",)
+    assert plan.keep == ["sentence1", "sentence2", "score"]
+    # negatives in their number's order (negative_10 after negative_2), after anchor and positive
+    found = ["negative_10", "positive", "negative_2", "anchor", "negative"]
+    assert columns.plan_columns(found, "mnrl").texts == ("anchor", "positive", "negative", "negative_2",
+                                                         "negative_10")
+    # a name mapped to itself is no rename; a plan without label keeps only the texts
+    plan = columns.plan_columns(["anchor", "positive"], "mnrl", {"anchor": "anchor"})
+    assert (plan.rename, plan.dropped, plan.label, plan.keep) == ({}, (), None, ["anchor", "positive"])
+    # names only (no loss): the label is optional and found by the trainer's preference
+    assert columns.plan_columns(["labels", "sentence2", "sentence1"]).keep == ["sentence1", "sentence2", "labels"]
+
+
+def test_a_mapping_is_a_dict_of_names_and_it_maps_only_columns_the_data_has():
+    for bad in (["anchor"], {"q": 1}, {2: "anchor"}):
+        with pytest.raises(ConfigError) as e:
+            columns.plan_columns(["q", "a"], "mnrl", bad)
+        assert str(e.value) == ("columns must be a dict {column in the data: name the loss reads, or None to drop it}, "
+                                "e.g. columns={'question': 'anchor', 'answer': 'positive'}; got " + repr(bad))
+    assert columns.check_mapping(None) == {} and columns.check_mapping({"q": None}) == {"q": None}
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["q", "a"], "mnrl", {"x": "anchor", "q": "anchor", "y": None}, where="train.csv")
+    assert str(e.value) == ("train.csv: columns={'x': 'anchor', 'q': 'anchor', 'y': None} maps ['x', 'y'], which the "
+                            "data does not have; its columns are ['q', 'a']. Map only existing columns.")
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["a", "b", "c"], "cosine", {"a": "sentence1", "b": "sentence2", "c": "sentence1"})
+    assert str(e.value) == ("data: with columns={'a': 'sentence1', 'b': 'sentence2', 'c': 'sentence1'} the data "
+                            "['a', 'b', 'c'] would have the column(s) ['sentence1'] more than once; map each input "
+                            "to one column")
+
+
+def test_two_label_columns_are_refused_naming_the_data_columns_to_drop():
+    mapping = {"s1": "sentence1", "s2": "sentence2", "sim": "score"}
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["s1", "s2", "scores", "sim", "label"], "cosine", mapping, where="sts.csv")
+    assert str(e.value) == (
+        "data sts.csv has columns ['s1', 's2', 'scores', 'sim', 'label'] (after columns=" + repr(mapping)
+        + ": ['sentence1', 'sentence2', 'scores', 'score', 'label']); " + COSINE + ". It has 3 label columns "
+        "['label', 'score', 'scores'], and the trainer would use only 'label'; keep one, e.g. drop the others with "
+        "columns={'sim': None, 'scores': None}")
+
+
+@pytest.mark.parametrize("found, loss, first", [(["sentence1", "sentence2", "extra", "more"], "cosine", "sentence1"),
+                                                (["anchor", "extra", "more"], None, "anchor")])
+def test_an_unknown_column_is_refused_with_a_name_the_loss_reads_or_a_drop(found, loss, first):
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(found, loss)
+    expects = COSINE if loss else NAMES_ONLY
+    assert str(e.value) == (f"data data has columns {found}; {expects}. The column(s) ['extra', 'more'] are not "
+                            f"inputs stnb knows ({KNOWN}), and nothing is dropped silently: say what each one is "
+                            f"with columns={{'extra': '{first}'}} (any of those names), or drop it explicitly with "
+                            "columns={'extra': None}")
+
+
+def test_a_missing_input_and_no_text_at_all_are_refused_with_the_fix():
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["anchor", "negative"], "mnrl")
+    assert str(e.value) == (f"data data has columns ['anchor', 'negative']; {MNRL}. The input(s) ['positive'] are "
+                            "missing (the trainer reads inputs by position, so anchor and negative alone would be "
+                            "read as the wrong inputs); add them, or map yours, e.g. columns={'answer': 'positive'}")
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["score"], "cosine")
+    assert str(e.value) == (f"data data has columns ['score']; {COSINE}. It has no text columns; name them with e.g. "
+                            "columns={'question': 'anchor', 'answer': 'positive'}, or use data='synthetic'")
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["sentence1", "sentence2"], "nope")
+    assert str(e.value) == "unknown loss 'nope'; choose one of 'cosine', 'mnrl'"
+
+
+def test_extra_texts_and_labels_are_named_by_the_data_columns_they_come_from():
+    mapping = {"q": "anchor", "p": "positive", "h": "negative", "h2": "negative_2"}
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["q", "p", "h", "h2"], "cosine", mapping)
+    assert str(e.value).endswith("The column(s) ['negative', 'negative_2'] would not be used by CosineSimilarityLoss; "
+                                 "use loss='mnrl' (MultipleNegativesRankingLoss, which uses them), or drop them "
+                                 "explicitly with columns={'h': None, 'h2': None}")
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["q", "p", "sim"], "mnrl", {"q": "anchor", "p": "positive", "sim": "labels"})
+    assert str(e.value).endswith("so the 'labels' column would be ignored and low-labels rows trained as positives; "
+                                 "use loss='cosine' (CosineSimilarityLoss, which trains on it), or drop it "
+                                 "explicitly with columns={'sim': None}")
+
+
+def test_loss_objects_name_their_class_the_inputs_missing_and_the_label_kind_they_need():
+    from sentence_transformers.sentence_transformer import losses
+
+    from stnb.models import load_model
+
+    model = load_model("tiny")
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["anchor", "positive"], losses.TripletLoss(model))
+    assert str(e.value) == ("data data has columns ['anchor', 'positive']; loss TripletLoss reads (anchor, positive, "
+                            "negative). It has 2 text column(s) ['anchor', 'positive']; add or map the missing "
+                            "input(s)")
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["sentence1", "sentence2"], losses.ContrastiveLoss(model))
+    assert str(e.value) == ("data data has columns ['sentence1', 'sentence2']; loss ContrastiveLoss reads (sentence1, "
+                            "sentence2, label 0/1). There is no label column (label, labels, score, scores); add a "
+                            "class column or map yours, e.g. columns={'gold': 'label'}")
+    assert columns.plan_columns(["sentence1", "sentence2", "label"], losses.ContrastiveLoss(model)).label == "label"
+    # a loss stnb does not know: only the names are checked; a loss wrapping itself does not loop
+    class Mine:
+        pass
+
+    looped = Mine()
+    looped.loss = looped
+    assert columns.loss_inputs(Mine()) is None and columns.loss_inputs(looped) is None
+    assert columns.plan_columns(["anchor", "positive", "score"], Mine()).keep == ["anchor", "positive", "score"]
+    li = columns.LOSS_INPUTS["mnrl"]
+    assert columns.loss_inputs(li) is li and columns.loss_inputs("cosine") is columns.LOSS_INPUTS["cosine"]
+
+
+def test_a_names_only_plan_keeps_the_mapping_and_a_plain_negative_comes_before_negative_1():
+    plan = columns.plan_columns(["q", "a", "id"], None, {"q": "anchor", "a": "positive", "id": None})
+    assert (plan.texts, plan.rename, plan.dropped) == (("anchor", "positive"), {"q": "anchor", "a": "positive"},
+                                                        ("id",))
+    assert columns.plan_columns(["anchor", "positive", "negative_1", "negative"], "mnrl").texts == (
+        "anchor", "positive", "negative", "negative_1")
+
+
+def test_two_label_columns_are_refused_and_extra_texts_with_a_label_get_no_loss_suggested():
+    with pytest.raises(ConfigError) as e:
+        columns.plan_columns(["sentence1", "sentence2", "label", "score"], "cosine")
+    assert str(e.value).endswith("It has 2 label columns ['label', 'score'], and the trainer would use only 'label'; "
+                                 "keep one, e.g. drop the others with columns={'score': None}")
+    with pytest.raises(ConfigError) as e:  # mnrl would take the texts but not the score: not offered
+        columns.plan_columns(["anchor", "positive", "negative", "score"], "cosine")
+    assert str(e.value).endswith("The column(s) ['negative'] would not be used by CosineSimilarityLoss, or drop them "
+                                 "explicitly with columns={'negative': None}")

@@ -254,3 +254,82 @@ def test_ipython_shows_an_exported_script_as_its_commands():
     s = ExportedScript(path="t.py", nproc_per_node=1, num_nodes=2, master_addr="h", master_port=1,
                        commands={"python": "python t.py"})
     assert pretty(s) == str(s)
+
+
+def test_shard_problems_name_layouts_stnb_cannot_check_and_go_on_checking_the_rest(world_of_one):
+    """A strided shard (FSDP inside tensor parallelism) has no exact size stnb knows: named, three examples,
+    and the parameters after it are still checked."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    layers = list(m)
+    for layer in layers[:2]:  # four parameters of a layout stnb does not know, first
+        for leaf in ("weight", "bias"):
+            p = getattr(layer, leaf)
+            setattr(layer, leaf, torch.nn.Parameter(DTensor.from_local(p.detach().clone(), mesh,
+                                                                       [_StridedShard(0, split_factor=2)],
+                                                                       run_check=False, shape=p.shape,
+                                                                       stride=p.stride())))
+    w = layers[2].weight  # then one shard too small
+    layers[2].weight = torch.nn.Parameter(DTensor.from_local(w[:1].detach().clone(), mesh, [Shard(0)], run_check=False,
+                                                             shape=w.shape, stride=w.stride()))
+    problems = checks.shard_problems(m, 1)
+    # (this torch's strided shard is no Shard subclass: it also counts as held whole; either way, refused)
+    assert problems[:2] == ["4 parameter(s) are not split by any placement (every rank holds them whole), e.g. "
+                            "['0.weight', '0.bias', '1.weight']",
+                            "rank holds 2 parameter values where its shards hold exactly 4: 1 parameter(s) differ, "
+                            "e.g. ['2.weight holds 2, its shard is 4']"]
+    assert problems[2].startswith("4 parameter(s) have a layout stnb cannot check, e.g. ['0.weight: no exact size "
+                                  "known for placement ")
+    assert [s.split(":")[0].strip("'") for s in problems[2].split("e.g. [")[1].split("', '")] == \
+        ["0.weight", "0.bias", "1.weight"]
+    assert len(problems) == 3  # the plain bias of the last layer is not a DTensor: not a shard problem
+
+
+def test_replicated_digests_cover_every_tensor_not_sharded_and_the_extra_ones(world_of_one):
+    """What must be identical on every rank: plain parameters, replicated DTensors and the loss's own
+    parameters; not a DTensor shard (the shard checks own it) nor a ZeRO-3 partitioned parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    w = m[0].weight
+    m[0].weight = torch.nn.Parameter(DTensor.from_local(w.detach().clone(), mesh, [Shard(0)], run_check=False,
+                                                        shape=w.shape, stride=w.stride()))
+    m[0].bias = torch.nn.Parameter(DTensor.from_local(m[0].bias.detach().clone(), mesh, [Replicate()],
+                                                      run_check=False))
+    m[1].weight.ds_tensor = torch.zeros(1)  # what DeepSpeed ZeRO-3 puts on a partitioned parameter
+    loss_param = torch.nn.Parameter(torch.ones(4))
+    got = checks.replicated_digests(m, [("loss.scale", loss_param)])
+    assert list(got) == ["0.bias", "1.bias", "2.weight", "2.bias", "loss.scale"]
+    everything = checks.tensor_digests(m)
+    assert all(got[n] == everything[n] for n in ("0.bias", "1.bias", "2.weight", "2.bias"))
+    assert got["loss.scale"] == checks.digests_of([("x", torch.ones(4))])["x"]
+    assert list(checks.replicated_digests(torch.nn.Linear(2, 2))) == ["weight", "bias"]
+
+
+def test_differing_tensors_name_missing_ones_and_a_dtype_change_with_equal_values():
+    a = {"w": torch.zeros(2), "only_a": torch.ones(1), "same": torch.ones(3)}
+    b = {"w": torch.zeros(2, dtype=torch.int64), "same": torch.ones(3), "only_b": torch.ones(1)}
+    assert checks.differing_tensors(a, b) == ["w", "only_a", "only_b"]  # a's order, then b's extra names
+
+
+def test_saved_model_problems_name_the_first_differing_tensor_and_an_untrained_save():
+    trained = {f"t{i:02d}": torch.full((2,), float(i)) for i in range(12)}
+    initial = {k: v - 1 for k, v in trained.items()}
+    off = {k: v + 1 for k, v in trained.items()}  # every tensor differs from the trained ones
+    problems, details = checks.saved_model_problems(off, trained, initial)
+    assert problems == ["the saved model's weights are not the trained ones: 12 tensor(s) differ, first 't00'"]
+    assert details == {"tensors": 12, "differing_from_trained": [f"t{i:02d}" for i in range(10)],
+                       "equals_trained": False, "changed_from_initial": 12, "differs_from_initial": True}
+    problems, details = checks.saved_model_problems(dict(initial), trained, initial)  # the untrained model saved
+    assert problems[1] == ("the saved model's weights equal the initial (untrained) model's: nothing shows that "
+                           "training changed it (was the untrained model saved, or did training change no weight?)")
+    assert (details["changed_from_initial"], details["differs_from_initial"]) == (0, False)
+    assert checks.saved_model_problems(dict(trained), trained, initial) == (
+        [], {"tensors": 12, "differing_from_trained": [], "equals_trained": True, "changed_from_initial": 12,
+             "differs_from_initial": True})
