@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from . import cpualloc
 from .config import TrainConfig
 from .launch import rank_context, report_progress, wait_for_all
 from .rankreport import RankReport
@@ -99,7 +100,8 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     # counts the tokens of every training forward (stnb.mfu); where each step's time goes (stnb.timesplit)
     seen = Observed(world_size_requested=requested, process_group_size=world, flops=FlopMeter(model), timer=StepTimer(),
                     # CPU, a strategy that gathers parameters in its steps: freed memory goes back at each step's end
-                    release_each_step=not use_cuda and bool(strategy.gathered_during_step))
+                    release_each_step=cpualloc.release_each_step("cuda" if use_cuda else "cpu",
+                                                                 bool(strategy.gathered_during_step)))
     _record_loss_inputs(trainer.loss, seen)
     trainer.stnb_config = config
     prepared = strategy.prepare(trainer, config, "cuda" if use_cuda else "cpu", world)

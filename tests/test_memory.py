@@ -361,3 +361,18 @@ def test_memory_split_plot_and_sentence(split_runs):
     sentence = advice(runs[1])
     assert f"{max(runs[1].peak_memory_bytes) / 2**20:,.0f} MiB" in sentence
     assert "older stnb" in advice({"strategy": "fsdp", "memory_split": [], "peak_memory_bytes": []})
+
+
+def test_freed_memory_is_released_each_step_only_where_it_grows_and_can_be_turned_off(monkeypatch):
+    """CPU runs of a strategy that gathers parameters during its steps release freed heap pages at each
+    step's end; GPU runs and DDP-like strategies never do; STNB_RELEASE_FREED=off trades the peak for speed."""
+    from stnb import strategies
+    from stnb.cpualloc import RELEASE_ENV, release_each_step
+
+    monkeypatch.delenv(RELEASE_ENV, raising=False)
+    gathers = {name: bool(strategies.get(name).gathered_during_step) for name in ("ddp", "zero1", "zero2", "fsdp")}
+    assert gathers == {"ddp": False, "zero1": False, "zero2": True, "fsdp": True}
+    assert [release_each_step("cpu", g) for g in gathers.values()] == [False, False, True, True]
+    assert not release_each_step("cuda", True)
+    monkeypatch.setenv(RELEASE_ENV, "off")
+    assert not release_each_step("cpu", True)
