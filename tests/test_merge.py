@@ -208,16 +208,17 @@ def test_each_dataset_is_checked_for_the_columns_its_loss_received():
     assert whole.verification["loss_inputs_per_dataset"]["sts"]["ok"] is True
 
 
-def test_merge_names_the_strategy_launcher_versions_and_keeps_each_ranks_time_split():
+def test_merge_names_the_strategy_launcher_versions_and_keeps_each_ranks_time_and_memory_split():
     import importlib.metadata as md
 
     def split(end):
         return {"steps": [{"backward_compute_end": end, "comm_exposed": 0.4}]}
 
-    r0 = _rank(0, [1.0, 2.0], time_split=split(1.0))
-    r1 = _rank(1, [1.0, 2.0], time_split=split(1.5))
+    r0 = _rank(0, [1.0, 2.0], time_split=split(1.0), memory_split={"peak": 100, "params": 60, "other": 40})
+    r1 = _rank(1, [1.0, 2.0], time_split=split(1.5), memory_split={"peak": 101, "params": 30, "other": 71})
     res = merge(_cfg("zero2"), [r0, r1], device="cpu", launcher="torchrun")
     assert res.strategy == "zero2" and res.launcher == "torchrun"
+    assert [m["params"] for m in res.memory_split] == [60, 30]  # where each rank's own peak went
     assert res.versions["torch"] == md.version("torch")
     # rank 0 finished its backward 0.5 s before rank 1: 0.4 s of its exposed communication was waiting
     assert [s["steps"][0]["wait"] for s in res.time_split] == [pytest.approx(0.4), 0.0]
