@@ -142,3 +142,102 @@ def test_fsdp_shards_must_add_up_to_the_model():
     assert not drift.verified and "weights differ across ranks in 1 of 1 tensor(s), first 'w'" in drift.reason
     bad = merge(_cfg("fsdp"), [_rank(0, [1.0, 2.0]), _rank(0, [1.0, 2.0])], device="cpu")
     assert bad.reason == "not verified: the ranks' local shards hold 20 parameter values, the model has 21"
+
+
+def test_verification_keeps_each_ranks_record_what_they_saw_and_how_memory_was_read():
+    shape = {"params": 21, "hidden": 32, "layers": 2}
+    r0 = _rank(0, [1.0, 2.0], verification={"world_size_seen": 2, "mark": "zero"}, model_shape=shape,
+               peak_memory_method="cuda.max_memory_allocated")
+    r1 = _rank(1, [1.0, 2.0], verification={"world_size_seen": 1, "mark": "one"}, model_shape={"params": 0},
+               peak_memory_method="rss")
+    v = merge(_cfg(), [r0, r1], device="cpu").verification
+    assert [x["mark"] for x in v["ranks"]] == ["zero", "one"]  # every rank's own record, in rank order
+    assert v["ranks"][1]["local_param_count"] == 11
+    assert v["world_size_requested"] == 2 and v["world_size_seen"] == [1, 2]  # each size a rank was in, once
+    assert v["model_shape"] == {"params": 21, "hidden": 32, "layers": 2}  # rank 0's: the model before sharding
+    assert v["peak_memory_method"] == "cuda.max_memory_allocated"
+    # a rank that never checked its group (no step began) reads None beside the others, without a crash
+    unseen = _rank(1, [1.0, 2.0], verification={"ok": False, "world_size_seen": None})
+    v = merge(_cfg(), [r0, unseen], device="cpu").verification
+    assert v["world_size_seen"] == [2, None]
+
+
+def test_a_rank_that_returned_no_result_is_named_and_fails_the_run():
+    res = merge(_cfg(), [_rank(0, [1.0, 2.0])], device="cpu")
+    assert not res.verified and res.world_size == 1  # the world the results came from, not the one asked
+    assert res.reason == "not verified: 2 ranks were requested, 1 returned a result"
+    assert res.verification["problems"] == ["2 ranks were requested, 1 returned a result"]
+
+
+def test_zero1_optimizer_partitions_are_checked_against_the_requested_world():
+    def part(rank, names, numel):
+        return _rank(rank, [1.0, 2.0], verification={
+            "optimizer_partition": names, "optimizer_partition_numel": numel, "optimizer_all_numel": 1000,
+            "largest_param_numel": 10, "optimizer_state_params": len(names)})
+
+    even = merge(_cfg("zero1"), [part(0, ["a"], 500), part(1, ["b"], 500)], device="cpu")
+    assert even.verified and even.verification["optimizer_partition_fractions"] == [0.5, 0.5]
+    lopsided = merge(_cfg("zero1"), [part(0, ["a"], 900), part(1, ["b"], 100)], device="cpu")
+    ideal = 1000 / 2
+    assert not lopsided.verified and lopsided.verification["optimizer_partition_fractions"] == [0.9, 0.1]
+    assert lopsided.reason == (f"not verified: a rank's optimizer partition holds 900 of 1000 values; over 2 ranks "
+                               f"it should hold about {ideal:.0f}")
+
+
+def test_each_dataset_is_checked_for_the_columns_its_loss_received():
+    cols = {"nli": ["anchor", "positive", "negative"], "sts": ["s1", "s2", "score"], "qa": ["q", "a"]}
+    nli, sts = {"texts": 3, "label": False}, {"texts": 2, "label": True}
+    r0 = _rank(0, [1.0, 2.0], data_columns=cols, loss_inputs={"nli": nli, "sts": sts})
+    r1 = _rank(1, [1.0, 2.0], data_columns=cols, loss_inputs={"nli": nli, "sts": {"texts": 1, "label": True}})
+    res = merge(_cfg(), [r0, r1], device="cpu")
+    per = res.verification["loss_inputs_per_dataset"]
+    assert set(per) == {"nli", "sts", "qa"}
+    assert per["nli"] == {"columns": cols["nli"], "expected": nli, "seen": [nli, nli], "ok": True}
+    assert per["sts"]["ok"] is False and per["sts"]["seen"] == [sts, {"texts": 1, "label": True}]
+    # qa's loss ran on no rank in these steps: nothing to compare, said so, and not a failure
+    assert per["qa"]["ok"] is None and per["qa"]["seen"] == [None, None] and "did not run" in per["qa"]["note"]
+    assert per["qa"]["expected"] == {"texts": 2, "label": False}
+    assert res.verification["loss_received_all_columns"] is False and not res.verified
+    assert res.reason == ("not verified: dataset 'sts': the loss received [{'texts': 2, 'label': True}, {'texts': 1, "
+                          "'label': True}] but the data has columns ['s1', 's2', 'score'] (expected {'texts': 2, "
+                          "'label': True})")
+    # rank 1's losses never ran (no inputs recorded): rank 0's are compared, and all are whole
+    whole = merge(_cfg(), [r0, replace(r1, loss_inputs=None)], device="cpu")
+    assert whole.verified and whole.verification["loss_received_all_columns"] is True
+    assert whole.verification["loss_inputs_per_dataset"]["sts"]["seen"] == [sts, None]
+    assert whole.verification["loss_inputs_per_dataset"]["sts"]["ok"] is True
+
+
+def test_merge_names_the_strategy_launcher_versions_and_keeps_each_ranks_time_and_memory_split():
+    import importlib.metadata as md
+
+    def split(end):
+        return {"steps": [{"backward_compute_end": end, "comm_exposed": 0.4}]}
+
+    r0 = _rank(0, [1.0, 2.0], time_split=split(1.0), memory_split={"peak": 100, "params": 60, "other": 40})
+    r1 = _rank(1, [1.0, 2.0], time_split=split(1.5), memory_split={"peak": 101, "params": 30, "other": 71})
+    res = merge(_cfg("zero2"), [r0, r1], device="cpu", launcher="torchrun")
+    assert res.strategy == "zero2" and res.launcher == "torchrun"
+    assert [m["params"] for m in res.memory_split] == [60, 30]  # where each rank's own peak went
+    assert res.versions["torch"] == md.version("torch")
+    # rank 0 finished its backward 0.5 s before rank 1: 0.4 s of its exposed communication was waiting
+    assert [s["steps"][0]["wait"] for s in res.time_split] == [pytest.approx(0.4), 0.0]
+    assert [s["steps"][0]["comm_exposed"] for s in res.time_split] == [pytest.approx(0.0), pytest.approx(0.4)]
+
+
+def test_sub_second_steps_have_a_throughput_and_unverified_ranks_count_no_parameters():
+    r0 = _rank(0, [0.5, 0.1, 0.2], verification={"ok": False, "total_param_count": None})
+    r1 = _rank(1, [0.5, 0.1, 0.3], verification={"ok": False, "total_param_count": None})
+    res = merge(_cfg(), [r0, r1], device="cpu")
+    assert res.samples_per_second == pytest.approx(8 * 2 / (0.1 + 0.3))
+    assert res.total_param_count == 0 and res.to_row()["local_param_fraction"] is None
+
+
+def test_mfu_counts_the_flops_of_the_measured_steps_every_rank_took_per_sample():
+    r0 = _rank(0, [1.0, 1.0, 1.0], train_flops=[5.0, 2.0, 4.0], train_tokens=[50, 20, 40])
+    r1 = _rank(1, [1.0, 1.0, 1.0, 1.0], train_flops=[5.0, 3.0, 1.0, 100.0], train_tokens=[50, 30, 10, 1000])
+    mfu = merge(_cfg(), [r0, r1], device="cpu").mfu
+    samples = 8 * 2  # steps 1 and 2 (step 0 is warm-up; rank 1's step 3 is past the steps every rank took)
+    assert mfu["flops_per_sample"] == pytest.approx((2.0 + 4.0 + 3.0 + 1.0) / samples)
+    assert mfu["tokens_per_sample"] == pytest.approx((20 + 40 + 30 + 10) / samples)
+    assert mfu["mfu"] is None and mfu["peak_source"].startswith("none: CPU run")
