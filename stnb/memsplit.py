@@ -13,8 +13,9 @@ params                      the rank's parameters (a DTensor counts its local sh
 grads                       their ``.grad`` tensors, same moment
 optimizer_state             every tensor in the optimizer's state, same moment
 allocator_free              memory glibc malloc holds *free* when training starts (``mallinfo2``
-                            ``fordblks``): freed blocks kept for reuse, e.g. a model freed after
-                            sharding. 0 where there is no glibc (or on CUDA)
+                            ``fordblks``) beyond what it held free when the rank began (a forked
+                            rank inherits its parent's free heap): freed blocks kept for reuse,
+                            e.g. a model freed after sharding. 0 where there is no glibc (or on CUDA)
 before_steps_other          residual: resident growth when training starts minus ``params`` and
                             ``allocator_free``: the trainer, tokenizer, data, libraries loaded
                             since the rank began, DDP's buckets, anything else alive
@@ -86,6 +87,9 @@ class MemorySplit:
         self.peak = peak  # memory.PeakMemory: its base is the resident size when the rank began
         self.cuda = peak.cuda
         self.base = 0 if self.cuda else peak.base
+        # free heap the rank already held when it began (a forked rank inherits its parent's, resident
+        # or not): only what was freed since counts, like the resident size, as growth
+        self.free_base = 0 if self.cuda else allocator_free()
         self.marks = {}
         self.built_params = []
         self.activations = 0
@@ -98,7 +102,7 @@ class MemorySplit:
             self.marks["unsharded_params_alive"] = self.unsharded_alive()
             self.built_params = []
         if name == "train_start":
-            self.marks["allocator_free"] = 0 if self.cuda else allocator_free()
+            self.marks["allocator_free"] = 0 if self.cuda else max(0, allocator_free() - self.free_base)
 
     def remember_built(self, model) -> None:
         """Weak references to the storages of the parameters as built: after sharding, those still alive
