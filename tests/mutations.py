@@ -172,7 +172,7 @@ MUTATIONS = [
     Mutation(
         "fsdp-root-unsharded",
         "FSDP shards the transformer blocks but not the root: the embeddings stay whole on every rank",
-        (("stnb/strategies/fsdp.py", "    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshards, "
+        (("stnb/strategies/fsdp.py", "    fully_shard(model, mesh=mesh, reshard_after_forward=False, "
                                      "mp_policy=mp)\n",
           "    pass  # MUTATION: no fully_shard of the root\n"),),
         ("tests/test_zero.py::test_stage_trains_verified[fsdp]",)),

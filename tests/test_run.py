@@ -23,7 +23,15 @@ REQUIRED_KEYS = {"strategy", "world_size", "per_device_batch_size", "global_batc
 
 
 def _children():
-    return psutil.Process().children(recursive=True)
+    """This process's descendants, except multiprocessing's resource tracker (a spawn-started launch in an
+    earlier test starts it once for the whole process: it is not a rank)."""
+    def tracker(p):
+        try:
+            return "resource_tracker" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    return [p for p in psutil.Process().children(recursive=True) if not tracker(p)]
 
 
 def saved_weights(path) -> dict:
