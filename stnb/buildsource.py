@@ -258,11 +258,7 @@ def read_objects(fn, import_roots: tuple = ("sentence_transformers",)) -> dict:
 
 def _attribute_names(code) -> set:
     """Names the code reads as attributes (``x.name``), in nested code too."""
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_ATTR", "LOAD_METHOD")}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _attribute_names(const)
-    return names
+    return _loaded_names(code, ("LOAD_ATTR", "LOAD_METHOD"))
 
 
 def _imported_names(code) -> set:
@@ -282,13 +278,15 @@ def _imported_names(code) -> set:
 def _global_names(code) -> set:
     """Global names the code reads, in nested code (comprehensions, inner functions) too. Unlike
     ``inspect.getclosurevars``, attribute names (``trainer.model``) are not taken for globals."""
-    names = set()
-    for ins in dis.get_instructions(code):
-        if ins.opname == "LOAD_GLOBAL":
-            names.add(ins.argval)
+    return _loaded_names(code, ("LOAD_GLOBAL",))
+
+
+def _loaded_names(code, opnames: tuple) -> set:
+    """The names the code's ``opnames`` instructions load, in its nested code objects too."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in opnames}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names |= _loaded_names(const, opnames)
     return names
 
 
