@@ -15,6 +15,13 @@ from stnb.buildsource import build_source
 from stnb.errors import ConfigError
 
 
+def _refusal(fn) -> str:
+    """The message ``build_source(fn)`` refuses ``fn`` with (a ConfigError, or the test fails)."""
+    with pytest.raises(ConfigError) as e:
+        build_source(fn)
+    return str(e.value)
+
+
 def _script_names(text) -> dict:
     """{name: literal value} of the script's top-level literal assignments."""
     out = {}
@@ -83,10 +90,9 @@ def test_a_helper_defined_in_the_notebook_goes_along_as_source(monkeypatch):
 
 
 def test_a_decorated_function_is_refused_naming_the_decorator():
-    with pytest.raises(ConfigError) as e:
-        build_source(h.decorated_build)
-    assert str(e.value) == ("decorated_build() is decorated (tag); export a plain function and apply the "
-                            "decorator's effect inside it")
+    assert _refusal(h.decorated_build) == (
+        "decorated_build() is decorated (tag); export a plain function and apply the "
+        "decorator's effect inside it")
 
 
 def _with_source_lines(name, lines):
@@ -101,9 +107,7 @@ def _with_source_lines(name, lines):
 @pytest.mark.parametrize("lines", [["x = 1\n"], ["def other():\n", "    return 2\n"]])
 def test_source_that_is_not_the_def_statement_is_refused(lines):
     fn = _with_source_lines("wrong_lines", lines)
-    with pytest.raises(ConfigError) as e:
-        build_source(fn)
-    assert str(e.value) == ("the source found for wrong_lines() is not its def statement; define it with def "
+    assert _refusal(fn) == ("the source found for wrong_lines() is not its def statement; define it with def "
                             "in a cell")
 
 
@@ -130,11 +134,10 @@ def test_a_partial_is_exported_as_a_call_of_the_function_with_its_literal_argume
 def test_a_partial_binding_an_object_is_refused():
     import functools
 
-    with pytest.raises(ConfigError) as e:
-        build_source(functools.partial(h.takes_one, n=h.OBJECT_AS_VALUE))
-    assert str(e.value) == (f"the functools.partial of takes_one binds {repr(h.OBJECT_AS_VALUE)[:60]}, which exist "
-                            "only in this kernel; bind only numbers, strings, lists and dicts of them, or build "
-                            "those objects inside the function")
+    assert _refusal(functools.partial(h.takes_one, n=h.OBJECT_AS_VALUE)) == (
+        f"the functools.partial of takes_one binds {repr(h.OBJECT_AS_VALUE)[:60]}, which exist "
+        "only in this kernel; bind only numbers, strings, lists and dicts of them, or build "
+        "those objects inside the function")
 
 
 def test_a_script_holds_literals_and_functions_in_order():
@@ -195,9 +198,7 @@ def test_a_notebook_function_under_another_name_is_refused(monkeypatch):
 # ---- the words of each refusal, and the script's parts --------------------------------------------------
 
 def test_every_decorator_is_named():
-    with pytest.raises(ConfigError) as e:
-        build_source(h.decorated_twice)
-    assert str(e.value).startswith("decorated_twice() is decorated (tag, tag); ")
+    assert _refusal(h.decorated_twice).startswith("decorated_twice() is decorated (tag, tag); ")
 
 
 def test_a_module_deep_in_a_package_and_a_class_under_its_own_name_are_imported_as_written():
@@ -246,21 +247,18 @@ def test_a_global_named_like_the_partials_entry_point_is_refused_naming_both(mon
         monkeypatch.setattr(h, "build", json)
     elif kind == "literal":
         monkeypatch.setattr(h, "build", 3)
-    with pytest.raises(ConfigError) as e:
-        build_source(functools.partial(h.calls_build, 1))
-    assert str(e.value) == (f"two different objects are named 'build' in the functions exported ({kind} and "
-                            "partial); rename one of them")
+    assert _refusal(functools.partial(h.calls_build, 1)) == (
+        f"two different objects are named 'build' in the functions exported ({kind} and "
+        "partial); rename one of them")
 
 
 def test_the_scripts_own_names_are_refused_for_a_function_and_for_globals():
-    with pytest.raises(ConfigError) as e:
-        build_source(h.main)
-    assert str(e.value) == ("the exported script uses the name(s) ['main'] itself; rename your function(s) main and "
-                            "export again")
-    with pytest.raises(ConfigError) as e:
-        build_source(h.reads_reserved_names)
-    assert str(e.value) == ("the exported script uses the name(s) ['STNB_OPTIONS', 'main'] itself; rename your "
-                            "global(s) STNB_OPTIONS, main and export again")
+    assert _refusal(h.main) == (
+        "the exported script uses the name(s) ['main'] itself; rename your function(s) main and "
+        "export again")
+    assert _refusal(h.reads_reserved_names) == (
+        "the exported script uses the name(s) ['STNB_OPTIONS', 'main'] itself; rename your "
+        "global(s) STNB_OPTIONS, main and export again")
 
 
 def test_partials_of_partials_and_of_objects_are_refused_naming_what_they_bind():
@@ -268,26 +266,21 @@ def test_partials_of_partials_and_of_objects_are_refused_naming_what_they_bind()
 
     inner = functools.partial(h.takes_one)
     inner.note = "mine"  # a partial with attributes of its own: functools does not flatten a partial of it
-    with pytest.raises(ConfigError) as e:
-        build_source(functools.partial(inner, 1))
-    assert str(e.value) == ("export_script takes a function or one functools.partial of it, not a partial of a "
-                            "partial; combine the arguments into one partial")
+    assert _refusal(functools.partial(inner, 1)) == (
+        "export_script takes a function or one functools.partial of it, not a partial of a "
+        "partial; combine the arguments into one partial")
     long = repr(h.LongRepr())
-    with pytest.raises(ConfigError) as e:
-        build_source(functools.partial(h.Builder(), h.LongRepr(), k=h.LongRepr()))
-    assert str(e.value) == (f"the functools.partial of Builder() binds {long[:60]}, {long[:60]}, which exist only in "
-                            "this kernel; bind only numbers, strings, lists and dicts of them, or build those objects "
-                            "inside the function")
+    assert _refusal(functools.partial(h.Builder(), h.LongRepr(), k=h.LongRepr())) == (
+        f"the functools.partial of Builder() binds {long[:60]}, {long[:60]}, which exist only in "
+        "this kernel; bind only numbers, strings, lists and dicts of them, or build those objects "
+        "inside the function")
 
 
 def test_a_callable_object_and_a_lambda_are_refused_with_the_fix():
-    with pytest.raises(ConfigError) as e:
-        build_source(h.Builder())
-    assert str(e.value) == "export_script takes a function defined with def in a cell; got Builder Builder()"
-    with pytest.raises(ConfigError) as e:
-        build_source(lambda: None)
-    assert str(e.value) == ("a lambda has no name or source of its own a script can call; define the build function "
-                            "with def in a cell (def build(): ... return trainer) and export that")
+    assert _refusal(h.Builder()) == "export_script takes a function defined with def in a cell; got Builder Builder()"
+    assert _refusal(lambda: None) == (
+        "a lambda has no name or source of its own a script can call; define the build function "
+        "with def in a cell (def build(): ... return trainer) and export that")
 
 
 def _closure(assign: bool):
@@ -302,32 +295,28 @@ def _closure(assign: bool):
 
 @pytest.mark.parametrize("assign", [True, False])
 def test_a_closure_is_refused_naming_every_local_it_reads_even_one_never_assigned(assign):
-    with pytest.raises(ConfigError) as e:
-        build_source(_closure(assign))
-    assert str(e.value) == ("_closure.<locals>.build() closes over later, other, local variable(s) of the function it "
-                            "was defined in, which exist only in this kernel; define it at the top level of a cell "
-                            "and build those objects inside it (or pass numbers and strings with functools.partial)")
+    assert _refusal(_closure(assign)) == (
+        "_closure.<locals>.build() closes over later, other, local variable(s) of the function it "
+        "was defined in, which exist only in this kernel; define it at the top level of a cell "
+        "and build those objects inside it (or pass numbers and strings with functools.partial)")
 
 
 def test_a_function_without_source_kernel_objects_and_undefined_names_are_refused_naming_them():
     ns = {}
     exec("def made_by_exec():\n    return None\n", ns)
-    with pytest.raises(ConfigError) as e:
-        build_source(ns["made_by_exec"])
-    assert str(e.value).startswith("the source of made_by_exec() cannot be found (")
-    assert str(e.value).endswith("): it was made by exec/eval or in a session that is gone; define it with def in a "
-                                 "notebook cell or a .py file")
-    with pytest.raises(ConfigError) as e:
-        build_source(h.reads_two_kernel_objects)
-    assert str(e.value) == ("reads_two_kernel_objects() reads global(s) that exist only in this kernel: "
-                            "OBJECT_AS_VALUE (a builtins.dict object built in the notebook); OBJECT_IN_A_LIST (a "
-                            "builtins.list object built in the notebook). A script has only imports, literals and "
-                            "functions: build these objects inside the function (load the dataset, create the model "
-                            "there)")
-    with pytest.raises(ConfigError) as e:
-        build_source(h.reads_undefined_names)
-    assert str(e.value) == ("reads_undefined_names() uses NOT_DEFINED_A, NOT_DEFINED_B, not defined in this kernel; "
-                            "define or import them before exporting")
+    refusal = _refusal(ns["made_by_exec"])
+    assert refusal.startswith("the source of made_by_exec() cannot be found (")
+    assert refusal.endswith("): it was made by exec/eval or in a session that is gone; define it with def in a "
+                            "notebook cell or a .py file")
+    assert _refusal(h.reads_two_kernel_objects) == (
+        "reads_two_kernel_objects() reads global(s) that exist only in this kernel: "
+        "OBJECT_AS_VALUE (a builtins.dict object built in the notebook); OBJECT_IN_A_LIST (a "
+        "builtins.list object built in the notebook). A script has only imports, literals and "
+        "functions: build these objects inside the function (load the dataset, create the model "
+        "there)")
+    assert _refusal(h.reads_undefined_names) == (
+        "reads_undefined_names() uses NOT_DEFINED_A, NOT_DEFINED_B, not defined in this kernel; "
+        "define or import them before exporting")
 
 
 def test_a_functions_source_goes_in_without_trailing_blanks_and_ends_as_written():
@@ -354,7 +343,6 @@ def test_two_different_functions_of_one_name_are_refused(monkeypatch):
 
     for fn in (h.shared_helper, other.shared_helper, other.calls_other_helper):
         monkeypatch.setattr(fn, "__module__", "__main__")  # all defined in the notebook: copied as source
-    with pytest.raises(ConfigError) as e:
-        build_source(h.reads_two_helpers_named_alike)
-    assert str(e.value) == ("two different objects are named 'shared_helper' in the functions exported (function and "
-                            "function); rename one of them")
+    assert _refusal(h.reads_two_helpers_named_alike) == (
+        "two different objects are named 'shared_helper' in the functions exported (function and "
+        "function); rename one of them")
