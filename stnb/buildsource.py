@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-__all__ = ["BuildSource", "build_source", "global_objects", "LITERAL_MAX_CHARS", "RESERVED_NAMES"]
+__all__ = ["BuildSource", "build_source", "global_objects", "read_objects", "LITERAL_MAX_CHARS", "RESERVED_NAMES"]
 
 LITERAL_MAX_CHARS = 200_000  # a literal global longer than this is data: load it in the function instead
 RESERVED_NAMES = ("main", "STNB_OPTIONS", "STNB_RESULTS_FILE")  # the exported script's own names
@@ -237,8 +237,8 @@ def read_objects(fn, import_roots: tuple = ("sentence_transformers",)) -> dict:
     while isinstance(inner, functools.partial):
         inner = inner.func
     code = getattr(inner, "__code__", None)
-    if code is None:
-        return global_objects(fn)
+    if code is None:  # a builtin, a callable object: no code to read
+        return {}
     for module, name in _imported_names(code):
         if module.split(".")[0] in import_roots:
             if module not in sys.modules:

@@ -302,3 +302,12 @@ from buildsource_other import calls_other_helper  # noqa: E402  reads another sh
 
 def reads_two_helpers_named_alike():
     return shared_helper(), calls_other_helper()
+
+
+def reads_a_package_it_imports():
+    """Reads what a package's submodules hold, imported in its body (``buildsource_pkg`` is not imported at
+    the top of this file: ``read_objects`` must import it)."""
+    from buildsource_pkg import sub
+    from buildsource_pkg.deep import Other
+
+    return sub.Thing(), sub.KIND, Other

@@ -44,7 +44,8 @@ class Module:
 
     @property
     def dotted(self) -> str:
-        return self.path[:-3].replace("/", ".")
+        """mutmut's module name: a package's ``__init__.py`` is the package (``stnb.strategies``)."""
+        return self.path[:-3].replace("/", ".").removesuffix(".__init__")
 
     @property
     def globs(self) -> list:
@@ -354,7 +355,11 @@ def report(modules, seconds: float | None, selectors: list | None = None) -> int
     if not any(r.mutants - r.not_run for r in rows):
         print("no mutant was run: nothing is checked")
         return 1
-    return 1 if unexplained or stale or total.not_run else 0
+    empty = [r.module for r in rows if whole and not r.mutants]
+    if empty:  # its functions were renamed or moved: the module would pass unchecked
+        print(f"\nno mutant matched the functions listed for {', '.join(empty)} (MODULES in tests/mutants.py): "
+              "rename them there")
+    return 1 if unexplained or stale or total.not_run or empty else 0
 
 
 def changed_modules(base: str) -> list:

@@ -346,3 +346,36 @@ def test_two_different_functions_of_one_name_are_refused(monkeypatch):
     assert _refusal(h.reads_two_helpers_named_alike) == (
         "two different objects are named 'shared_helper' in the functions exported (function and "
         "function); rename one of them")
+
+
+@pytest.fixture
+def package_not_imported(monkeypatch):
+    """buildsource_pkg and its submodules out of sys.modules, as a package the notebook never imported."""
+    for name in [n for n in sys.modules if n == "buildsource_pkg" or n.startswith("buildsource_pkg.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_read_objects_imports_the_packages_a_function_imports_and_names_what_it_reads_of_them(
+        package_not_imported):
+    """What the strategies' build_refusal is given (DeepSpeed refusing ``losses.SoftmaxLoss(...)``): the
+    objects, and each attribute the function reads of a module it holds, called or not."""
+    import functools
+
+    from stnb.buildsource import global_objects, read_objects
+
+    assert global_objects(h.reads_a_package_it_imports) == {}  # nothing imported yet: nothing to name
+    objects = read_objects(h.reads_a_package_it_imports, import_roots=("buildsource_pkg",))
+    from buildsource_pkg import deep, sub
+
+    want = {"sub": sub, "Other": deep.Other, "sub.Thing": sub.Thing, "sub.KIND": sub.KIND}
+    assert objects == want
+    assert read_objects(functools.partial(functools.partial(h.reads_a_package_it_imports)),
+                        import_roots=("buildsource_pkg",)) == want
+    assert read_objects(len) == {} and read_objects(h.Builder()) == {}
+
+
+def test_read_objects_imports_nothing_outside_its_import_roots(package_not_imported):
+    from stnb.buildsource import read_objects
+
+    assert read_objects(h.reads_a_package_it_imports) == {}  # the default roots: sentence_transformers only
+    assert "buildsource_pkg" not in sys.modules and "buildsource_pkg.deep" not in sys.modules

@@ -333,3 +333,52 @@ def test_saved_model_problems_name_the_first_differing_tensor_and_an_untrained_s
     assert checks.saved_model_problems(dict(trained), trained, initial) == (
         [], {"tensors": 12, "differing_from_trained": [], "equals_trained": True, "changed_from_initial": 12,
              "differs_from_initial": True})
+
+
+def _short_shard(p, mesh, rows: int):
+    """A DTensor of ``p``'s global shape whose local shard holds only its first ``rows`` rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(p[:rows].detach().clone(), mesh, [Shard(0)], run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+def test_gradient_shards_are_checked_against_their_layout_and_plain_ones_named(world_of_one):
+    """FSDP's gradient check (strategies.tensors.shard_problems): each gradient's local shard against
+    the size its placements give this rank; a gradient that is no DTensor is not sharded at all."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from stnb.strategies.tensors import shard_problems
+
+    mesh = init_device_mesh("cpu", (1,))
+    w, b = torch.ones(3, 5), torch.ones(3)
+    right = _short_shard(w, mesh, 3)
+    assert shard_problems([("w", right), ("b", _short_shard(b, mesh, 3))]) == (18, [])
+    expected, problems = shard_problems([("a", torch.ones(2)), ("w", _short_shard(w, mesh, 2)), ("ok", right),
+                                         ("b", _short_shard(b, mesh, 1)), ("c", torch.ones(1))], what="gradient")
+    assert expected == 15 + 15 + 3  # the sharded ones only, as their layout gives them
+    assert problems == [
+        "2 gradient(s) are not sharded, e.g. ['a', 'c']",
+        "gradient 'w': this rank holds 10 values, its shard ([Shard(dim=0)] of global shape [3, 5]) holds 15",
+        "gradient 'b': this rank holds 1 values, its shard ([Shard(dim=0)] of global shape [3]) holds 3",
+    ]
+    assert shard_problems([("a", torch.ones(2))])[1] == ["1 parameter(s) are not sharded, e.g. ['a']"]
+
+
+def test_local_and_total_counts_read_a_shard_and_a_zero3_partition(world_of_one):
+    """local_numel / param_counts: a DTensor counts its local shard, locally, and its global shape in the
+    total; a DeepSpeed ZeRO-3 parameter (the attributes its ``zero.Init`` sets: an empty tensor, its
+    size in ``ds_numel``, this rank's partition in ``ds_tensor``) counts the partition and ``ds_numel``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from stnb.strategies.tensors import local_numel, param_counts
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = _model()  # 26 values: (3, 5) + 3 + (2, 3) + 2
+    m[0].weight = torch.nn.Parameter(_short_shard(m[0].weight, mesh, 2))
+    assert local_numel(m[0].weight) == 10 and m[0].weight.numel() == 15
+    zero3 = torch.nn.Parameter(torch.empty(0))
+    zero3.ds_numel, zero3.ds_tensor = 6, torch.zeros(4)
+    m[1].weight = zero3
+    assert local_numel(zero3) == 4
+    assert param_counts(m) == (10 + 3 + 4 + 2, 26)

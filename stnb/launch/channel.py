@@ -3,21 +3,22 @@
 Per rank, a temporary folder holds its output log, its result (pickled), its error record (JSON)
 and its stack dump; a shared-memory array holds its live numbers (pid, state, time of last progress,
 heartbeat count, step, total, loss), which the parent's watchdog reads without any message passing.
-Forked ranks inherit the array; spawned ranks receive it (the channel is pickled while they start),
-so it is made in the launch's start-method context. The rank side writes, the parent side reads;
+The array is a lock-free ``RawArray`` (each rank writes only its own row, one double at a time, so a rank
+killed mid-write can block no one); forked ranks inherit it, spawned ranks receive it (the channel is
+pickled while they start). The rank side writes, the parent side reads;
 ``RankState`` is one rank's row as the parent reports it to ``on_progress``.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.sharedctypes import RawArray
 
 from ..files import write_atomic
 
@@ -46,10 +47,10 @@ class Channel:
 
     A context manager: the temporary folder is removed on exit."""
 
-    def __init__(self, nproc: int, start_method: str = "fork"):
+    def __init__(self, nproc: int):
         self.nproc = nproc
         self.dir = tempfile.mkdtemp(prefix="stnb-launch-")
-        self.shm = multiprocessing.get_context(start_method).Array("d", nproc * _SLOTS, lock=False)
+        self.shm = RawArray("d", nproc * _SLOTS)
         for r in range(nproc):
             self._set(r, _LOSS, float("nan"))
 

@@ -88,7 +88,7 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
         keep_spawn_helper()
     nproc, world_size = num_processes, num_processes * num_nodes
     port = master_port or free_port(master_addr)
-    with _one_launch_at_a_time(), Channel(nproc, method) as ch:
+    with _one_launch_at_a_time(), Channel(nproc) as ch:
         opts = RankOptions(**call, device=device, backend=backend_for(device),
                            threads=threads_per_rank or max(1, cpu_cores() // nproc), nproc=nproc,
                            world_size=world_size, launch_time=time.time(),

@@ -1,0 +1,2 @@
+class Other:
+    """Imported by name from a dotted module (``from buildsource_pkg.deep import Other``)."""
