@@ -364,6 +364,9 @@ def test_read_objects_imports_the_packages_a_function_imports_and_names_what_it_
     from stnb.buildsource import global_objects, read_objects
 
     assert global_objects(h.reads_a_package_it_imports) == {}  # nothing imported yet: nothing to name
+    import buildsource_pkg  # the package alone: its submodule sub is not one of its attributes yet
+
+    assert global_objects(h.reads_a_package_it_imports) == {}
     objects = read_objects(h.reads_a_package_it_imports, import_roots=("buildsource_pkg",))
     from buildsource_pkg import deep, sub
 

@@ -354,11 +354,12 @@ def test_gradient_shards_are_checked_against_their_layout_and_plain_ones_named(w
     w, b = torch.ones(3, 5), torch.ones(3)
     right = _short_shard(w, mesh, 3)
     assert shard_problems([("w", right), ("b", _short_shard(b, mesh, 3))]) == (18, [])
+    plain = [(name, torch.ones(1)) for name in ("c", "d", "e")]
     expected, problems = shard_problems([("a", torch.ones(2)), ("w", _short_shard(w, mesh, 2)), ("ok", right),
-                                         ("b", _short_shard(b, mesh, 1)), ("c", torch.ones(1))], what="gradient")
+                                         ("b", _short_shard(b, mesh, 1)), *plain], what="gradient")
     assert expected == 15 + 15 + 3  # the sharded ones only, as their layout gives them
     assert problems == [
-        "2 gradient(s) are not sharded, e.g. ['a', 'c']",
+        "4 gradient(s) are not sharded, e.g. ['a', 'c', 'd']",
         "gradient 'w': this rank holds 10 values, its shard ([Shard(dim=0)] of global shape [3, 5]) holds 15",
         "gradient 'b': this rank holds 1 values, its shard ([Shard(dim=0)] of global shape [3]) holds 3",
     ]
