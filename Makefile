@@ -48,7 +48,7 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser lab test mutants notebooks bench hardware gpu-check clean distclean FORCE
+.PHONY: help venv install browser lab test mutants mutants-sample notebooks bench hardware gpu-check clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
@@ -57,6 +57,7 @@ help:
 	@echo "  make mutants    mutmut over the modules that decide what users are told: survival rate per module;"
 	@echo "                  exit 1 on a survivor neither killed nor listed in tests/mutants_equivalent.toml"
 	@echo "                  (MUTANTS=\"results checks\" for some modules; docs/testing.md)"
+	@echo "  make mutants-sample  a fixed-seed sample of them (MUTANTS_SAMPLE=150 MUTANTS_SEED=19), what CI runs"
 	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
 	@echo "                  (NB=03: only notebooks/03_*.ipynb)"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
@@ -121,6 +122,14 @@ MUTANTS ?=
 
 mutants: install
 	$(TEST_ENV) $(PY) tests/mutants.py $(MUTANTS)
+
+# CI's share (.ci/run, after make test): a fixed-seed sample of the same mutants, a few minutes where the
+# whole run takes about half an hour on 2 cores (docs/testing.md says why and what it costs)
+MUTANTS_SAMPLE ?= 150
+MUTANTS_SEED   ?= 19
+
+mutants-sample: install
+	$(TEST_ENV) $(PY) tests/mutants.py --sample $(MUTANTS_SAMPLE) --seed $(MUTANTS_SEED)
 
 # -------------------------------------------------------------- notebooks --
 

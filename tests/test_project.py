@@ -191,6 +191,9 @@ def test_ci_run_calls_make_test():
     assert "set -euo pipefail" in text
     code = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     assert "make test" in code, ".ci/run must run exactly `make test` (the README's test command)"
+    assert "make mutants-sample" in code, ".ci/run runs the fixed-seed mutation sample (issue 19, docs/testing.md)"
+    assert code[-2:] == ['[ "$status" -eq 0 ] || exit "$status"', 'exit "$mutants_status"'], \
+        ".ci/run must fail when make test or the mutation sample fails"
 
 
 def test_readme_quick_start_has_the_two_commands_in_one_block():
