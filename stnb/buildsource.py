@@ -211,8 +211,7 @@ def global_objects(fn) -> dict:
     names it imports inside itself (``from m import n`` in its body), from modules already imported."""
     import sys
 
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = _innermost(fn)
     code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is None:
         return {}
@@ -233,10 +232,7 @@ def read_objects(fn, import_roots: tuple = ("sentence_transformers",)) -> dict:
     import importlib
     import sys
 
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    code = getattr(inner, "__code__", None)
+    code = getattr(_innermost(fn), "__code__", None)
     if code is None:  # a builtin, a callable object: no code to read
         return {}
     for module, name in _imported_names(code):
@@ -254,6 +250,13 @@ def read_objects(fn, import_roots: tuple = ("sentence_transformers",)) -> dict:
         if isinstance(obj, types.ModuleType):
             objects.update({f"{name}.{a}": getattr(obj, a) for a in attributes if hasattr(obj, a)})
     return objects
+
+
+def _innermost(fn):
+    """The function under any layers of ``functools.partial``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
 
 
 def _attribute_names(code) -> set:

@@ -29,6 +29,15 @@ def _refused(strategy, wrapped, model, world_size=1, world=ALONE) -> str:
     return msg
 
 
+def _row_shard(p, mesh, rows: int | None = None):
+    """A DTensor of ``p``'s global shape, split by rows (``Shard(0)``), whose local shard holds its first
+    ``rows`` rows (all of them by default), whatever its layout gives this rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(p[:rows].detach().clone(), mesh, [Shard(0)], run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
 @pytest.fixture
 def world_of_one(tmp_path):
     import torch.distributed as dist
@@ -122,14 +131,13 @@ def test_fsdp_and_ddp_verified_in_a_world_of_one(world_of_one):
 
 def test_shard_problems_name_the_mesh_the_size_and_whole_parameters(world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     mesh = init_device_mesh("cpu", (1,))
     m = _model()
     w, b = m[0].weight, m[0].bias  # (3, 5) and (3,)
     # a shard of 2 rows where its layout gives this rank all 3 (a mesh of 1): too small, named
-    m[0].weight = torch.nn.Parameter(DTensor.from_local(w[:2].detach().clone(), mesh, [Shard(0)], run_check=False,
-                                                        shape=w.shape, stride=w.stride()))
+    m[0].weight = torch.nn.Parameter(_row_shard(w, mesh, 2))
     m[0].bias = torch.nn.Parameter(DTensor.from_local(b.detach().clone(), mesh, [Replicate()], run_check=False))
     problems = checks.shard_problems(m, 1)
     assert problems == [
@@ -220,7 +228,7 @@ def test_world_problems_name_each_mismatch(requested, observed, words):
 def test_shard_problems_name_three_examples_and_check_every_parameter(world_of_one):
     """A plain parameter first does not end the check; four wrong parameters: counted, three named."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     mesh = init_device_mesh("cpu", (1,))
     plain = torch.nn.Linear(2, 2)
@@ -228,9 +236,7 @@ def test_shard_problems_name_three_examples_and_check_every_parameter(world_of_o
     for layer in list(m)[1:]:
         for leaf in ("weight", "bias"):
             p = getattr(layer, leaf)
-            setattr(layer, leaf, torch.nn.Parameter(DTensor.from_local(p[:1].detach().clone(), mesh, [Shard(0)],
-                                                                       run_check=False, shape=p.shape,
-                                                                       stride=p.stride())))
+            setattr(layer, leaf, torch.nn.Parameter(_row_shard(p, mesh, 1)))
     problems = checks.shard_problems(m, 2)
     assert problems[0] == ("4 parameter(s) are sharded over a mesh other than the 2 ranks requested, e.g. "
                            "['1.weight (1)', '1.bias (1)', '2.weight (1)']")
@@ -260,7 +266,7 @@ def test_shard_problems_name_layouts_stnb_cannot_check_and_go_on_checking_the_re
     """A strided shard (FSDP inside tensor parallelism) has no exact size stnb knows: named, three examples,
     and the parameters after it are still checked."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = init_device_mesh("cpu", (1,))
@@ -274,8 +280,7 @@ def test_shard_problems_name_layouts_stnb_cannot_check_and_go_on_checking_the_re
                                                                        run_check=False, shape=p.shape,
                                                                        stride=p.stride())))
     w = layers[2].weight  # then one shard too small
-    layers[2].weight = torch.nn.Parameter(DTensor.from_local(w[:1].detach().clone(), mesh, [Shard(0)], run_check=False,
-                                                             shape=w.shape, stride=w.stride()))
+    layers[2].weight = torch.nn.Parameter(_row_shard(w, mesh, 1))
     problems = checks.shard_problems(m, 1)
     # (this torch's strided shard is no Shard subclass: it also counts as held whole; either way, refused)
     assert problems[:2] == ["4 parameter(s) are not split by any placement (every rank holds them whole), e.g. "
@@ -293,13 +298,12 @@ def test_replicated_digests_cover_every_tensor_not_sharded_and_the_extra_ones(wo
     """What must be identical on every rank: plain parameters, replicated DTensors and the loss's own
     parameters; not a DTensor shard (the shard checks own it) nor a ZeRO-3 partitioned parameter."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     mesh = init_device_mesh("cpu", (1,))
     m = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
     w = m[0].weight
-    m[0].weight = torch.nn.Parameter(DTensor.from_local(w.detach().clone(), mesh, [Shard(0)], run_check=False,
-                                                        shape=w.shape, stride=w.stride()))
+    m[0].weight = torch.nn.Parameter(_row_shard(w, mesh))
     m[0].bias = torch.nn.Parameter(DTensor.from_local(m[0].bias.detach().clone(), mesh, [Replicate()],
                                                       run_check=False))
     m[1].weight.ds_tensor = torch.zeros(1)  # what DeepSpeed ZeRO-3 puts on a partitioned parameter
@@ -335,14 +339,6 @@ def test_saved_model_problems_name_the_first_differing_tensor_and_an_untrained_s
              "differs_from_initial": True})
 
 
-def _short_shard(p, mesh, rows: int):
-    """A DTensor of ``p``'s global shape whose local shard holds only its first ``rows`` rows."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    return DTensor.from_local(p[:rows].detach().clone(), mesh, [Shard(0)], run_check=False, shape=p.shape,
-                              stride=p.stride())
-
-
 def test_gradient_shards_are_checked_against_their_layout_and_plain_ones_named(world_of_one):
     """FSDP's gradient check (strategies.tensors.shard_problems): each gradient's local shard against
     the size its placements give this rank; a gradient that is no DTensor is not sharded at all."""
@@ -352,11 +348,11 @@ def test_gradient_shards_are_checked_against_their_layout_and_plain_ones_named(w
 
     mesh = init_device_mesh("cpu", (1,))
     w, b = torch.ones(3, 5), torch.ones(3)
-    right = _short_shard(w, mesh, 3)
-    assert shard_problems([("w", right), ("b", _short_shard(b, mesh, 3))]) == (18, [])
+    right = _row_shard(w, mesh, 3)
+    assert shard_problems([("w", right), ("b", _row_shard(b, mesh, 3))]) == (18, [])
     plain = [(name, torch.ones(1)) for name in ("c", "d", "e")]
-    expected, problems = shard_problems([("a", torch.ones(2)), ("w", _short_shard(w, mesh, 2)), ("ok", right),
-                                         ("b", _short_shard(b, mesh, 1)), *plain], what="gradient")
+    expected, problems = shard_problems([("a", torch.ones(2)), ("w", _row_shard(w, mesh, 2)), ("ok", right),
+                                         ("b", _row_shard(b, mesh, 1)), *plain], what="gradient")
     assert expected == 15 + 15 + 3  # the sharded ones only, as their layout gives them
     assert problems == [
         "4 gradient(s) are not sharded, e.g. ['a', 'c', 'd']",
@@ -376,7 +372,7 @@ def test_local_and_total_counts_read_a_shard_and_a_zero3_partition(world_of_one)
 
     mesh = init_device_mesh("cpu", (1,))
     m = _model()  # 26 values: (3, 5) + 3 + (2, 3) + 2
-    m[0].weight = torch.nn.Parameter(_short_shard(m[0].weight, mesh, 2))
+    m[0].weight = torch.nn.Parameter(_row_shard(m[0].weight, mesh, 2))
     assert local_numel(m[0].weight) == 10 and m[0].weight.numel() == 15
     zero3 = torch.nn.Parameter(torch.empty(0))
     zero3.ds_numel, zero3.ds_tensor = 6, torch.zeros(4)
