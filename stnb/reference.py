@@ -26,6 +26,7 @@ PER_DEVICE_BATCH_SIZE = 32
 TRAINING_DATA = "MultiNLI + SNLI (SoftmaxLoss) and STSB (CosineSimilarityLoss)"
 
 SAMPLES_PER_SECOND = {"single": 2724.0, "dp": 3675.0, "ddp": 6980.0, "fsdp": 5782.0}
+ONE_GPU = SAMPLES_PER_SECOND["single"]  # their one-GPU row, the input of every prediction from it
 PUBLISHED_SPEEDUP = {"single": 1.0, "dp": 1.349, "ddp": 2.562, "fsdp": 2.122}
 
 CONDITIONS = (f"{HARDWARE}, {MODEL} (about {round(MODEL_PARAMETERS, -7) / 1e6:.0f}M parameters), max_seq_length "

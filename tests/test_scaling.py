@@ -9,14 +9,20 @@ import pytest
 
 import stnb
 from stnb.errors import ConfigError
-from stnb.scaling import MIN_STEADY_STEPS, LINKS, STRATEGIES, Measured, predict, seed
+from stnb import strategies
+from stnb.scaling import MIN_STEADY_STEPS, LINKS, Measured, known, predict, seed
 from stnb.scaling.calibrate import fit, loopback
 from stnb.scaling.links import PRESETS, Fabric, custom
-from stnb.scaling.model import STEP_MODELS, pipeline
+from stnb.strategies.stepcost import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=90e6, param_bytes=90e6,
                  bucket_bytes=25 * 2**20, layers=6, root_fraction=0.5, source="test input")
+
+
+def model(name):
+    """The strategy's step-cost model, as the predictor asks the registry for it."""
+    return strategies.get(name).step_time
 
 
 def _short_run(steps):
@@ -31,7 +37,7 @@ def test_unknown_link_and_strategy_are_refused_with_the_list():
     assert all(repr(name) in str(e.value) for name in LINKS)
     with pytest.raises(ConfigError) as e:
         predict(None, strategies=["ddp", "tensor_parallel"], link="pcie4", measured=SMALL)
-    assert "'tensor_parallel'" in str(e.value) and all(repr(s) in str(e.value) for s in STRATEGIES)
+    assert "'tensor_parallel'" in str(e.value) and all(repr(s) in str(e.value) for s in known())
     with pytest.raises(ConfigError, match="at least 2"):
         predict(None, devices=[1, 4], link="pcie4", measured=SMALL)
 
@@ -67,11 +73,11 @@ def test_pipeline_overlaps_only_when_the_link_can():
 def test_strategy_models_move_the_right_way():
     fast, slow = (Fabric(custom(n, b, 5), PRESETS["100gbps"]) for n, b in (("fast", 300), ("slow", 3)))
     for s in ("ddp", "fsdp", "zero1"):
-        assert STEP_MODELS[s](SMALL, fast, 4)["step"] < STEP_MODELS[s](SMALL, slow, 4)["step"]
+        assert model(s)(SMALL, fast, 4)["step"] < model(s)(SMALL, slow, 4)["step"]
     no_overlap = Fabric(custom("cpu", 3, 5, overlap=False), PRESETS["100gbps"])
-    assert STEP_MODELS["ddp"](SMALL, no_overlap, 4)["step"] > STEP_MODELS["ddp"](SMALL, slow, 4)["step"]
+    assert model("ddp")(SMALL, no_overlap, 4)["step"] > model("ddp")(SMALL, slow, 4)["step"]
     # FSDP moves 3 x the bytes of ... per step: more than DDP's all-reduce at the same link
-    assert STEP_MODELS["fsdp"](SMALL, slow, 4)["comm"] > STEP_MODELS["ddp"](SMALL, slow, 4)["comm"]
+    assert model("fsdp")(SMALL, slow, 4)["comm"] > model("ddp")(SMALL, slow, 4)["comm"]
     dp = predict(None, devices=[4, 64], link="nvlink-a100", measured=SMALL, strategies=["dp"])
     beyond = dp.row("dp", 64)
     assert math.isnan(beyond["samples_per_second"]) and "one process" in beyond["note"]
@@ -139,7 +145,7 @@ def test_fsdp_without_resharding_gathers_once():
 
     fab = Fabric(custom("slow", 3, 5, overlap=False), PRESETS["100gbps"])
     kept = replace(SMALL, reshard_after_forward=False)
-    resharded, once = STEP_MODELS["fsdp"](SMALL, fab, 2), STEP_MODELS["fsdp"](kept, fab, 2)
+    resharded, once = model("fsdp")(SMALL, fab, 2), model("fsdp")(kept, fab, 2)
     shares = [SMALL.root_fraction] + [(1 - SMALL.root_fraction) / SMALL.layers] * SMALL.layers
     regather = sum(fab.all_gather(share * SMALL.param_bytes, 2) for share in shares)  # every unit once more
     assert resharded["comm"] - once["comm"] == pytest.approx(regather)
@@ -149,7 +155,21 @@ def test_zero_stages_are_their_strategies():
     from dataclasses import replace
 
     fab = Fabric(custom("slow", 3, 5, overlap=False), PRESETS["100gbps"])
-    kept = STEP_MODELS["fsdp"](replace(SMALL, reshard_after_forward=False), fab, 4)
-    assert STEP_MODELS["zero2"](SMALL, fab, 4) == kept  # FSDP without resharding after forward
-    z1, d = STEP_MODELS["zero1"](SMALL, fab, 4), STEP_MODELS["ddp"](SMALL, fab, 4)
+    kept = model("fsdp")(replace(SMALL, reshard_after_forward=False), fab, 4)
+    assert model("zero2")(SMALL, fab, 4) == kept  # FSDP without resharding after forward
+    z1, d = model("zero1")(SMALL, fab, 4), model("ddp")(SMALL, fab, 4)
     assert z1["comm"] == pytest.approx(d["comm"] + fab.all_gather(SMALL.param_bytes, 4))  # + the shards sent back
+
+
+def test_the_predictor_asks_the_registry_for_its_models():
+    """Every strategy with a step model is predicted by default, in the registry's order; a ZeRO name is its
+    strategy's model under that name; a strategy without a model (deepspeed) is refused, naming the known."""
+    fab_link = "pcie4"
+    pred = predict(None, devices=[2], link=fab_link, measured=SMALL)
+    assert list(dict.fromkeys(pred.table["strategy"])) == list(known())
+    assert set(known()) == {s.name for s in strategies.all_strategies() if s.step_time is not None}
+    assert strategies.baseline_name() in known() and "deepspeed" not in known()
+    alias = predict(None, devices=[2], link=fab_link, measured=SMALL, strategies=["zero3", "fsdp"])
+    assert alias.row("zero3", 2)["samples_per_second"] == alias.row("fsdp", 2)["samples_per_second"]
+    with pytest.raises(ConfigError, match="no scaling model for strategy 'deepspeed'"):
+        predict(None, devices=[2], link=fab_link, measured=SMALL, strategies=["deepspeed"])

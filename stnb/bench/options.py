@@ -15,24 +15,25 @@ from ..errors import ConfigError
 
 SECTIONS = ("sweep", "launchers", "knobs")
 
+# every preset's sweep runs the strategies that ask for a bench row (``Strategy.bench``: single, dp, ddp,
+# fsdp), asked of the registry when the options are made (``bench_strategies``)
 PRESETS = {
     # this machine, CPU or GPU: the bundled MiniLM at sequence length 64
     "default": dict(model="minilm", max_seq_length=64, data="synthetic", loss="cosine",
-                    strategies=("single", "dp", "ddp", "fsdp"), batch_sizes=(8, 16, 32), batch_size=16,
-                    steps=40, warmup=3, repeats=3, sweep_repeats=1, train_size=4000),
+                    batch_sizes=(8, 16, 32), batch_size=16, steps=40, warmup=3, repeats=3, sweep_repeats=1,
+                    train_size=4000),
     # a smoke test of every section: random tiny BERT, a few steps, one repeat (about a minute on 2 cores)
     "quick": dict(model="tiny", max_seq_length=64, data="synthetic", loss="cosine",
-                  strategies=("single", "dp", "ddp", "fsdp"), batch_sizes=(16,), batch_size=16,
-                  steps=8, warmup=2, repeats=1, sweep_repeats=1, train_size=400),
+                  batch_sizes=(16,), batch_size=16, steps=8, warmup=2, repeats=1, sweep_repeats=1, train_size=400),
     # the sentence-transformers docs' setting (stnb.reference: 4x V100 there): mpnet-base, length 384,
     # 32 per device, offline: the mpnet-base architecture with random weights (models 'mpnet-base-random')
     # and the docs' recipe, NLI pairs with SoftmaxLoss + STS pairs with CosineSimilarityLoss in one
     # multi-dataset run (stnb.seed_recipe), on synthetic stand-ins of those shapes (5749 rows in all, as
     # many as STS-B's training pairs, split evenly between the two)
     "st-docs": dict(model="mpnet-base-random", max_seq_length=reference.MAX_SEQ_LENGTH, data="synthetic",
-                    loss="softmax+cosine", strategies=("single", "dp", "ddp", "fsdp"),
-                    batch_sizes=(reference.PER_DEVICE_BATCH_SIZE,), batch_size=reference.PER_DEVICE_BATCH_SIZE,
-                    steps=60, warmup=5, repeats=3, sweep_repeats=1, train_size=5749),
+                    loss="softmax+cosine", batch_sizes=(reference.PER_DEVICE_BATCH_SIZE,),
+                    batch_size=reference.PER_DEVICE_BATCH_SIZE, steps=60, warmup=5, repeats=3, sweep_repeats=1,
+                    train_size=5749),
 }
 
 #: presets that measure GPUs: with device 'auto' they run on the GPU(s) even where DDP cannot (1 GPU)
@@ -49,6 +50,13 @@ ST_DOCS_NOTE = (f"sentence-transformers docs, 'Distributed Training' comparison:
                 "--data hub trains the real ones where the hub is reachable), and reports samples/s and MFU. "
                 "Batches are padded to their longest text, so the short synthetic sentences run far below "
                 f"{reference.MAX_SEQ_LENGTH} tokens (see tokens/sample)")
+
+
+def bench_strategies() -> tuple:
+    """The strategies the bench's sweep runs unless told otherwise: those whose ``bench`` is set."""
+    from .. import strategies
+
+    return tuple(s.name for s in strategies.all_strategies() if s.bench)
 
 
 def check_preset(name: str, device: str = "auto") -> None:
@@ -85,7 +93,7 @@ class BenchOptions:
     max_seq_length: int = 64
     data: str = "synthetic"
     loss: str = "cosine"
-    strategies: tuple = ("single", "dp", "ddp", "fsdp")
+    strategies: tuple | None = None      # sweep; None: every strategy with a bench row (``bench_strategies``)
     batch_sizes: tuple = (8, 16, 32)     # sweep
     nprocs: tuple | None = None          # sweep; None: 2 .. every device
     batch_size: int = 16                 # per-device batch of the launcher / knob comparisons
@@ -106,6 +114,10 @@ class BenchOptions:
     echo: bool = True
     doc: str | None = None               # a benchmarks document (markdown) to write this run's tables into
     command: str | None = None           # the command line that asked for this run (recorded in the document)
+
+    def __post_init__(self):
+        if self.strategies is None:
+            self.strategies = bench_strategies()
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> "BenchOptions":

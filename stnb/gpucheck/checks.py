@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 
-from ..strategies import is_distributed
+from ..strategies import baseline_name, is_distributed
 from ..timesplit import problems as split_problems
 
 from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
@@ -317,7 +317,7 @@ def st_docs_options(check, folder: str):
     one GPU, bench's 'auto' compares on CPU ranks), results kept in ``folder``."""
     from .. import bench
 
-    opts = bench.BenchOptions.from_preset("st-docs", strategies=("single",), steps=check.params["steps"],
+    opts = bench.BenchOptions.from_preset("st-docs", strategies=(baseline_name(),), steps=check.params["steps"],
                                           warmup=check.params["warmup"], device=_dev(check),
                                           results=os.path.join(folder, "r.jsonl"),
                                           report=os.path.join(folder, "r.html"))

@@ -13,9 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..hardware import BF16_MIN_CAPABILITY, arch_supported, torch_arch_list
 from ..hardware import gpus as hardware_gpus
-from ..strategies import get as get_strategy
-
-DISTRIBUTED = ("ddp", "fsdp")  # the GPU check trains these on NCCL ranks (the ZeRO stages: see stnb.strategies)
+from .. import strategies
 
 
 # one training configuration for every check that trains: the bundled MiniLM, 32 per device
@@ -96,37 +94,41 @@ def plan(machine: Machine) -> list:
     # dp's autocast and FSDP2's fp16 policy with the GradScaler run there)
     dist_mp = "bf16" if bf16 else "fp16"
     one = dict(TRAIN)
+    base = strategies.baseline_name()
+    # the strategies that ask for GPU-check rows (``Strategy.gpu_check``: dp, ddp, fsdp), in the registry's order
+    trained = [s for s in strategies.all_strategies() if s.gpu_check]
 
     checks.append(Check(f"nccl all_reduce x{n}", "allreduce", {"nproc": n}, gpus=n))
-    checks.append(Check("single bf16", "train", dict(one, strategy="single", mixed_precision="bf16"), skip=no_bf16))
-    checks.append(Check("single fp16", "train", dict(one, strategy="single", mixed_precision="fp16")))
+    checks.append(Check(f"{base} bf16", "train", dict(one, strategy=base, mixed_precision="bf16"), skip=no_bf16))
+    checks.append(Check(f"{base} fp16", "train", dict(one, strategy=base, mixed_precision="fp16")))
     # one NCCL rank each: TrainConfig refuses these for users (nothing to shard / nothing to average),
     # so they run through stnb.launch + training.train_rank directly: the NCCL path itself. stnb shards
     # FSDP2 itself; DDP is accelerate's wrapper, which one rank never gets (ONE_RANK_DDP)
-    for strategy in DISTRIBUTED:
-        checks.append(Check(f"{strategy} x1 nccl {dist_mp}", "train_direct",
-                            dict(one, strategy=strategy, num_processes=1, mixed_precision=dist_mp),
-                            skip=ONE_RANK_DDP if get_strategy(strategy).ddp_buckets else None))
+    for s in (s for s in trained if s.distributed):
+        checks.append(Check(f"{s.name} x1 nccl {dist_mp}", "train_direct",
+                            dict(one, strategy=s.name, num_processes=1, mixed_precision=dist_mp),
+                            skip=ONE_RANK_DDP if s.ddp_buckets else None))
     ranks = min(n, 2)
     for fault in ("raise", "kill", "stall"):
         checks.append(Check(f"fault: a rank {'raises' if fault == 'raise' else 'is killed' if fault == 'kill' else 'stalls'}"
                             f" (x{ranks} nccl)", "fault", {"fault": fault, "nproc": ranks}, gpus=ranks))
     checks.append(Check("notebook 00", "notebook", {"path": machine.notebook},
                         skip=None if machine.notebook else "notebooks/ not found: run from a source checkout"))
-    checks.append(Check("plain sentence-transformers vs stnb single", "ratio",
-                        dict(RATIO, strategy="single", mixed_precision="bf16" if bf16 else "fp16",
+    checks.append(Check(f"plain sentence-transformers vs stnb {base}", "ratio",
+                        dict(RATIO, strategy=base, mixed_precision="bf16" if bf16 else "fp16",
                              goal=RATIO_GOAL, repeats=RATIO_REPEATS)))
-    checks.append(Check("bench st-docs single", "st_docs", {"steps": 30, "warmup": 5}))
+    checks.append(Check(f"bench st-docs {base}", "st_docs", {"steps": 30, "warmup": 5}))
     if n >= 2:
         multi = dict(one, mixed_precision=dist_mp)
-        checks.append(Check(f"dp x{n} {dist_mp}", "train", dict(multi, strategy="dp"), gpus=n))
-        for strategy in DISTRIBUTED:
-            checks.append(Check(f"{strategy} x{n} {dist_mp}", "train",
-                                dict(multi, strategy=strategy, num_processes=n), gpus=n))
-        for hook in ("fp16", "bf16", "embedding_rows"):
-            checks.append(Check(f"ddp x{n} {dist_mp} hook {hook}", "train",
-                                dict(multi, strategy="ddp", num_processes=n, comm_hook=hook), gpus=n,
-                                skip=no_bf16 if hook == "bf16" else None))
+        for s in trained:  # one process over every GPU (dp), or one rank per GPU
+            ranks = {"num_processes": n} if s.distributed else {}
+            checks.append(Check(f"{s.name} x{n} {dist_mp}", "train", dict(multi, strategy=s.name, **ranks), gpus=n))
+        # every communication hook of a strategy that lists them (ddp's comm_hook), each on its own row
+        for s in trained:
+            for hook in (h for h in s.choices.get("comm_hook", ()) if h != "none"):
+                checks.append(Check(f"{s.name} x{n} {dist_mp} hook {hook}", "train",
+                                    dict(multi, strategy=s.name, num_processes=n, comm_hook=hook), gpus=n,
+                                    skip=no_bf16 if hook == "bf16" else None))
     return checks
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 from .table import OURS, REFERENCE_SOURCE, comparison_table, esc, reference_frame
-from .traces import (STRATEGY_COLORS, loss_traces, note_unrunnable, peak_traces, ratio_traces, state_traces,
-                     throughput_traces)
+from .traces import (loss_traces, note_unrunnable, peak_traces, ratio_traces, state_traces,
+                     throughput_traces, variant_color)
 
 # columns of the normalised table (comparison_table) kept in a figure's layout.meta so that
 # with_reference(fig) can rebuild it
@@ -161,7 +161,7 @@ def knobs(summary, target: float | None = 0.95):
     hover = [f"samples/s: {r['samples_per_second']:,.1f} (median of {r['ok']} run(s))<br>"
              f"compared with: {esc(r['baseline'])}<br>vs DDP defaults: "
              + (f"{r['vs_defaults']:.3f}" if r.get("vs_defaults") is not None else "-") for r in rows]
-    colors = [STRATEGY_COLORS["ddp"] if r["variant"].startswith("ddp") else STRATEGY_COLORS["single"] for r in rows]
+    colors = [variant_color(r["variant"]) for r in rows]
     fig = go.Figure(go.Bar(x=[r["variant"] for r in rows], y=[r["efficiency"] for r in rows], marker_color=colors,
                            hovertext=hover, texttemplate="%{y:.3f}", textposition="outside", name="efficiency",
                            hovertemplate="<b>%{x}</b><br>efficiency: %{y:.3f}<br>%{hovertext}<extra></extra>"))

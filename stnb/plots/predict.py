@@ -6,7 +6,7 @@ strategy, the ideal (n x one device) dashed, and the link and the main assumptio
 
 from __future__ import annotations
 
-from .traces import STRATEGY_COLORS
+from .traces import strategy_color
 
 
 def predict(result, devices=(2, 4, 8), link="loopback", **options):
@@ -36,7 +36,7 @@ def figure(pred):
         rows = rows.sort_values("devices")
         fig.add_trace(go.Scatter(
             x=list(rows["devices"]), y=list(rows["samples_per_second"]), name=s, mode="lines+markers",
-            line={"color": STRATEGY_COLORS.get(s)},
+            line={"color": strategy_color(s)},
             customdata=list(zip(rows["efficiency"], rows["step_ms"], rows["comm_exposed_ms"])),
             hovertemplate=(f"<b>{s}</b> on %{{x}} devices<br>%{{y:,.0f}} samples/s<br>efficiency %{{customdata[0]:.2f}}"
                            "<br>step %{customdata[1]:.1f} ms, exposed comm %{customdata[2]:.1f} ms<extra></extra>")))

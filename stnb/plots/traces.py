@@ -15,6 +15,13 @@ STRATEGY_COLORS = {s.name: s.color for s in strategies.all_strategies()}
 def strategy_color(name) -> str:
     """The strategy's colour (one registered after import too); a name stnb does not know: brown."""
     return strategies.get(name).color if name in strategies.names() else "#8c564b"
+
+
+def variant_color(variant: str) -> str:
+    """The colour of the first strategy a bench variant's name names ('ddp defaults', '2 x single at
+    once'); the baseline's when it names none."""
+    words = variant.split()
+    return strategy_color(next((w for w in words if w in strategies.names()), strategies.baseline_name()))
 PART_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer_state": "#54a24b"}
 GHOST_COLOR = "rgba(160, 160, 160, 0.18)"
 

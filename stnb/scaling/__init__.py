@@ -8,8 +8,8 @@
 ``stnb.scaling.predict`` is the pure computation (no plot); ``stnb.predict`` adds the figure.
 The run's measured time split (``RunResult.time_split``) gives forward, backward compute, optimizer
 and the rest; its model shape gives the bytes. ``links`` holds the presets and the alpha-beta costs,
-``model`` the step of each strategy, ``calibrate`` measures this machine's loopback, ``seed`` checks
-the whole against the sentence-transformers documentation's 4x V100 table.
+``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
+registry), ``calibrate`` measures this machine's loopback, ``seed`` checks the whole against the sentence-transformers documentation's 4x V100 table.
 """
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
-from .. import strategies
+from .. import strategies as registry  # ``predict`` takes an argument named strategies
 from .links import KNOWN as LINKS, PRESETS, Fabric, Link, custom, fabric
-from .model import STEP_MODELS, Measured, single
+from .model import Measured
 
-STRATEGIES = tuple(STEP_MODELS)
 MIN_STEADY_STEPS = 3
-DEFAULT_STRATEGIES = ("single", "dp", "ddp", "fsdp", "zero1", "zero2")
 PHASES = ("forward", "backward_compute", "optimizer", "data", "other")
 
 __all__ = ["predict", "compare", "verdict", "Prediction", "Measured", "Link", "Fabric", "custom", "fabric", "from_result",
-           "LINKS", "PRESETS", "STRATEGIES", "MIN_STEADY_STEPS"]
+           "LINKS", "PRESETS", "known", "MIN_STEADY_STEPS"]
 
 
 @dataclass
@@ -58,10 +56,17 @@ class Prediction:
         display(Markdown("**Assumptions**\n\n" + "\n".join(f"- {a}" for a in self.assumptions)))
 
 
-def predict(result, devices=(2, 4, 8), link="loopback", strategies=DEFAULT_STRATEGIES, network="100gbps",
+def known() -> tuple:
+    """The strategies the predictor has a step model for (``Strategy.step_time``), in the registry's order."""
+    return tuple(s.name for s in registry.all_strategies() if s.step_time is not None)
+
+
+def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network="100gbps",
             host_fraction=None, measured: Measured | None = None) -> Prediction:
     """Predicted samples/s on each device count for each strategy (a Prediction, no figure).
 
+    strategies: names (or one name); None: every strategy with a step model (``known()``). A name its
+        strategy's ``aka`` spells (e.g. 'zero3' for fsdp) is that strategy's model, shown under that name.
     result: a RunResult (or its dict) measured with stnb; its time split and model shape are the inputs.
         None with ``measured`` (a hand-built Measured, e.g. ``seed.measured()``).
     link: a preset name (``stnb.scaling.LINKS``; 'loopback' is measured here) or a ``Link``.
@@ -74,11 +79,12 @@ def predict(result, devices=(2, 4, 8), link="loopback", strategies=DEFAULT_STRAT
         fabric(link, network)  # refuses an unknown link with the list
     m = measured if measured is not None else from_result(result)  # refuses a short run before measuring
     fab = fabric(link, network)  # 'loopback' is measured here (once per process)
-    base = STEP_MODELS["single"](m, fab, 1)["step"]
+    base = _model(registry.baseline_name()).step_time(m, fab, 1)["step"]
     rows = []
     for s in strategies:
-        for n in (devices if STEP_MODELS[s] is not single else [1]):
-            r = STEP_MODELS[s](m, fab, n, host_fraction)
+        model = _model(s)
+        for n in ([1] if model.pinned_to_one_gpu() else devices):
+            r = model.step_time(m, fab, n, host_fraction)
             sps = n * m.batch / r["step"] if r["feasible"] else None
             rows.append({"strategy": s, "devices": n, "link": fab.link.name,
                          "samples_per_second": sps, "speedup": sps * base / m.batch if sps else None,
@@ -166,7 +172,7 @@ def from_result(result) -> Measured:
         fwd, bwd, opt, rest = med["forward"], med["backward_compute"], med["optimizer"], med["data"] + med["other"]
         source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), means of "
                   f"{steady} steady steps of its measured time split")
-        if "params" in strategies.get(r["strategy"]).sharded:
+        if "params" in registry.get(r["strategy"]).sharded:
             notes.append("the run is sharded (FSDP): its backward includes its all-gathers and reduce-scatters "
                          "(stnb times only the forward all-gathers), so the prediction counts those twice and is low")
     else:
@@ -191,13 +197,19 @@ def from_result(result) -> Measured:
                     notes=tuple(notes))
 
 
-def _check_strategies(strategies) -> tuple:
-    strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
-    bad = [s for s in strategies if s not in STEP_MODELS]
-    if bad or not strategies:
+def _model(name):
+    """The strategy whose step model predicts ``name`` (its own name, or one its ``aka`` spells), or None."""
+    s = registry.alias_of(name) if name not in registry.names() else registry.get(name)
+    return s if s is not None and s.step_time is not None else None
+
+
+def _check_strategies(names) -> tuple:
+    names = known() if names is None else (names,) if isinstance(names, str) else tuple(names)
+    bad = [s for s in names if _model(s) is None]
+    if bad or not names:
         raise ConfigError(f"no scaling model for strategy {', '.join(map(repr, bad)) or '(none given)'}; "
-                          f"the predictor knows {', '.join(map(repr, STRATEGIES))}")
-    return strategies
+                          f"the predictor knows {', '.join(map(repr, known()))}")
+    return names
 
 
 def _check_devices(devices) -> list:

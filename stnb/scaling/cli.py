@@ -68,19 +68,24 @@ def cmd_predict(a) -> int:
     return 0
 
 
-def check_here(model: str = "minilm", steps: int = 12, batch: int = 16, strategies=("ddp", "fsdp")) -> list:
+def check_here(model: str = "minilm", steps: int = 12, batch: int = 16, strategies=None) -> list:
     """Measure a single run (one thread: what each of 2 ranks gets on 2 cores) and 2-rank runs here;
-    predict the 2-rank runs from the single one on the measured loopback. One dict per strategy."""
+    predict the 2-rank runs from the single one on the measured loopback. One dict per strategy;
+    ``strategies`` None: the bench's distributed ones (``Strategy.bench``; ddp and fsdp)."""
     import os
 
+    from .. import strategies as registry
     from ..config import TrainConfig
     from ..runner import run
     from . import compare, from_result, predict
 
+    if strategies is None:
+        strategies = [s.name for s in registry.all_strategies() if s.bench and s.distributed]
+
     threads = max(1, (os.cpu_count() or 2) // 2)
     base = dict(model=model, steps=steps, per_device_batch_size=batch, evaluate=False, device="cpu",
                 threads_per_rank=threads)
-    single = run(TrainConfig(strategy="single", **base), echo=False)
+    single = run(TrainConfig(strategy=registry.baseline_name(), **base), echo=False)
     out = []
     for s in strategies:
         measured = run(TrainConfig(strategy=s, num_processes=2, **base), echo=False)
@@ -89,5 +94,5 @@ def check_here(model: str = "minilm", steps: int = 12, batch: int = 16, strategi
         m1, m2 = from_result(single), from_result(measured)
         out.append({**one, "predicted_own": own["predicted"], "error_own": own["error"],
                     "compute_ratio": (m2.forward + m2.backward) / (m1.forward + m1.backward),
-                    "single": single.samples_per_second, "threads_per_rank": threads})
+                    registry.baseline_name(): single.samples_per_second, "threads_per_rank": threads})
     return out

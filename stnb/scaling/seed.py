@@ -24,13 +24,13 @@ V100_HBM_BYTES_PER_S = 900e9          # NVIDIA V100 datasheet: HBM2 900 GB/s
 ADAMW_BYTES_PER_PARAM = 28            # fused AdamW, fp32: read p, g, m, v (16 B), write p, m, v (12 B)
 MPNET = {"vocab": 30527, "hidden": 768, "positions": 514, "layers": 12}  # microsoft/mpnet-base config.json
 LINK = "nvlink-v100"
-STRATEGIES = ("single", "dp", "ddp", "fsdp")
+STRATEGIES = tuple(reference.SAMPLES_PER_SECOND)  # the rows of their table
 
 
 def measured() -> Measured:
     """Their single-GPU row as one device's Measured step, split by the documented numbers above."""
     p = reference.MODEL_PARAMETERS
-    step = reference.PER_DEVICE_BATCH_SIZE / reference.SAMPLES_PER_SECOND["single"]
+    step = reference.PER_DEVICE_BATCH_SIZE / reference.ONE_GPU
     optimizer = ADAMW_BYTES_PER_PARAM * p / V100_HBM_BYTES_PER_S
     compute = step - optimizer
     h = MPNET["hidden"]
@@ -38,7 +38,7 @@ def measured() -> Measured:
     return Measured(batch=reference.PER_DEVICE_BATCH_SIZE, forward=compute / 3, backward=2 * compute / 3,
                     optimizer=optimizer, other=0.0, grad_bytes=4 * p, param_bytes=4 * p, bucket_bytes=25 * 2**20,
                     layers=MPNET["layers"], root_fraction=root,
-                    source=f"{reference.SOURCE}, single row: {reference.SAMPLES_PER_SECOND['single']:.0f} samples/s",
+                    source=f"{reference.SOURCE}, single row: {reference.ONE_GPU:.0f} samples/s",
                     notes=(f"optimizer: fused AdamW moves {ADAMW_BYTES_PER_PARAM} B per parameter at the V100's "
                            f"{V100_HBM_BYTES_PER_S / 1e9:.0f} GB/s HBM2 (datasheet); forward:backward 1:2 (FLOPs)",
                            "gradients and parameters travel in fp32 (mixed precision keeps fp32 master copies)"))
@@ -56,7 +56,7 @@ def check(host_fraction=None) -> list:
         published = reference.SAMPLES_PER_SECOND[s]
         rows.append({"strategy": s, "devices": reference.devices(s), "published": published,
                      "predicted": row["samples_per_second"],
-                     "published_speedup": published / reference.SAMPLES_PER_SECOND["single"],
+                     "published_speedup": published / reference.ONE_GPU,
                      "predicted_speedup": row["speedup"],
                      "error": row["samples_per_second"] / published - 1,
                      "comm_exposed_ms": row["comm_exposed_ms"], "step_ms": row["step_ms"],
@@ -77,9 +77,9 @@ def would_match(strategy: str, published: float) -> str:
         pred = predict(None, devices=[reference.GPUS], link=link, strategies=[strategy], measured=measured(), **kw)
         return pred.row(strategy, reference.devices(strategy))["samples_per_second"]
 
-    from .model import MISS_TERM
+    from .. import strategies
 
-    key = MISS_TERM.get(strategy, "bw")
+    key = strategies.get(strategy).miss_term
     if key == "host_fraction":
         lo, hi, unit = 0.0, 1.0, "the host busy {:.0%} of a single step (GIL-serialised)"
     else:

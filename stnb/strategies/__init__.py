@@ -12,10 +12,13 @@ fsdp       3 (+ parameters)   ``fsdp.py``     FSDP2 fully_shard
 deepspeed  1, 2 or 3          ``deepspeed.py`` the trainer's own DeepSpeed integration
 =========  =================  ===============================================================
 
-``get(name)`` returns the strategy object (an unknown name is a ConfigError listing the known ones);
-``register(cls)`` adds one, refusing a class that does not implement its verification
-(``Strategy.check_prepared`` and ``check_ranks`` are abstract). Nothing outside this package compares
-a strategy's name: it asks the object (``distributed``, ``knobs``, ``held``, ``available``, ...).
+The registry finds them itself: every class a module of this package defines with its own ``name``
+is registered, in the order of their ``order``, when the package is imported; adding a strategy is
+adding its module. ``get(name)`` returns the strategy object (an unknown name is a ConfigError listing
+the known ones); ``register(cls)`` adds one from elsewhere (a user's, a test's), refusing a class that
+does not implement its verification (``Strategy.check_prepared`` and ``check_ranks`` are abstract).
+Nothing outside this package names a strategy (no comparison, no key, no list of names): it asks the
+objects (``distributed``, ``knobs``, ``held``, ``available``, ``step_time``, ``bench``, ``gpu_check``, ...).
 """
 
 from __future__ import annotations
@@ -64,10 +67,16 @@ def get(name) -> Strategy:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        same = [s.name for s in _REGISTRY.values() if s.aka and str(name).lower().replace("-", "") in
-                (s.aka.lower().replace(" stage ", ""), s.aka.lower().replace(" ", ""))]
-        hint = f" ({name} is strategy {same[0]!r}: {_REGISTRY[same[0]].aka})" if same else ""
+        same = alias_of(name)
+        hint = f" ({name} is strategy {same.name!r}: {same.aka})" if same else ""
         raise ConfigError(f"unknown strategy {name!r}{hint}; choose one of {', '.join(map(repr, names()))}") from None
+
+
+def alias_of(name) -> Strategy | None:
+    """The strategy another name spells by its ``aka`` ('zero3' is fsdp, "ZeRO stage 3"), else None."""
+    key = str(name).lower().replace("-", "")
+    return next((s for s in _REGISTRY.values() if s.aka and key in
+                 (s.aka.lower().replace(" stage ", ""), s.aka.lower().replace(" ", ""))), None)
 
 
 def names() -> tuple:
@@ -177,21 +186,23 @@ def verify_ranks(strategy, rank_results: list, world_size: int) -> tuple[dict, l
 
 
 def _register_builtins() -> None:
-    from .ddp import DistributedDataParallel
-    from .dp import DataParallel
-    from .fsdp import FullyShardedDataParallel
-    from .single import Single
-    from .zero1 import Zero1
-    from .zero2 import Zero2
-    from .deepspeed import DeepSpeed
+    """Register every strategy class this package's modules define (a class with its own ``name``, defined
+    in that module, not imported into it), in the order of their ``order``."""
+    import importlib
+    import pkgutil
 
-    for cls in (Single, DataParallel, DistributedDataParallel, Zero1, Zero2, FullyShardedDataParallel, DeepSpeed):
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found += [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, Strategy)
+                  and c.__module__ == module.__name__ and "name" in vars(c)]
+    for cls in sorted(found, key=lambda c: (c.order, c.name)):
         register(cls)
 
 
 _register_builtins()
 
-__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "names", "all_strategies", "is_distributed",
+__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "names", "all_strategies", "is_distributed",
            "distributed_names", "baseline_name", "validate_config", "availability", "verify_prepared", "verify", "verify_ranks",
            "autocast_data_parallel", "ddp_kwargs", "shard_fsdp", "freeze_unused_pooler", "local_numel",
            "loss_owned_parameters", "param_counts", "LossParameterSync", "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision"]

@@ -11,7 +11,12 @@ A strategy answers every question the rest of stnb has about it, so nothing outs
 - config validation before any process starts (``validate``);
 - in each rank: refusals of what the user's trainer asks (``refusals``), preparing the trainer and the
   model (``prepare``), and, at the first step, checking the prepared model (``check_prepared``);
-- after the run, what needs every rank (``check_ranks``).
+- after the run, what needs every rank (``check_ranks``);
+- the predictor's cost of one optimizer step on n devices (``step_time``, None: no model), and the rows
+  it brings to the lab: the bench presets' sweep (``bench``) and the GPU check (``gpu_check``).
+
+The registry finds every strategy class a module of ``stnb/strategies/`` defines (with its own ``name``),
+in ``order``, so adding a strategy is adding its module.
 
 Verification fails closed: ``check_prepared`` and ``check_ranks`` are abstract, so a class that does
 not implement both cannot be instantiated, and the registry refuses it.
@@ -46,6 +51,18 @@ class Strategy(abc.ABC):
     master_weights: ClassVar[bool] = False  # the optimizer keeps its own fp32 copy of the (partitioned) weights
 
     baseline: ClassVar[bool] = False   # the one every other strategy is compared with (single)
+    order: ClassVar[int] = 1000        # place in the registry's order (the Panel's list, tables); built-ins 10..70
+
+    # ---- the predictor and the lab's rows ---------------------------------------------------
+    #: the predicted step on n devices, a method ``step_time(m, fab, n, host_fraction=None) -> dict``
+    #: (``stnb.strategies.stepcost``: m a ``stnb.scaling.Measured``, fab a ``stnb.scaling.Fabric``);
+    #: None: the predictor has no model for this strategy and refuses it
+    step_time = None
+    #: the term the published-reference check (``stnb.scaling.seed.would_match``) solves for to explain a
+    #: miss: 'bw' (the link's bandwidth) or 'host_fraction' (dp's single-process host share)
+    miss_term: ClassVar[str] = "bw"
+    bench: ClassVar[bool] = False      # a row of the bench presets' strategy sweep (``stnb.bench``)
+    gpu_check: ClassVar[bool] = False  # trained by the GPU check (``python -m stnb gpu-check``), its own rows
 
     # ---- facts ------------------------------------------------------------------------------
     def pinned_to_one_gpu(self) -> bool:

@@ -13,6 +13,7 @@ forward), so the default here is False, what really runs; ``broadcast_buffers=Tr
 from __future__ import annotations
 
 from .base import Strategy, config_default
+from .stepcost import buckets, pipeline, step
 
 DDP_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "comm_hook")
 COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
@@ -30,6 +31,12 @@ class DistributedDataParallel(Strategy):
     knobs = DDP_KNOBS
     choices = DDP_CHOICES
     ddp_buckets = True
+    order = 30
+    bench = True
+    gpu_check = True
+
+    def step_time(self, m, fab, n, host_fraction=None):
+        return ddp_step(m, fab, n)
 
     def validate(self, config):
         from ..errors import ConfigError
@@ -166,3 +173,13 @@ def ddp_handler(kw: dict):
 
     forward = kw.pop("broadcast_buffers", True)
     return Handler(**kw, forward_sync_buffers=forward)
+
+
+def ddp_step(m, fab, n: int) -> dict:
+    """Forward; backward with the gradient buckets (``bucket_bytes`` each) all-reduced as they fill (ready
+    in proportion to backward progress, one collective at a time); the last bucket's all-reduce is exposed,
+    and all of them when the link cannot overlap (CPU); optimizer; rest."""
+    sizes = buckets(m)
+    units = [(0.0, m.backward / len(sizes), fab.all_reduce(s, n)) for s in sizes]
+    backward, comm = pipeline(units, fab.overlap)
+    return step(m.forward + backward + m.optimizer + m.other, comm, backward - m.backward)

@@ -104,6 +104,7 @@ class DeepSpeed(Strategy):
     choices = {"stage": STAGES}
     owns_deepspeed = True
     master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
+    order = 70
 
     def shards_params(self, config):
         return stage_of(config) == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from .base import Strategy, mixed_precision
+from .stepcost import infeasible, step
 
 
 class DataParallel(Strategy):
@@ -18,6 +19,26 @@ class DataParallel(Strategy):
     color = "#ff7f0e"
     distributed = False
     min_gpus = 2
+    order = 20
+    bench = True
+    gpu_check = True
+    miss_term = "host_fraction"
+
+    def step_time(self, m, fab, n, host_fraction=None):
+        """torch.nn.DataParallel, one process: every step it broadcasts the parameters from GPU 0 (replicate),
+        runs the replicas side by side, reduces the gradients to GPU 0 and steps the optimizer there once; the
+        one process loads n batches. All devices must be in one node. The GIL serialises the replicas' Python
+        work: ``host_fraction`` (the share of a step the host is busy launching, e.g. 1 - GPU busy time from a
+        trace) adds (n-1) x that share of forward+backward; None leaves it out (said in the assumptions)."""
+        per_node = fab.link.per_node
+        if per_node is None or n > per_node:
+            where = ("needs GPUs in one machine" if per_node is None
+                     else f"holds at most {per_node} devices on {fab.link.name}")
+            return infeasible(f"DataParallel is one process: it {where}")
+        replicate, reduce = fab.broadcast(m.param_bytes, n), fab.broadcast(m.grad_bytes, n)
+        host = 0.0 if host_fraction is None else (n - 1) * host_fraction * (m.forward + m.backward)
+        seconds = replicate + m.forward + m.backward + reduce + host + m.optimizer + m.other * n
+        return step(seconds, replicate + reduce, replicate + reduce)
 
     def devices(self, n_gpu):
         return max(1, n_gpu)

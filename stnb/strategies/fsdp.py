@@ -18,6 +18,7 @@ next block's all-gather, and on CPU the all-gathers are asynchronous (``shard_fs
 from __future__ import annotations
 
 from .base import Strategy, mixed_precision, rebuild_optimizer
+from .stepcost import pipeline, step
 
 
 class FullyShardedDataParallel(Strategy):
@@ -30,6 +31,16 @@ class FullyShardedDataParallel(Strategy):
     knobs = ("reshard_after_forward", "fsdp_layer_cls")
     sharded = frozenset({"params", "grads", "optimizer_state"})
     gathered_during_step = "layer"
+    order = 60
+    bench = True
+    gpu_check = True
+
+    def step_time(self, m, fab, n, host_fraction=None):
+        """Per unit (each transformer layer, and the root holding the embeddings): all-gather the parameters
+        before its forward and again before its backward (unless ``m.reshard_after_forward`` is off: the
+        gathered parameters stay), reduce-scatter its gradients after; the next unit's all-gather is
+        prefetched during this unit's compute. The optimizer updates 1/n of the parameters."""
+        return fsdp_step(m, fab, n, m.reshard_after_forward)
 
     def reshard_after_forward(self, config) -> bool:
         return bool(config.reshard_after_forward)
@@ -255,3 +266,19 @@ def same_start(model) -> dict:
         raise VerificationError(f"after broadcasting rank 0's weights, {len(after['differing'])} tensor(s) still "
                                 f"differ across ranks, first {after['first_differing']!r}")
     return {"tensors_differing_before": n, "broadcast": True, "identical": True}
+
+
+def fsdp_step(m, fab, n: int, reshard_after_forward: bool) -> dict:
+    """FSDP's step on n devices (``FullyShardedDataParallel.step_time``): units pipelined, forward then backward."""
+    root = m.root_fraction
+    shares = [root] + [(1 - root) / m.layers] * m.layers
+    work_f = [0.0] + [m.forward / m.layers] * m.layers
+    work_b = [0.0] + [m.backward / m.layers] * m.layers
+    fwd = [(fab.all_gather(s * m.param_bytes, n), w, 0.0) for s, w in zip(shares, work_f)]
+    regather = 1.0 if reshard_after_forward else 0.0
+    bwd = [(regather * fab.all_gather(s * m.param_bytes, n), w, fab.reduce_scatter(s * m.grad_bytes, n))
+           for s, w in reversed(list(zip(shares, work_b)))]
+    t_f, c_f = pipeline(fwd, fab.overlap)
+    t_b, c_b = pipeline(bwd, fab.overlap)
+    exposed = t_f - m.forward + t_b - m.backward
+    return step(t_f + t_b + m.optimizer / n + m.other, c_f + c_b, exposed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Strategy
+from .stepcost import step
 
 
 class Single(Strategy):
@@ -12,6 +13,12 @@ class Single(Strategy):
     color = "#7f7f7f"
     distributed = False
     baseline = True
+    order = 10
+    bench = True
+
+    def step_time(self, m, fab, n, host_fraction=None):
+        """The measured step (n = 1)."""
+        return step(m.step, 0.0, 0.0)
 
     def check_prepared(self, trainer, world_size):
         import torch

@@ -10,7 +10,8 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 from __future__ import annotations
 
 from .base import Strategy, rebuild_optimizer
-from .ddp import DDP_CHOICES, DDP_KNOBS, apply_ddp, check_ddp_wrapper
+from .ddp import DDP_CHOICES, DDP_KNOBS, apply_ddp, check_ddp_wrapper, ddp_step
+from .stepcost import step
 
 # optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
 ZERO_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adam", "adamw", "sgd", "adagrad", "rmsprop")
@@ -26,6 +27,15 @@ class Zero1(Strategy):
     choices = DDP_CHOICES
     ddp_buckets = True
     sharded = frozenset({"optimizer_state"})
+    order = 40
+
+    def step_time(self, m, fab, n, host_fraction=None):
+        """DDP's all-reduce, the optimizer on 1/n of the parameters, then every rank's updated shard sent to
+        the others (torch's ZeroRedundancyOptimizer: an all-gather of the parameters), exposed."""
+        r = ddp_step(m, fab, n)
+        gather = fab.all_gather(m.param_bytes, n)
+        return step(r["step"] - m.optimizer + m.optimizer / n + gather, r["comm"] + gather,
+                    r["comm_exposed"] + gather)
 
     def validate(self, config):
         from ..errors import ConfigError
