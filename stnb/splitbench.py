@@ -15,10 +15,22 @@ from __future__ import annotations
 import os
 import statistics
 
+STRATEGY = "ddp"  # what every run here is unless a variant says otherwise (the knobs below are its knobs)
 SHARE_VARIANTS = (("fp32 all-reduce", {}), ("fp16 hook", {"comm_hook": "fp16"}),
                   ("fp32, 1 MiB buckets", {"bucket_cap_mb": 1}))
-FSDP_VARIANTS = (("ddp", {}), ("fsdp", {"strategy": "fsdp"}),
-                 ("fsdp, no reshard", {"strategy": "fsdp", "reshard_after_forward": False}))
+
+
+def fsdp_variants() -> tuple:
+    """``--fsdp``: the DDP runs' baseline, then every strategy owning ``reshard_after_forward`` (fsdp), with
+    it on and off."""
+    from . import strategies
+
+    out = [(STRATEGY, {})]
+    for s in strategies.all_strategies():
+        if "reshard_after_forward" in s.knobs:
+            out += [(s.name, {"strategy": s.name}),
+                    (f"{s.name}, no reshard", {"strategy": s.name, "reshard_after_forward": False})]
+    return tuple(out)
 
 
 def summarize(result) -> dict:
@@ -48,7 +60,7 @@ def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16, repeats:
     seen = {label: [] for label, _ in variants}
     for _ in range(repeats):
         for label, knobs in variants:
-            r = run(TrainConfig(**{"strategy": "ddp", "num_processes": 2, "model": model, "steps": steps,
+            r = run(TrainConfig(**{"strategy": STRATEGY, "num_processes": 2, "model": model, "steps": steps,
                                    "per_device_batch_size": batch, "evaluate": False, "device": "cpu", **knobs}),
                     echo=False)
             seen[label].append(summarize(r))
@@ -60,7 +72,7 @@ def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: i
     from .config import TrainConfig
     from .runner import run
 
-    cfg = TrainConfig(strategy="ddp", num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
+    cfg = TrainConfig(strategy=STRATEGY, num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
                       evaluate=False, device="cpu")
     from .timesplit import own_cost
 
@@ -105,7 +117,7 @@ def cmd_split(a) -> int:
                   f"({row['comm_share']:.0%} of the step; exposed + wait {row['comm_exposed_share']:.0%}), "
                   f"{row['comm_mib_per_step']:.1f} MiB sent per step, {row['samples_per_second']:.2f} samples/s")
     elif a.fsdp:
-        for row in comm_share(a.model, a.steps, a.batch, a.repeats, FSDP_VARIANTS):
+        for row in comm_share(a.model, a.steps, a.batch, a.repeats, fsdp_variants()):
             parts = ", ".join(f"{k} {row[k]:.0f}" for k in ("forward", "backward_compute", "comm_exposed", "wait",
                                                            "optimizer", "data") if row.get(k) is not None)
             print(f"{row['variant']:>18} (median of {row['runs']}): {row['samples_per_second']:.2f} samples/s, "
