@@ -1,0 +1,87 @@
+"""A strategy is one file: ``HalfBytes``, made up in this file alone (DDP under another name, with its own
+colour, bench and GPU-check rows and its own step-cost model: half DDP's all-reduced bytes), registered, is in ``stnb.run`` (a real
+2-rank run, verified), the Panel's strategy picker, ``stnb.predict`` on that run (table and figure), the
+bench's plan and the GPU check's plan; unregistered, it is in none of them. No other file knows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import stnb
+from stnb import ConfigError, strategies
+from stnb.bench import BenchOptions, plan as bench_plan
+from stnb.gpucheck import plan as gpu_plan
+from stnb.gpucheck.planning import Machine
+from stnb.strategies.ddp import DistributedDataParallel, ddp_step
+
+NAME = "half-ddp"
+RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=5, warmup_steps_excluded=1,
+           evaluate=False, threads_per_rank=1, timeout=300, device="cpu")
+H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2 ** 30, "compute_capability": [9, 0]}
+TWO_GPUS = Machine(gpus=[dict(H100, index=i) for i in range(2)], torch_cuda="12.8", arch_list=["sm_90"],
+                   notebook="nb.ipynb")
+
+
+class HalfBytes(DistributedDataParallel):
+    """DDP that trains as DDP, predicted as if its gradients travelled in half the bytes (a made-up model)."""
+    name = NAME
+    label = "DDP, half the bytes"
+    summary = "DDP under another name whose cost model all-reduces half the gradient bytes (a test's strategy)"
+    color = "#123456"
+    bench = True
+    gpu_check = True
+
+    def step_time(self, m, fab, n, host_fraction=None):
+        r = ddp_step(replace(m, grad_bytes=m.grad_bytes / 2), fab, n)
+        return dict(r, note="gradients in half the bytes")
+
+
+def _everywhere(result) -> dict:
+    """Where the strategy shows, each place asked the way a user or the lab asks it (``result``: a run to
+    predict from)."""
+    from stnb.widgets import Panel
+
+    return {"panel": NAME in dict(Panel(train_size=64, dev_size=16).strategy.options).values(),
+            "predictor": NAME in set(stnb.predict(result, devices=[2], link="pcie4").table["strategy"]),
+            "bench": any(it.config.strategy == NAME for it in bench_plan(BenchOptions.from_preset("quick"))),
+            "gpu-check": any(c.params.get("strategy") == NAME for c in gpu_plan(TWO_GPUS))}
+
+
+def test_a_made_up_strategy_in_one_file_is_in_run_panel_predictor_bench_and_gpu_check():
+    strategies.register(HalfBytes)
+    try:
+        r = stnb.run(stnb.TrainConfig(strategy=NAME, **RUN), echo=False)
+        assert r.verified, r.reason
+        assert (r.strategy, r.world_size) == (NAME, 2)
+        assert _everywhere(r) == {"panel": True, "predictor": True, "bench": True, "gpu-check": True}
+
+        # the predictor used its model, not DDP's: the same ring all-reduce over half the bytes
+        pred = stnb.predict(r, devices=[2, 4], link="pcie4")
+        mine, ddp = pred.row(NAME, 4), pred.row("ddp", 4)
+        fab, grad = pred.fabric, pred.measured.grad_bytes
+        assert ddp["comm_ms"] == pytest.approx(1e3 * fab.all_reduce(grad, 4))
+        assert mine["comm_ms"] == pytest.approx(1e3 * fab.all_reduce(grad / 2, 4))
+        assert mine["comm_ms"] < ddp["comm_ms"]
+        assert mine["note"] == "gradients in half the bytes" and ddp["note"] == ""
+        line = next(t for t in pred.figure.data if t.name == NAME)
+        assert line.line.color == HalfBytes.color
+
+        # the bench's sweep and the GPU check give it the rows a distributed strategy gets
+        sweep = [it.name for it in bench_plan(BenchOptions.from_preset("quick", sections=("sweep",)))]
+        assert f"{NAME} x2 b16" in sweep
+        rows = {c.name: c for c in gpu_plan(TWO_GPUS)}
+        assert rows[f"{NAME} x2 bf16"].params["num_processes"] == 2
+        assert rows[f"{NAME} x1 nccl bf16"].skip  # one rank is never wrapped in DDP (as for ddp)
+        assert {f"{NAME} x2 bf16 hook {h}" for h in ("fp16", "bf16", "embedding_rows")} <= set(rows)
+    finally:
+        strategies.unregister(NAME)
+    # the same run, read as the DDP run it was (its own name is unknown now, so nothing predicts from it)
+    assert _everywhere(dict(r.to_dict(), strategy="ddp")) == {"panel": False, "predictor": False, "bench": False,
+                                                              "gpu-check": False}
+    with pytest.raises(ConfigError, match=f"unknown strategy '{NAME}'"):
+        stnb.predict(r, devices=[2], link="pcie4")
+    with pytest.raises(ConfigError, match=f"unknown strategy '{NAME}'"):
+        stnb.TrainConfig(strategy=NAME, **RUN).validate(check_resources=False)
