@@ -162,12 +162,14 @@ def test_zero_stages_are_their_strategies():
 
 
 def test_the_predictor_asks_the_registry_for_its_models():
-    """Every strategy with a step model is predicted by default, in the registry's order; a ZeRO name is its
+    """Every strategy with a step model is predicted by default, the bench's first; a ZeRO name is its
     strategy's model under that name; a strategy without a model (deepspeed) is refused, naming the known."""
     fab_link = "pcie4"
     pred = predict(None, devices=[2], link=fab_link, measured=SMALL)
     assert list(dict.fromkeys(pred.table["strategy"])) == list(known())
     assert set(known()) == {s.name for s in strategies.all_strategies() if s.step_time is not None}
+    bench = [s.name for s in strategies.all_strategies() if s.bench]
+    assert list(known()[:len(bench)]) == bench and not set(known()[len(bench):]) & set(bench)
     assert strategies.baseline_name() in known() and "deepspeed" not in known()
     alias = predict(None, devices=[2], link=fab_link, measured=SMALL, strategies=["zero3", "fsdp"])
     assert alias.row("zero3", 2)["samples_per_second"] == alias.row("fsdp", 2)["samples_per_second"]

@@ -57,8 +57,11 @@ class Prediction:
 
 
 def known() -> tuple:
-    """The strategies the predictor has a step model for (``Strategy.step_time``), in the registry's order."""
-    return tuple(s.name for s in registry.all_strategies() if s.step_time is not None)
+    """The strategies the predictor has a step model for (``Strategy.step_time``): those the bench measures
+    (``Strategy.bench``: the published comparison's single, dp, ddp, fsdp) first, then the others, each
+    group in the registry's order."""
+    return tuple(s.name for s in sorted(registry.all_strategies(), key=lambda s: not s.bench)
+                 if s.step_time is not None)
 
 
 def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network="100gbps",
@@ -207,8 +210,11 @@ def _check_strategies(names) -> tuple:
     names = known() if names is None else (names,) if isinstance(names, str) else tuple(names)
     bad = [s for s in names if _model(s) is None]
     if bad or not names:
+        aliases = [f"{a!r} ({s.name})" for s in map(registry.get, known())
+                   for a in [s.aka.lower().replace(" stage ", "")] if s.aka and a not in registry.names()]
         raise ConfigError(f"no scaling model for strategy {', '.join(map(repr, bad)) or '(none given)'}; "
-                          f"the predictor knows {', '.join(map(repr, known()))}")
+                          f"the predictor knows {', '.join(map(repr, known()))}"
+                          + (f" and {', '.join(aliases)}" if aliases else ""))
     return names
 
 
