@@ -85,3 +85,33 @@ def test_a_made_up_strategy_in_one_file_is_in_run_panel_predictor_bench_and_gpu_
         stnb.predict(r, devices=[2], link="pcie4")
     with pytest.raises(ConfigError, match=f"unknown strategy '{NAME}'"):
         stnb.TrainConfig(strategy=NAME, **RUN).validate(check_resources=False)
+
+
+def test_the_registry_finds_a_strategy_by_its_module(tmp_path, monkeypatch):
+    """What the registry does with stnb/strategies/ at import, on a package made here: a module defining a
+    strategy class is found (imported names and helpers are not), in ``order`` (not the modules' order); the built-ins are exactly
+    the classes stnb/strategies/ defines, in the registry's order."""
+    import sys
+
+    pkg = tmp_path / "madeup_strategies"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a_late.py").write_text(
+        "from stnb.strategies.ddp import DistributedDataParallel\n"        # imported: not this module's
+        "class Late(DistributedDataParallel):\n    name, order = 'late', 90\n"
+        "class Helper(DistributedDataParallel):\n    pass\n")                # no name of its own
+    (pkg / "b_early.py").write_text(
+        "from stnb.strategies.single import Single\n"
+        "class Early(Single):\n    name, order = 'early', 5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        found = strategies.find_strategies([str(pkg)], "madeup_strategies")
+        assert [c.name for c in found] == ["early", "late"]
+    finally:
+        for m in [m for m in sys.modules if m.startswith("madeup_strategies")]:
+            del sys.modules[m]
+    builtins = strategies.find_strategies(strategies.__path__, strategies.__name__)
+    assert [c.name for c in builtins] == list(strategies.names())
+    assert [type(s) for s in strategies.all_strategies()] == builtins
+    orders = [s.order for s in strategies.all_strategies()]
+    assert orders == sorted(orders) and strategies.names()[0] == strategies.baseline_name()

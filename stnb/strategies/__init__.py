@@ -185,24 +185,29 @@ def verify_ranks(strategy, rank_results: list, world_size: int) -> tuple[dict, l
     return info, problems + own_problems
 
 
-def _register_builtins() -> None:
-    """Register every strategy class this package's modules define (a class with its own ``name``, defined
-    in that module, not imported into it), in the order of their ``order``."""
+def find_strategies(path, package: str) -> list:
+    """The strategy classes the modules of a package define (each with its own ``name``, defined in that
+    module, not imported into it), sorted by ``order``. ``path``: the package's ``__path__``."""
     import importlib
     import pkgutil
 
     found = []
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
+    for info in pkgutil.iter_modules(path):
+        module = importlib.import_module(f"{package}.{info.name}")
         found += [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, Strategy)
                   and c.__module__ == module.__name__ and "name" in vars(c)]
-    for cls in sorted(found, key=lambda c: (c.order, c.name)):
+    return sorted(found, key=lambda c: (c.order, c.name))
+
+
+def _register_builtins() -> None:
+    """Register every strategy class this package's modules define: adding a strategy is adding its module."""
+    for cls in find_strategies(__path__, __name__):
         register(cls)
 
 
 _register_builtins()
 
-__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "names", "all_strategies", "is_distributed",
+__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "find_strategies", "names", "all_strategies", "is_distributed",
            "distributed_names", "baseline_name", "validate_config", "availability", "verify_prepared", "verify", "verify_ranks",
            "autocast_data_parallel", "ddp_kwargs", "shard_fsdp", "freeze_unused_pooler", "local_numel",
            "loss_owned_parameters", "param_counts", "LossParameterSync", "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision"]
