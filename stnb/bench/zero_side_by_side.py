@@ -23,13 +23,20 @@ def native_of(stage: int) -> str:
     return next(s.name for s in strategies.all_strategies() if s.aka == f"ZeRO stage {stage}")
 
 
+def engine() -> str:
+    """The strategy that hands the run to DeepSpeed's engine (``owns_deepspeed``), asked of the registry."""
+    from .. import strategies
+
+    return next(s.name for s in strategies.all_strategies() if s.owns_deepspeed)
+
+
 def compare(stage: int, **options) -> list:
     """[(label, RunResult)] for the native stage and deepspeed's."""
     import stnb
 
     base = stnb.TrainConfig(**options)
     return [(native_of(stage), stnb.run(base.replace(strategy=native_of(stage)), echo=False)),
-            (f"deepspeed stage {stage}", stnb.run(base.replace(strategy="deepspeed", stage=stage), echo=False))]
+            (f"{engine()} stage {stage}", stnb.run(base.replace(strategy=engine(), stage=stage), echo=False))]
 
 
 def rows(stage: int, pair: list) -> list:
