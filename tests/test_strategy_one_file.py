@@ -1,7 +1,8 @@
 """A strategy is one file: ``HalfBytes``, made up in this file alone (DDP under another name, with its own
-colour, bench and GPU-check rows and its own step-cost model: half DDP's all-reduced bytes), registered, is in ``stnb.run`` (a real
-2-rank run, verified), the Panel's strategy picker, ``stnb.predict`` on that run (table and figure), the
-bench's plan and the GPU check's plan; unregistered, it is in none of them. No other file knows it.
+colour, bench and GPU-check rows and its own step-cost model: half DDP's all-reduced bytes), registered,
+is in ``stnb.run`` (a real 2-rank run, verified), the Panel's strategy picker, ``stnb.predict`` on that run
+(table and figure), the bench's plan and the GPU check's plan; unregistered, it is in none of them. No other
+file knows it.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def test_a_made_up_strategy_in_one_file_is_in_run_panel_predictor_bench_and_gpu_
 
 def test_the_registry_finds_a_strategy_by_its_module(tmp_path, monkeypatch):
     """What the registry does with stnb/strategies/ at import, on a package made here: a module defining a
-    strategy class is found (imported names and helpers are not), in ``order`` (not the modules' order); the built-ins are exactly
-    the classes stnb/strategies/ defines, in the registry's order."""
+    strategy class is found (imported names and helpers are not), in ``order`` (not the modules' order); the
+    built-ins are exactly the classes stnb/strategies/ defines, in the registry's order."""
     import sys
 
     pkg = tmp_path / "madeup_strategies"

@@ -148,7 +148,8 @@ def plan(opts: BenchOptions) -> list:
     threads = max(1, cpu_cores() // n) if device == "cpu" else None
     ddp = base.replace(strategy="ddp", num_processes=n, per_device_batch_size=opts.batch_size,
                        threads_per_rank=threads)
-    one = base.replace(strategy=registry.baseline_name(), per_device_batch_size=opts.batch_size, threads_per_rank=threads)
+    one = base.replace(strategy=registry.baseline_name(), per_device_batch_size=opts.batch_size,
+                       threads_per_rank=threads)
     dev1 = f"single 1 device ({threads} thread{'s' if (threads or 1) > 1 else ''})" if device == "cpu" \
         else "single 1 GPU"
 

@@ -9,7 +9,8 @@
 The run's measured time split (``RunResult.time_split``) gives forward, backward compute, optimizer
 and the rest; its model shape gives the bytes. ``links`` holds the presets and the alpha-beta costs,
 ``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
-registry), ``calibrate`` measures this machine's loopback, ``seed`` checks the whole against the sentence-transformers documentation's 4x V100 table.
+registry), ``calibrate`` measures this machine's loopback, ``seed`` checks the whole against the
+sentence-transformers documentation's 4x V100 table.
 """
 
 from __future__ import annotations

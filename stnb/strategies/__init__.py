@@ -207,7 +207,8 @@ def _register_builtins() -> None:
 
 _register_builtins()
 
-__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "find_strategies", "names", "all_strategies", "is_distributed",
-           "distributed_names", "baseline_name", "validate_config", "availability", "verify_prepared", "verify", "verify_ranks",
-           "autocast_data_parallel", "ddp_kwargs", "shard_fsdp", "freeze_unused_pooler", "local_numel",
-           "loss_owned_parameters", "param_counts", "LossParameterSync", "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision"]
+__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "find_strategies", "names",
+           "all_strategies", "is_distributed", "distributed_names", "baseline_name", "validate_config", "availability",
+           "verify_prepared", "verify", "verify_ranks", "autocast_data_parallel", "ddp_kwargs", "shard_fsdp",
+           "freeze_unused_pooler", "local_numel", "loss_owned_parameters", "param_counts", "LossParameterSync",
+           "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision"]
