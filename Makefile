@@ -198,7 +198,7 @@ gpu-check: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m stnb gpu-check
 
 clean:
-	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
+	find . \( -path ./$(VENV) -o -path ./$(OLDEST_VENV) \) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
 	rm -rf build dist *.egg-info .pytest_cache artifacts mutants
 
 distclean: clean
