@@ -28,6 +28,7 @@ def _dev_metric_of(path, config: TrainConfig) -> float:
     return float(evaluator(SentenceTransformer(str(path), device="cpu"))[evaluator.primary_metric])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,n", [("single", None), ("ddp", 2)])
 def test_bf16_trains_verified_and_saves_the_trained_model(tmp_path, strategy, n):
     target = tmp_path / "model"

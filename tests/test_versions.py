@@ -81,6 +81,7 @@ def test_fsdp_and_zero2_refuse_a_transformers_without_the_presharded_model_contr
         TrainConfig(strategy=strategy, num_processes=2, model="tiny").validate(check_resources=False)
 
 
+@pytest.mark.slow
 def test_fsdp_on_the_installed_transformers_runs_or_is_refused_before_any_process_starts(tmp_path):
     """On the oldest leg (transformers 5.17) a fsdp run is refused before it launches; on CI's it trains."""
     config = TrainConfig(strategy="fsdp", num_processes=2, model="tiny", steps=2, train_size=64, dev_size=16,
