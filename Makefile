@@ -48,12 +48,14 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser lab test mutants mutants-sample notebooks bench hardware gpu-check clean distclean FORCE
+.PHONY: help venv install browser lab test test-oldest mutants mutants-sample notebooks bench hardware gpu-check clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
 	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci)"
+	@echo "  make test-oldest  the fast tests and one notebook on the oldest supported versions ($(OLDEST_VENV),"
+	@echo "                  constraints/oldest.txt)"
 	@echo "  make mutants    mutmut over the modules that decide what users are told: survival rate per module;"
 	@echo "                  exit 1 on a survivor neither killed nor listed in tests/mutants_equivalent.toml"
 	@echo "                  (MUTANTS=\"results checks\" for some modules; docs/testing.md)"
@@ -81,12 +83,12 @@ $(PY):
 $(TORCH_CFG): FORCE | $(PY)
 	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
 
-# torch goes in first and explicitly: the project pins torch==$(TORCH_VERSION),
-# which the already-installed build (CPU or CUDA) then satisfies.
-$(STAMP): pyproject.toml $(TORCH_CFG) | $(PY)
+# torch goes in first and explicitly (torch==$(TORCH_VERSION), CPU or CUDA build): pyproject.toml's
+# torch range then keeps it. Every other package at CI's exact version: constraints/ci.txt.
+$(STAMP): pyproject.toml constraints/ci.txt $(TORCH_CFG) | $(PY)
 	$(if $(and $(filter $(TORCH_CFG),$?),$(wildcard $(STAMP))),$(PIP) uninstall -y torch,)
 	$(PIP) install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) "torch==$(TORCH_VERSION)"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -c constraints/ci.txt -e ".[dev]"
 	# DeepSpeed's CPU communication op: compiled once here, not in the first test's ranks (about a minute)
 	$(PY) -m stnb.strategies.deepspeed_ops
 	@touch $@
@@ -114,6 +116,37 @@ lab: install
 
 test: install browser
 	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks $(PYTEST_ARGS)
+
+# ------------------------------------------------------------ test-oldest --
+
+# The oldest versions pyproject.toml allows (constraints/oldest.txt, its lower bounds; torch 2.13, the
+# oldest whose CPU wheel installs here) in a second venv: the fast tests and one notebook (docs/testing.md).
+# Left out: the fsdp / zero2 training runs (transformers 5.17 is refused for them, which
+# tests/test_versions.py checks) and three CLI runs that repeat what the others train.
+OLDEST_VENV  ?= .venv-oldest
+OLDEST_PY    := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+OLDEST_TESTS := tests/test_versions.py tests/test_mixed_precision_save.py tests/test_run.py \
+	tests/test_model_types.py tests/test_loss_params.py tests/test_widgets.py tests/test_plots.py \
+	tests/test_results.py tests/test_data_columns.py tests/test_verification.py \
+	--deselect tests/test_run.py::test_fsdp_shards_and_saves_a_loadable_model \
+	--deselect "tests/test_model_types.py::test_reranker_trains_verified_and_saves_as_a_cross_encoder[fsdp]" \
+	--deselect "tests/test_model_types.py::test_splade_trains_verified[fsdp]" \
+	--deselect tests/test_loss_params.py::test_zero_stages_keep_the_loss_parameters_in_sync_too \
+	--deselect tests/test_run.py::test_cli_run_json_last_line \
+	--deselect tests/test_verification.py::test_cli_run_exits_nonzero_for_an_unverified_result \
+	--deselect tests/test_verification.py::test_cli_bench_exits_nonzero_and_names_the_failed_runs
+OLDEST_NOTEBOOK := notebooks/03_ddp_from_a_notebook.ipynb
+
+$(OLDEST_STAMP): pyproject.toml constraints/oldest.txt
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --upgrade pip
+	$(OLDEST_PY) -m pip install -c constraints/oldest.txt -e ".[test]"
+	@touch $@
+
+test-oldest: $(OLDEST_STAMP)
+	$(TEST_ENV) STNB_CONSTRAINTS=constraints/oldest.txt $(OLDEST_PY) -m pytest -p no:cacheprovider \
+		$(OLDEST_TESTS) --nbval-lax --nbval-current-env $(OLDEST_NOTEBOOK)
 
 # ---------------------------------------------------------------- mutants --
 
@@ -165,10 +198,10 @@ gpu-check: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m stnb gpu-check
 
 clean:
-	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
+	find . \( -path ./$(VENV) -o -path ./$(OLDEST_VENV) \) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf
 	rm -rf build dist *.egg-info .pytest_cache artifacts mutants
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLDEST_VENV)
 
 FORCE:

@@ -10,6 +10,9 @@ from .launch import heartbeat, last_launch, launch, rank_context, report_progres
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
 from .export import export_script
+from .launch.forksafe import watch_cuda_start
+
+watch_cuda_start()  # only when torch is already imported; stnb.setup() does it otherwise
 
 
 def predict(result, devices=(2, 4, 8), link="loopback", **options):

@@ -215,7 +215,7 @@ def load_pairs(spec: str, train_size: int, dev_size: int, seed: int, loss: str |
     if spec == SYNTHETIC:
         _no_mapping_for_synthetic(columns)
         ds = synthetic_pairs(train_size + dev_size, seed)
-        dev = ds.select(range(train_size, train_size + dev_size))
+        dev = _rows(ds, train_size, train_size + dev_size)
         if loss == "mnrl":
             return synthetic_positives(train_size, seed), dev
         return ds.select(range(train_size)), dev
@@ -262,7 +262,13 @@ def _split_rows(ds, train_size: int, dev_size: int, where: str):
         warnings.warn(f"data {where} has {n} rows, fewer than train_size + dev_size = "
                       f"{train_size + dev_size}; using {train} for train and {dev} for dev", stacklevel=3)
         train_size, dev_size = train, dev
-    return ds.select(range(train_size)), ds.select(range(train_size, train_size + dev_size))
+    return ds.select(range(train_size)), _rows(ds, train_size, train_size + dev_size)
+
+
+def _rows(ds, start: int, stop: int):
+    """Rows start..stop-1; none when stop <= start (``datasets`` refuses an empty range that starts at the end:
+    dev_size=0 asked for exactly that)."""
+    return ds.select(range(start, stop)) if stop > start else ds.select([])
 
 
 def _hub_error(spec: str, why: str) -> ConfigError:

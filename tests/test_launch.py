@@ -296,6 +296,8 @@ def test_real_cuda_initialisation_is_refused(tmp_path):
             "except stnb.ConfigError as e:\n    print('REFUSED', e)\n" % os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "REFUSED CUDA is already initialised" in out.stdout, out.stdout + out.stderr
+    # stnb was imported after torch, so it watched: the refusal names the line (tests/test_cuda_first_start.py)
+    assert "It was first started by <string>, line 2" in out.stdout and "torch.cuda._lazy_init" in out.stdout, out.stdout
 
 
 def test_more_processes_than_cores_refused():

@@ -255,6 +255,18 @@ def test_load_pairs_synthetic_split():
     assert data.check_data("synthetic") is None
 
 
+@pytest.mark.parametrize("loss", [None, "mnrl"])
+def test_no_dev_rows_asked(loss, tmp_path):
+    """dev_size=0 (with evaluate=False) gives train its rows and dev none, for synthetic data and a file
+    (an empty range starting at the last row made datasets raise IndexError inside the ranks)."""
+    train, dev = data.load_pairs("synthetic", train_size=32, dev_size=0, seed=0, loss=loss)
+    assert (len(train), len(dev)) == (32, 0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join('{"sentence1": "a%d", "sentence2": "b%d"}\n' % (i, i) for i in range(6)))
+    train, dev = data.load_pairs(str(path), train_size=6, dev_size=0, seed=0, loss="mnrl")
+    assert (len(train), len(dev)) == (6, 0)
+
+
 # ---- files -------------------------------------------------------------------------------------
 
 def _write_csv(path, header, rows):

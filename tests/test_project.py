@@ -1,4 +1,4 @@
-"""Project-level checks: pins, environment.yml, Makefile, CI entry point, README."""
+"""Project-level checks: dependency ranges and CI's constraints, environment.yml, Makefile, CI entry point, README."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Dependencies allowed to float (no == pin). Everything else is pinned.
-UNPINNED_OK = {"tqdm", "psutil", "pytest-timeout", "pyyaml"}
+# Dependencies without a lower bound (any version does). Everything else names the oldest tested one.
+UNBOUNDED_OK = {"tqdm", "psutil", "pytest-timeout", "pyyaml"}
+# Exact pins in pyproject.toml, each for a known break (the comment beside it says which).
+EXACT_OK = {"mutmut"}
 
 TOKEN_DISABLERS = (
     "--ServerApp.token=''",
@@ -41,9 +43,11 @@ def _pyproject() -> dict:
 
 
 def _requirements() -> list[Requirement]:
+    """stnb's dependencies and its test and dev extras (not the extras' reference to stnb itself)."""
     project = _pyproject()["project"]
-    reqs = list(project["dependencies"]) + list(project["optional-dependencies"]["dev"])
-    return [Requirement(r) for r in reqs]
+    extras = project["optional-dependencies"]
+    reqs = list(project["dependencies"]) + list(extras["test"]) + list(extras["dev"])
+    return [Requirement(r) for r in reqs if canonicalize_name(Requirement(r).name) != "stnb"]
 
 
 def _pin(req: Requirement) -> str | None:
@@ -53,12 +57,25 @@ def _pin(req: Requirement) -> str | None:
     return None
 
 
+def _ci_constraints() -> dict:
+    """{canonical name: version} of constraints/ci.txt (CI's exact versions, make install's -c)."""
+    out = {}
+    for line in (ROOT / "constraints" / "ci.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            assert _pin(req), f"constraints/ci.txt: {line!r} is not name==version"
+            out[canonicalize_name(req.name)] = _pin(req)
+    return out
+
+
 def _torch_pin() -> str:
+    """The torch CI installs (the Makefile's TORCH_VERSION), inside pyproject.toml's torch range."""
     torch = [r for r in _requirements() if canonicalize_name(r.name) == "torch"]
     assert len(torch) == 1, "pyproject.toml must name torch exactly once"
-    pin = _pin(torch[0])
-    assert pin, f"torch must be pinned with == in pyproject.toml, got {torch[0]}"
-    return pin
+    version = _makefile_default("TORCH_VERSION")
+    assert torch[0].specifier.contains(version), f"TORCH_VERSION={version} is outside pyproject.toml's {torch[0]}"
+    return version
 
 
 def _makefile() -> str:
@@ -128,8 +145,8 @@ def test_environment_yml_torch_matches_pyproject_and_makefile():
     torch = [e for e in _env_pip_entries() if re.match(r"^torch\s*==", e)]
     assert len(torch) == 1, "environment.yml must name torch==<version> once in its pip section"
     env_version = torch[0].split("==", 1)[1].strip()
-    assert env_version == _torch_pin(), "environment.yml torch differs from pyproject.toml"
-    assert _makefile_default("TORCH_VERSION") == _torch_pin(), "Makefile TORCH_VERSION differs from pyproject.toml"
+    assert env_version == _torch_pin(), "environment.yml torch differs from the Makefile's TORCH_VERSION"
+    assert "-c constraints/ci.txt" in _env_pip_entries(), "environment.yml installs CI's versions too"
 
 
 def test_environment_yml_does_not_repeat_versions():
@@ -141,24 +158,45 @@ def test_environment_yml_does_not_repeat_versions():
     m = re.match(r"python\s*=+\s*(\d+)\.(\d+)", python)
     assert m and (int(m.group(1)), int(m.group(2))) >= (3, 10), python
     for entry in _env_pip_entries():
-        assert entry.startswith(("-e", "torch==")), f"environment.yml repeats a dependency: {entry!r}"
+        assert entry.startswith(("-e", "-c constraints/", "torch==")), f"environment.yml repeats a dependency: {entry!r}"
 
 
-# ------------------------------------------------------------ (b) the pins --
+# ------------------------------------------ (b) the ranges and CI's versions --
 
-def test_every_dependency_is_pinned():
-    unpinned = [str(r) for r in _requirements()
-                if canonicalize_name(r.name) not in UNPINNED_OK and _pin(r) is None]
-    assert not unpinned, f"pin these with == in pyproject.toml (or extend the allow-list): {unpinned}"
+def test_every_dependency_is_a_range_with_a_tested_lower_bound():
+    """Ranges, so that an environment's own torch, transformers, pandas... stay (issue 32); the lower bounds
+    are what make test-oldest runs (tests/test_versions.py)."""
+    exact = [str(r) for r in _requirements() if _pin(r) and canonicalize_name(r.name) not in EXACT_OK]
+    assert not exact, f"exact pins in pyproject.toml belong in constraints/ci.txt: {exact}"
+    unbounded = [str(r) for r in _requirements() if canonicalize_name(r.name) not in UNBOUNDED_OK | EXACT_OK
+                 and not any(s.operator == ">=" for s in r.specifier)]
+    assert not unbounded, f"name the oldest tested version (>=) of: {unbounded}"
 
 
-def test_allow_list_is_only_the_small_utilities():
+def test_allow_lists_are_only_the_small_utilities():
     names = {canonicalize_name(r.name) for r in _requirements()}
-    assert UNPINNED_OK <= names, f"allow-list names missing from pyproject.toml: {UNPINNED_OK - names}"
+    assert UNBOUNDED_OK | EXACT_OK <= names, f"allow-list names missing from pyproject.toml: {(UNBOUNDED_OK | EXACT_OK) - names}"
+
+
+def test_ci_constraints_pin_every_dependency_inside_its_range():
+    """constraints/ci.txt (make install's -c) holds one exact version of every dependency but torch (the
+    Makefile's TORCH_VERSION), each inside pyproject.toml's range."""
+    ci = _ci_constraints()
+    problems = []
+    for req in _requirements():
+        name = canonicalize_name(req.name)
+        if name == "torch":
+            assert name not in ci, "torch is the Makefile's TORCH_VERSION, not a constraint"
+        elif name not in ci:
+            problems.append(f"{req.name}: not in constraints/ci.txt")
+        elif not req.specifier.contains(ci[name], prereleases=True):
+            problems.append(f"{req}: constraints/ci.txt says {ci[name]}")
+    assert not problems, "\n".join(problems)
+    assert "stnb" not in ci
 
 
 def test_pins_resolve_together_and_match_installed():
-    """The pinned set installs together: what pip resolved equals every pin."""
+    """What pip resolved lies inside every range pyproject.toml declares."""
     problems = []
     for req in _requirements():
         if req.marker is not None and not req.marker.evaluate():
@@ -171,7 +209,7 @@ def test_pins_resolve_together_and_match_installed():
         # Specifier matching: ==2.13.0 accepts local builds such as 2.13.0+cpu / +cu128.
         if not req.specifier.contains(installed, prereleases=True):
             problems.append(f"{req}: installed {installed}")
-    assert not problems, "installed versions differ from pyproject.toml pins:\n" + "\n".join(problems)
+    assert not problems, "installed versions outside pyproject.toml's ranges:\n" + "\n".join(problems)
 
 
 def test_requires_python_and_readme():
@@ -192,8 +230,10 @@ def test_ci_run_calls_make_test():
     code = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     assert "make test" in code, ".ci/run must run exactly `make test` (the README's test command)"
     assert "make mutants-sample" in code, ".ci/run runs the fixed-seed mutation sample (issue 19, docs/testing.md)"
-    assert code[-2:] == ['[ "$status" -eq 0 ] || exit "$status"', 'exit "$mutants_status"'], \
-        ".ci/run must fail when make test or the mutation sample fails"
+    assert "make test-oldest" in code, ".ci/run runs the oldest-versions leg (issue 32, docs/testing.md)"
+    assert code[-3:] == ['[ "$status" -eq 0 ] || exit "$status"', '[ "$oldest_status" -eq 0 ] || exit "$oldest_status"',
+                         'exit "$mutants_status"'], \
+        ".ci/run must fail when make test, the oldest-versions leg or the mutation sample fails"
 
 
 def test_readme_quick_start_has_the_two_commands_in_one_block():
@@ -264,7 +304,7 @@ def test_make_test_dry_run():
     # torch first, explicitly, then the project with dev extras
     lines = out.splitlines()
     torch_at = [i for i, ln in enumerate(lines) if "pip install" in ln and f'"torch=={_torch_pin()}"' in ln]
-    project_at = [i for i, ln in enumerate(lines) if 'pip install -e ".[dev]"' in ln]
+    project_at = [i for i, ln in enumerate(lines) if 'pip install -c constraints/ci.txt -e ".[dev]"' in ln]
     assert torch_at and project_at and torch_at[0] < project_at[0], out
 
 

@@ -25,9 +25,14 @@ from contextlib import contextmanager
 
 from ..errors import ConfigError
 
-__all__ = ["check_fork_safe", "cuda_driver_initialised", "fork_ready", "release_openmp_threads"]
+__all__ = ["check_fork_safe", "cuda_driver_initialised", "first_cuda_start", "fork_ready", "release_openmp_threads",
+           "watch_cuda_start"]
 
 _CUDA_ERROR_NOT_INITIALIZED = 3
+# torch's ways into the CUDA driver from Python: is_available() / device_count() (the device count), and the
+# lazy initialisation every tensor or module moved to a GPU goes through (torch's C++ calls it by name)
+_CUDA_ENTRY_POINTS = (("torch._C", "_cuda_getDeviceCount"), ("torch._C", "_cuda_init"), ("torch.cuda", "_lazy_init"))
+_watch = {"on": False, "first": None, "before": False}
 
 
 def cuda_driver_initialised() -> bool:
@@ -52,13 +57,108 @@ def cuda_driver_initialised() -> bool:
     return get_count(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
 
 
+def watch_cuda_start() -> None:
+    """From now on, note where this process first starts the CUDA driver (``first_cuda_start``): torch's
+    entry points into it are wrapped until the first call that leaves the driver started, then given back.
+    ``import stnb`` (when torch is already imported) and ``stnb.setup()`` call this; it changes no result."""
+    import importlib
+    import sys
+
+    if _watch["on"] or "torch" not in sys.modules:
+        return
+    _watch["on"] = True
+    if cuda_driver_initialised():
+        _watch["before"] = True
+        return
+    originals = []
+
+    def give_back(seen: dict) -> None:
+        _watch["first"] = seen
+        for o, n, f in originals:
+            if getattr(o, n, None) is by_name[(o.__name__, n)]:
+                setattr(o, n, f)
+
+    def wrapped(owner, name, original):
+        def call(*args, **kwargs):
+            if _watch["first"] is None and cuda_driver_initialised():  # started by a way not watched here
+                give_back({"entry": None, "where": None, "code": None})
+            frames = sys._getframe(1)
+            out = original(*args, **kwargs)
+            if _watch["first"] is None and cuda_driver_initialised():
+                give_back(_caller(frames, f"{owner.__name__}.{name}"))
+            return out
+        return call
+
+    by_name = {}
+    for module, name in _CUDA_ENTRY_POINTS:
+        owner = importlib.import_module(module)
+        original = getattr(owner, name, None)
+        if original is not None:
+            originals.append((owner, name, original))
+            by_name[(owner.__name__, name)] = wrapped(owner, name, original)
+            setattr(owner, name, by_name[(owner.__name__, name)])
+
+
+def _caller(frame, entry: str) -> dict:
+    """The code that started CUDA: the innermost frame that is neither a library's nor the standard
+    library's (a notebook cell, a script), with the cell's number when it runs in IPython."""
+    import linecache
+    import sysconfig
+
+    libraries = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stnb itself
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (os.path.abspath(path).startswith(libraries + (here,)) or path.startswith("<frozen")):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return {"entry": entry, "where": None, "code": None}
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    where = f"{frame.f_code.co_filename}, line {frame.f_lineno}"
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        cells = os.path.dirname(shell.compile.get_code_name("", "", 0)) if shell is not None else None
+    except Exception:  # no IPython, or one without the cell compiler
+        shell, cells = None, None
+    if shell is not None and (frame.f_code.co_filename.startswith("<ipython-input-")
+                              or (cells and os.path.dirname(frame.f_code.co_filename) == cells)):
+        # IPython counts the running cell before running it: its In [n] is one less
+        where = f"cell [{shell.execution_count - 1}], line {frame.f_lineno}"
+    return {"entry": entry, "where": where, "code": line}
+
+
+def first_cuda_start() -> dict | None:
+    """Where this process first started the CUDA driver since ``watch_cuda_start``: {"entry" (torch's call),
+    "where" (e.g. "cell [3], line 2", or a file and line), "code" (that line)}; {"before": True} when it
+    had started before stnb watched; None when it has not (or nothing watched)."""
+    if _watch["before"]:
+        return {"before": True}
+    return _watch["first"]
+
+
+def _who_started_cuda() -> str:
+    seen = first_cuda_start()
+    if seen is None:
+        return ""
+    if seen.get("before"):
+        return " It was started before stnb was imported (or stnb.setup() ran)."
+    if seen["entry"] is None:
+        return " It was started by a call stnb does not watch (torch's device count and lazy initialisation are)."
+    if seen["where"] is None:
+        return f" It was started by {seen['entry']}, called from library code."
+    return f" It was first started by {seen['where']}: `{seen['code']}` (through {seen['entry']})."
+
+
 def check_fork_safe() -> None:
     """Refuse to fork when the parent already holds device or accelerate state ranks can't inherit."""
     if cuda_driver_initialised():
         raise ConfigError(
             "CUDA is already initialised in this process (a tensor was moved to the GPU, a model was loaded on "
             "'cuda', or torch.cuda.is_available() / torch.cuda.device_count() / torch.cuda.get_device_name() "
-            "was called in an earlier cell), and forked ranks cannot use an initialised CUDA driver. "
+            f"was called in an earlier cell), and forked ranks cannot use an initialised CUDA driver.{_who_started_cuda()} "
             "Fix: restart the kernel and keep all GPU work inside the launched function / stnb.run "
             "(stnb.hardware_report() tells what GPUs there are without starting the driver), or launch "
             "with start_method='spawn': spawned ranks are fresh processes and inherit no driver.")

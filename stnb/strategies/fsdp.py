@@ -20,6 +20,18 @@ from __future__ import annotations
 from .base import Strategy, mixed_precision, rebuild_optimizer
 from .stepcost import pipeline, step
 
+# The Trainer's contract for a model sharded before training (``is_distributed_loading_by_transformers``:
+# it neither moves nor re-wraps the model) came in transformers 5.19 (5.18's Trainer does not read it); an
+# older Trainer hands the sharded model to accelerate, which wraps it in DDP and fails on its DTensor
+# parameters (seen with 5.17: "Operator c10d.broadcast_.default does not have a sharding strategy").
+NEEDS_TRANSFORMERS = "5.19"
+
+
+def installed_transformers() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
 
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
@@ -51,6 +63,14 @@ class FullyShardedDataParallel(Strategy):
         if config.num_processes == 1:
             raise ConfigError(f"{self.name} with num_processes=1 shards nothing; use num_processes >= 2 or "
                               "strategy='single'")
+        from packaging.version import Version
+
+        have = installed_transformers()
+        if Version(have) < Version(NEEDS_TRANSFORMERS):
+            raise ConfigError(f"strategy {self.name!r} needs transformers >= {NEEDS_TRANSFORMERS} (installed: {have}): "
+                              "an older Trainer wraps the model stnb sharded before training in DDP again, which "
+                              f"fails on its sharded parameters; pip install 'transformers>={NEEDS_TRANSFORMERS}', "
+                              "or use strategy='ddp' or 'zero1'")
 
     def refusals(self, trainer, config):
         save = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
