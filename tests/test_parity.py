@@ -1,0 +1,143 @@
+"""``stnb.parity``: every distributed strategy trains what one device trains with the global batch, the
+loss's own parameters included, and a run whose ranks agree with each other but not with one device
+fails it, naming the parameter.
+
+Real runs: one process with the global batch, then 2 gloo ranks per strategy, the tiny model, 6 steps.
+The deliberate breaks patch ``LossParameterSync.sync_grads`` in this process; the ranks are forked from
+it (``start_method="fork"``), so the break runs in them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import stnb
+from stnb.models import tiny_path
+from stnb.strategies.loss_sync import LossParameterSync
+from test_loss_params import _nli, _sts
+from trainfns import st_args
+
+OPTIONS = dict(device="cpu", threads_per_rank=1, timeout=300, start_method="fork")
+CLASSIFIER = ["loss/loss.classifier.bias", "loss/loss.classifier.weight"]
+
+
+def _with_dropout(model, p=0.1):
+    """The tiny model is built without dropout; a user's model has it (BERT: 0.1)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+    return model
+
+
+def build_softmax(out: str, optim: str = "adamw_torch"):
+    """SoftmaxLoss (a classifier the loss owns) on NLI-shaped pairs, per-device batch 4, dropout 0.1."""
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import SoftmaxLoss
+
+    model = _with_dropout(SentenceTransformer(tiny_path(), device="cpu"))
+    loss = SoftmaxLoss(model, model.get_sentence_embedding_dimension(), num_labels=3)
+    args = st_args(out, max_steps=6, learning_rate=5e-2, optim=optim)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=_nli(), loss=loss)
+
+
+def build_cosine(out: str):
+    """CosineSimilarityLoss (no parameters of its own) on scored pairs: what DeepSpeed can train."""
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import CosineSimilarityLoss
+
+    model = _with_dropout(SentenceTransformer(tiny_path(), device="cpu"))
+    args = st_args(out, max_steps=6, learning_rate=5e-2)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=_sts(), loss=CosineSimilarityLoss(model))
+
+
+def test_every_strategy_trains_what_one_device_trains_loss_parameters_included(tmp_path):
+    p = stnb.parity(functools.partial(build_softmax, str(tmp_path)),
+                    strategies=["ddp", "zero1", "zero2", "fsdp", "deepspeed"], **OPTIONS)
+    rows = p.table.set_index("strategy")
+    for name in ("ddp", "zero1", "zero2", "fsdp"):
+        assert rows.loc[name, "passed"], (name, rows.loc[name, "reason"])
+        assert rows.loc[name, "verified"] and rows.loc[name, "global_batch_size"] == 8
+        mine = p.parameters[p.parameters["strategy"] == name]
+        # every trained tensor compared, the loss's classifier among them, each within the tolerance
+        assert set(CLASSIFIER) <= set(mine["parameter"]) and len(mine) == rows.loc[name, "parameters"] > 30
+        assert mine["within"].all() and (mine["relative"] <= mine["allowed"]).all()
+        assert (mine[mine["owner"] == "loss"]["relative"] <= p.tolerance).all()  # the classifier: no rounding slack needed
+        assert rows.loc[name, "loss_apart"] < 1e-4  # each step's loss: the same samples in every step
+    # the one-device reference took the global batch: 2 ranks x 4
+    assert rows.loc["single", "global_batch_size"] == 8 and rows.loc["single", "world_size"] == 1
+    # DeepSpeed cannot train a loss's own parameters (its ZeRO optimizer maps only its module's): refused,
+    # and a refusal is not a pass
+    assert not rows.loc["deepspeed", "passed"] and "own trainable parameters" in rows.loc["deepspeed", "reason"]
+    assert not p.passed and "deepspeed" in repr(p)
+
+
+def test_deepspeed_trains_what_one_device_trains(tmp_path):
+    p = stnb.parity(functools.partial(build_cosine, str(tmp_path)), strategies=["deepspeed"], stage=2, **OPTIONS)
+    assert p.passed, repr(p)
+    assert p.table.set_index("strategy").loc["deepspeed", "parameters"] > 30
+
+
+def test_dropout_kept_is_measured_not_hidden(tmp_path):
+    """With dropout on, each rank draws other masks than one device: parity says so, naming tensors."""
+    p = stnb.parity(functools.partial(build_softmax, str(tmp_path)), strategies=["ddp"], dropout="keep", **OPTIONS)
+    assert not p.passed and p.dropout == "keep"
+    assert len(p.failures()) > 0 and "ended further from one device" in p.table.set_index("strategy").loc["ddp", "reason"]
+
+
+def _summed(original):
+    def sync_grads(self):  # the loss's gradients summed over the ranks instead of averaged
+        world, self.world = self.world, 1
+        try:
+            original(self)
+        finally:
+            self.world = world
+    return sync_grads
+
+
+def _rank0_only(original):
+    def sync_grads(self):  # every rank takes rank 0's gradient: the ranks agree, one device does not
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        for _, prm in self.named:
+            if prm.grad is not None:
+                dist.broadcast(prm.grad, src=0)
+        self.steps_synced += 1
+    return sync_grads
+
+
+@pytest.mark.parametrize("break_, optim", [(None, "sgd"), (_summed, "sgd"), (_rank0_only, "adamw_torch")],
+                         ids=["sgd-unbroken", "sgd-summed", "adamw-rank0-gradient"])
+def test_a_broken_loss_parameter_average_fails_parity_naming_the_classifier(tmp_path, monkeypatch, break_, optim):
+    """The ranks still agree with each other (the run is verified); only the comparison with one device
+    tells. Summing is invisible under Adam (its update divides out a constant scale), hence SGD there."""
+    if break_ is not None:
+        monkeypatch.setattr(LossParameterSync, "sync_grads", break_(LossParameterSync.sync_grads))
+    p = stnb.parity(functools.partial(build_softmax, str(tmp_path), optim=optim), strategies=["ddp"], **OPTIONS)
+    ddp = p.table.set_index("strategy").loc["ddp"]
+    assert ddp["verified"], ddp["reason"]  # cross-rank verification cannot see it
+    if break_ is None:
+        assert p.passed, repr(p)
+        return
+    assert not p.passed
+    failed = set(p.failures()["parameter"])
+    assert "loss/loss.classifier.weight" in failed, repr(p)
+    assert "loss: loss/loss.classifier." in ddp["reason"] and "loss/loss.classifier.weight" in ddp["reason"], ddp["reason"]
+
+
+def test_refuses_what_it_cannot_compare():
+    build = functools.partial(build_cosine, "/tmp")
+    with pytest.raises(stnb.ConfigError, match="one process"):
+        stnb.parity(build, strategies=["single"])
+    with pytest.raises(stnb.ConfigError, match="save_to"):
+        stnb.parity(build, strategies=["ddp"], save_to="/tmp/x")
+    with pytest.raises(stnb.ConfigError, match="stage is an option of deepspeed"):
+        stnb.parity(build, strategies=["ddp"], stage=2)
+    with pytest.raises(stnb.ConfigError, match="dropout"):
+        stnb.parity(build, strategies=["ddp"], dropout="maybe")
+    with pytest.raises(stnb.ConfigError, match="num_processes"):
+        stnb.parity(build, strategies=["ddp"], num_processes=1)
