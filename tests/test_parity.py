@@ -141,3 +141,27 @@ def test_refuses_what_it_cannot_compare():
         stnb.parity(build, strategies=["ddp"], dropout="maybe")
     with pytest.raises(stnb.ConfigError, match="num_processes"):
         stnb.parity(build, strategies=["ddp"], num_processes=1)
+
+
+def test_stnb_recipe_as_a_train_config():
+    """A TrainConfig trains stnb's recipe in every run (its strategy and num_processes are parity's)."""
+    config = stnb.TrainConfig(model="tiny", loss="cosine", steps=4, per_device_batch_size=4, evaluate=False,
+                              strategy="fsdp", num_processes=2, **OPTIONS)
+    p = stnb.parity(config, strategies=["ddp"])
+    assert p.passed, repr(p)
+    assert list(p.table["role"]) == ["reference", "rounding", "strategy"]
+    assert p.global_batch_size == 8 and p.table.set_index("strategy").loc["ddp", "overall"] <= p.tolerance
+
+
+def test_a_sampler_that_depends_on_the_split_is_not_the_same_training():
+    """The seeds' recipe trains two datasets, each batch drawn from one of them: one device with the
+    global batch takes 8 rows of one dataset per step, 2 ranks take 4 of each. Not the same training:
+    the accumulated one-device run shows it, gets no rounding allowance, and ddp fails, naming the
+    classifier."""
+    config = stnb.TrainConfig(model="tiny", loss="softmax+cosine", steps=4, per_device_batch_size=4,
+                              evaluate=False, **OPTIONS)
+    p = stnb.parity(config, strategies=["ddp"])
+    rows = p.table.set_index("role")
+    assert not p.passed and not rows.loc["rounding", "passed"] and rows.loc["rounding", "overall"] > p.tolerance
+    assert "no rounding allowance" in rows.loc["rounding", "reason"]
+    assert "loss/loss[nli].classifier.weight" in rows.loc["strategy", "reason"]
