@@ -118,22 +118,20 @@ def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: 
         ref = one(batch=num_processes)
         # the same training summed in another order: how far rounding alone moves each tensor (with dropout
         # kept it would draw other masks too, so then there is no such allowance)
-        rounding = (one(accumulate=num_processes, label=f"{baseline}, {num_processes} x accumulation")
-                    if dropout == "off" else _Run(f"{baseline}, {num_processes} x accumulation",
+        rounding = (one(batch=num_processes, reverse=True, label=f"{baseline}, rows reversed")
+                    if dropout == "off" else _Run(f"{baseline}, rows reversed",
                                                   reason="not run: dropout kept (no rounding allowance)"))
         runs = [ref, rounding] + [_train(build, inner, n, num_processes, root, dropout, echo, launch_opts)
                                   for n in names]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    # rounding may excuse a tensor only when the accumulated run is the same training overall
+    # rounding may excuse a tensor only when the reversed run is the same training overall
     overall = _overall(rounding, ref)
     same = overall is not None and overall <= tolerance
     if overall is not None and not same:
         rounding.reason = (f"ended {overall:.2g} of how far training moved the model from the one-device run, "
-                           f"overall: with the same global batch accumulated in {num_processes} parts one device "
-                           "trains something else (the data a step sees depends on how its batch is split, e.g. "
-                           "a sampler that takes each batch from one dataset), and so does a strategy that splits "
-                           "it; no rounding allowance")
+                           "overall, with only the order of each batch's rows reversed: the loss depends on the "
+                           "order of the rows, so rounding cannot be told apart; no rounding allowance")
     rows, params = [], []
     for role, run in zip(["reference", "rounding"] + ["strategy"] * len(names), runs):
         row, per_param = _compare(run, ref, rounding if same else None, tolerance)
@@ -218,10 +216,10 @@ class _Run:
     owners: dict | None = None    # {tensor name: "model" | "loss"}
 
 
-def _train(build, inner, name, num_processes, root, dropout, echo, options, batch=1, accumulate=1,
+def _train(build, inner, name, num_processes, root, dropout, echo, options, batch=1, reverse=False,
            label=None) -> _Run:
     """One ``stnb.run`` of ``build`` under ``name``, recorded (see ``_recorded``: the per-device batch times
-    ``batch``, the accumulation steps times ``accumulate``); its weights read back."""
+    ``batch``, each batch's rows in reverse order with ``reverse``); its weights read back."""
     from . import strategies as registry
     from .buildsource import read_objects
     from .runner import run
@@ -231,7 +229,7 @@ def _train(build, inner, name, num_processes, root, dropout, echo, options, batc
     if refusal:
         return _Run(label, reason=f"refused before launch: {refusal}")
     out = tempfile.mkdtemp(prefix="run-", dir=root)
-    recorder = functools.partial(_recorded, build, out, batch, accumulate, dropout)
+    recorder = functools.partial(_recorded, build, out, batch, reverse, dropout)
     try:
         result = run(recorder, strategy=name, num_processes=num_processes, save_to=os.path.join(out, _TRAINED),
                      echo=echo, **_options_for(name, options))
@@ -350,10 +348,10 @@ def _loss_apart(run: _Run, ref: _Run):
 
 # ---- in the ranks --------------------------------------------------------------------------------
 
-def _recorded(build, out: str, batch: int, accumulate: int, dropout: str):
+def _recorded(build, out: str, batch: int, reverse: bool, dropout: str):
     """The trainer ``build()`` returns, recorded for parity: the per-device batch times ``batch`` (the
-    one-device run takes the global batch) or the accumulation steps times ``accumulate`` (the rounding
-    run: the same global batch, summed in another order), dropout off when asked, and rank 0 saves the
+    one-device run takes the global batch), each batch's rows reversed with ``reverse`` (the rounding run:
+    the same training, summed in another order), dropout off when asked, and rank 0 saves the
     untrained weights now and the loss's own parameters when training ends (a ``TrainerCallback``)."""
     import torch
     import torch.distributed as dist
@@ -365,7 +363,8 @@ def _recorded(build, out: str, batch: int, accumulate: int, dropout: str):
     if batch != 1:
         rows = trainer.args.per_device_train_batch_size * batch
         apply_overrides(trainer, TrainConfig.for_build(override_args={"per_device_train_batch_size": rows}))
-    trainer.args.gradient_accumulation_steps *= accumulate  # read when train() starts (the Trainer does it)
+    if reverse:
+        _reverse_rows(trainer.data_collator)
     if dropout == "off":
         for part in [trainer.model, *(trainer.loss.values() if isinstance(trainer.loss, dict) else [trainer.loss])]:
             for m in part.modules():
@@ -377,6 +376,15 @@ def _recorded(build, out: str, batch: int, accumulate: int, dropout: str):
         torch.save(_loss_state(loss_owned_parameters(trainer)), os.path.join(out, _LOSS_INITIAL))
         trainer.add_callback(_save_loss_parameters_at_end(trainer, os.path.join(out, _LOSS_TRAINED)))
     return trainer
+
+
+def _reverse_rows(collator) -> None:
+    """Make ``collator`` (the trainer's, with the attributes the trainer reads) collate every batch with its
+    rows in reverse order: the same training in exact arithmetic (a loss is a mean over rows; in-batch
+    negatives see the same rows), summed in another order."""
+    cls = type(collator)
+    collator.__class__ = type(f"RowsReversed{cls.__name__}", (cls,),
+                              {"__call__": lambda self, rows: cls.__call__(self, list(rows)[::-1])})
 
 
 def _loss_state(named) -> dict:
