@@ -1,15 +1,18 @@
 """Parity: does a strategy train what one device trains?
 
-``stnb.parity(build, strategies=[...], num_processes=2)`` trains the same recipe or build function once on
-one device with the global batch (``num_processes`` x the per-device batch) and once under each strategy
-with the same global batch, seed and data, dropout off (or kept, and said so), then compares every
-trained parameter -- the model's and the loss's own (SoftmaxLoss's classifier, a learnable temperature)
--- with where the one-device run left it, against how far training moved it there:
+``stnb.parity(build, strategies=[...], num_processes=2)`` trains the same recipe or build function on one
+device with the global batch (``num_processes`` x the per-device batch), again with each batch's rows in
+reverse order (the same training, summed in another order: how far rounding alone moves each tensor), and
+under each strategy with the same global batch, seed and data, dropout off (or kept, and said so). Then it
+compares every trained tensor -- the model's and the loss's own (SoftmaxLoss's classifier, a learnable
+temperature) -- with where the one-device run left it:
 
-    relative difference = ||theta_strategy - theta_one_device|| / ||theta_one_device - theta_initial||
+    apart <= max(tolerance x moved, ROUNDING_FACTOR x rounding)
 
-per tensor. A parameter above ``tolerance`` fails, named. Verification (``RunResult.verified``) asks
-whether the ranks agree with each other; parity asks whether they agree with one device.
+``moved``: how far one device's training moved the tensor; ``apart``: how far the strategy ended from
+it; ``rounding``: how far the reversed run did (used only when that run is the same training overall).
+A tensor past that fails, named. Verification (``RunResult.verified``) asks whether the ranks agree with
+each other; parity asks whether they agree with one device (docs/parity.md).
 
 How the weights come back: every run is a plain ``stnb.run`` of a build function that wraps yours
 (``_recorded``): in rank 0 it saves the untrained model (``model.save``) and the loss's own parameters
@@ -102,6 +105,9 @@ def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: 
     if taken:
         raise ConfigError(f"parity sets {', '.join(taken)} itself for every run; leave {'it' if len(taken) == 1 else 'them'} out")
     names = list(strategies) if strategies is not None else _runnable(num_processes, options.get("device", "auto"))
+    if not names:
+        raise ConfigError("no strategy to compare with one device: name some in strategies=[...] "
+                          f"({', '.join(registry.distributed_names())})")
     for name in names:
         if not registry.get(name).distributed:
             raise ConfigError(f"strategy {name!r} runs in one process; parity compares a strategy with one process "
@@ -203,6 +209,7 @@ def recipe_build(config: TrainConfig, model_path: str):
     device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
     trainer = build_trainer(config, model_path, device, use_cuda, distributed)
     strategies.freeze_unused_pooler(trainer.model)
+    trainer.add_callback(_at_train_end(functools.partial(shutil.rmtree, trainer.args.output_dir, ignore_errors=True)))
     return trainer
 
 
@@ -374,7 +381,8 @@ def _recorded(build, out: str, batch: int, reverse: bool, dropout: str):
     if rank == 0:
         trainer.model.save(os.path.join(out, _INITIAL))
         torch.save(_loss_state(loss_owned_parameters(trainer)), os.path.join(out, _LOSS_INITIAL))
-        trainer.add_callback(_save_loss_parameters_at_end(trainer, os.path.join(out, _LOSS_TRAINED)))
+        path = os.path.join(out, _LOSS_TRAINED)
+        trainer.add_callback(_at_train_end(lambda: torch.save(_loss_state(loss_owned_parameters(trainer)), path)))
     return trainer
 
 
@@ -391,16 +399,12 @@ def _loss_state(named) -> dict:
     return {f"loss/{n}": p.detach().float().cpu().clone() for n, p in named}
 
 
-def _save_loss_parameters_at_end(trainer, path: str):
-    """A TrainerCallback: when training ends (rank 0), the loss's own parameters (whole on every rank) to
-    ``path``."""
-    import torch
+def _at_train_end(action):
+    """A TrainerCallback that calls ``action()`` when training ends."""
     from transformers import TrainerCallback
 
-    from .strategies import loss_owned_parameters
-
-    class SaveLossParameters(TrainerCallback):
+    class AtTrainEnd(TrainerCallback):
         def on_train_end(self, args, state, control, **kw):
-            torch.save(_loss_state(loss_owned_parameters(trainer)), path)
+            action()
 
-    return SaveLossParameters()
+    return AtTrainEnd()

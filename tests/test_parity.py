@@ -139,6 +139,8 @@ def test_refuses_what_it_cannot_compare():
         stnb.parity(build, strategies=["ddp"], stage=2)
     with pytest.raises(stnb.ConfigError, match="dropout"):
         stnb.parity(build, strategies=["ddp"], dropout="maybe")
+    with pytest.raises(stnb.ConfigError, match="no strategy to compare"):
+        stnb.parity(build, strategies=[])
     with pytest.raises(stnb.ConfigError, match="num_processes"):
         stnb.parity(build, strategies=["ddp"], num_processes=1)
 
