@@ -72,7 +72,9 @@ class Parity:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return f"<pre>{self.__repr__()}</pre>"
+        import html
+
+        return f"<pre>{html.escape(self.__repr__())}</pre>"
 
 
 def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: float = DEFAULT_TOLERANCE,
