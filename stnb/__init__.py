@@ -9,6 +9,7 @@ from .profiles import current_profile, setup
 from .launch import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
+from .parity import Parity, parity
 from .export import export_script
 from .launch.forksafe import watch_cuda_start
 
@@ -27,11 +28,11 @@ def predict(result, devices=(2, 4, 8), link="loopback", **options):
 __version__ = "0.1.0"
 
 __all__ = [
-    "BuildError", "ConfigError", "LaunchError", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
+    "BuildError", "ConfigError", "LaunchError", "Parity", "ResultsFileError", "RunResult", "StnbError", "StrategyUnavailable",
     "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch",
     "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
-    "current_profile", "export_script", "predict",
+    "current_profile", "export_script", "parity", "predict",
 ]
 
 

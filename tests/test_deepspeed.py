@@ -327,3 +327,68 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     os.utime(lock, (old, old))
     assert deepspeed_ops.remove_stale_lock(said.append) is True and not os.path.exists(lock)
     assert said and "stale DeepSpeed build lock" in said[0]
+
+
+def _foreign_copy_of_the_op(tmp_path, monkeypatch) -> tuple:
+    """The real op (built for this environment) copied under $TORCH_EXTENSIONS_DIR=tmp_path, then made
+    what another virtualenv's build looks like: its build.ninja names that environment's torch and
+    DeepSpeed, ninja's log holds the hashes of that environment's commands, and the .so is newer than
+    every source. Returns (the folder, this environment's site-packages)."""
+    import os
+    import shutil
+
+    import torch
+
+    from stnb.strategies import deepspeed_ops
+
+    assert deepspeed_ops.prebuild(print) in ("built", "was built")  # the real op, for this environment
+    real = deepspeed_ops.build_dir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = deepspeed_ops.build_dir()
+    shutil.copytree(real, folder, ignore=shutil.ignore_patterns("lock"))  # file times kept
+    assert deepspeed_ops.why_not_built() == "", "a copy of this environment's build is built"
+    site = os.path.dirname(os.path.dirname(torch.__file__))  # .../site-packages of this environment
+    ninja = os.path.join(folder, "build.ninja")
+    with open(ninja) as f:
+        text = f.read()
+    assert site in text
+    with open(ninja, "w") as f:
+        f.write(text.replace(site, "/opt/another-venv/lib/python3.11/site-packages"))
+    # ninja's log keys each output on the hash of the command that built it: another environment's
+    # commands (other paths) hash to other values than the ones this environment's build.ninja gives
+    log = os.path.join(folder, ".ninja_log")
+    with open(log) as f:
+        lines = f.read().splitlines()
+    with open(log, "w") as f:
+        f.write("\n".join([lines[0]] + [line.rsplit("\t", 1)[0] + "\t0123456789abcdef" for line in lines[1:]]) + "\n")
+    os.utime(os.path.join(folder, "deepspeed_shm_comm.so"))  # newer than every source
+    return folder, site
+
+
+def test_an_op_built_for_another_environment_is_not_taken_as_built(tmp_path, monkeypatch):
+    """Issue 33: the file-time check took another virtualenv's build as built; torch's builder then writes
+    this environment's build.ninja and ninja rebuilds, inside the ranks, where the stall watchdog ended
+    the run. The check reads what torch's builder keys on: the build.ninja it would write here."""
+    from stnb.strategies import deepspeed_ops
+
+    _foreign_copy_of_the_op(tmp_path, monkeypatch)
+    why = deepspeed_ops.why_not_built()
+    assert not deepspeed_ops.built() and "another environment" in why and "/opt/another-venv" in why, why
+
+
+def test_an_op_built_for_another_environment_is_built_again_before_launch(tmp_path, monkeypatch):
+    """prebuild() (before every CPU launch) builds it again here, and torch's builder agrees it had to:
+    the .so is replaced and the build.ninja names this environment. A real build: about a minute of CPU."""
+    import os
+
+    from stnb.strategies import deepspeed_ops
+
+    folder, site = _foreign_copy_of_the_op(tmp_path, monkeypatch)
+    so = os.path.join(folder, "deepspeed_shm_comm.so")
+    before = os.stat(so).st_mtime_ns
+    said = []
+    assert deepspeed_ops.prebuild(said.append) == "built"
+    assert said and "another environment" in said[0]
+    assert os.stat(so).st_mtime_ns != before  # torch's builder agreed: it built the op again
+    with open(os.path.join(folder, "build.ninja")) as f:
+        assert site in f.read() and deepspeed_ops.why_not_built() == ""

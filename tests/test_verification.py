@@ -356,6 +356,38 @@ def test_saving_a_model_other_than_the_trained_one_is_caught(tmp_path):
     assert not res.verified and "save_to: the saved model's weights are not the trained ones" in res.reason
 
 
+def test_the_save_check_reads_the_saved_folder_not_the_model_in_memory(tmp_path):
+    """A save that writes other weights than the model holds (one tensor changed on its way to disk) is
+    caught: the check compares the model reloaded from the folder with the trained weights. Comparing the
+    model in memory (or the reloaded model with itself) would pass it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    initial = checks.state_of(load_model(tiny_path()))
+    model = load_model(tiny_path())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+    trained = checks.state_of(model)
+    real_save = model.save
+
+    def save_one_tensor_changed(path, *a, **kw):
+        real_save(path, *a, **kw)
+        f = os.path.join(path, "model.safetensors")
+        tensors = load_file(f)
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name] + 1e-4
+        save_file(tensors, f, metadata={"format": "pt"})
+
+    model.save = save_one_tensor_changed
+    out = saving.save_checked(model, str(tmp_path / "saved"), "cpu", trained, initial)
+    assert out["ok"] is False and out["equals_trained"] is False and len(out["differing_from_trained"]) == 1
+    assert "not the trained ones: 1 tensor(s) differ" in out["problems"][0]
+    assert not (tmp_path / "saved").exists(), "a wrong model never lands at save_to"
+    model.save = real_save
+    assert saving.save_checked(model, str(tmp_path / "good"), "cpu", trained, initial)["ok"]
+
+
 # ---------------------------------------------------------------------------------------
 # exit codes (real subprocesses)
 

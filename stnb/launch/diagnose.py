@@ -141,8 +141,9 @@ def _silent_ranks(ev: Evidence) -> dict:
     peer", SignalException)."""
     wd, ch, first, codes = ev.watchdog, ev.ch, ev.first, ev.outcome.exit_codes
     returned = wd.returned_at or time.time()
-    stopped = _stopped_peers(wd.ended, first, ev.nproc)
-    silent = {r: code for r, (t, code) in wd.ended.items()
+    ended = _ended(ev)
+    stopped = _stopped_peers(ended, first, ev.nproc)
+    silent = {r: code for r, (t, code) in ended.items()
               if t <= returned and (first is None or t <= first["time"] + 1.0) and ch.is_silent(r)
               and r not in stopped}
     for r, code in codes.items():
@@ -156,6 +157,16 @@ def _silent_ranks(ev: Evidence) -> dict:
         silent = {r: codes.get(r) for r in range(ev.nproc) if ch.is_silent(r) and ch.started(r)
                   and r not in stopped}
     return silent
+
+
+def _ended(ev: Evidence) -> dict:
+    """The watchdog's {local rank: (time seen ended, exit code)}, with an exit code it could not read taken
+    from the launcher's record of the failure. A busy machine can delay the watchdog's poll past torch
+    elastic's handling: elastic reaps the failed rank (its code is gone from /proc) and SIGTERMs the
+    others, and the watchdog then sees them all end in the same poll; only elastic still knows that the
+    first one was SIGKILLed (tests/test_faults.py::test_2_rank_sigkilled_seen_late_still_names_it)."""
+    codes = ev.outcome.exit_codes
+    return {r: (t, code if code is not None else codes.get(r)) for r, (t, code) in ev.watchdog.ended.items()}
 
 
 def _stopped_peers(ended: dict, first: dict | None, nproc: int) -> set:

@@ -88,8 +88,9 @@ def contradictions(cfg: dict, stage: int, batch: int, accumulation: int, precisi
     return problems
 
 
-LOSS_PARAMETERS_FIX = ("DeepSpeed's engine reduces only its module's gradients, so every rank would train its own "
-                       "copy: use strategy='zero1' or 'ddp', which keep them in sync")
+LOSS_PARAMETERS_FIX = ("DeepSpeed's ZeRO optimizer handles only its engine's module's parameters (deepspeed 0.19.8 "
+                       "fails on a loss's own at every stage), so it cannot train them: use strategy='zero1' or "
+                       "'ddp', which keep them in sync")
 
 
 class DeepSpeed(Strategy):

@@ -43,19 +43,59 @@ def build_dir() -> str:
 
 
 def built() -> bool:
-    """The op is built and newer than every source its last build compiled (``build.ninja``'s
-    ``compile`` lines): a reinstalled DeepSpeed brings sources with new times, and ninja would build
-    again inside the ranks."""
-    so = os.path.join(build_dir(), f"{NAME}.so")
+    """The op is built for this environment (``why_not_built`` finds nothing)."""
+    return not why_not_built()
+
+
+def why_not_built() -> str:
+    """Why torch's extension builder would build the op again here ('' when it would not). It does when
+    the ``.so`` is missing, or when the ``build.ninja`` it writes now differs from the folder's (ninja then
+    rebuilds: its log keys every output on its command) or a compiled source is newer than the ``.so``.
+    That file names the environment it was written for: its torch's include folders
+    (``cpp_extension.include_paths``), Python's include folder, its torch's ``lib`` folder and its
+    DeepSpeed's sources; an op built by another virtualenv (another torch, another DeepSpeed) is not
+    built for this one, however new its files are."""
+    folder = build_dir()
+    so = os.path.join(folder, f"{NAME}.so")
     if not os.path.exists(so):
-        return False
+        return f"{so} does not exist"
     try:
-        with open(os.path.join(build_dir(), "build.ninja")) as f:
-            sources = [line.split()[-1] for line in f if line.startswith("build ") and ": compile " in line]
+        with open(os.path.join(folder, "build.ninja")) as f:
+            ninja = f.read()
     except OSError:
-        return True
-    newest = max((os.path.getmtime(src) for src in sources if os.path.exists(src)), default=0.0)
-    return os.path.getmtime(so) >= newest
+        return f"{folder} has no build.ninja (torch would write one, and ninja build again)"
+    foreign = foreign_paths(ninja)
+    if foreign:
+        return f"it was built for another environment ({foreign[0]})"
+    sources = [line.split()[-1] for line in ninja.splitlines() if line.startswith("build ") and ": compile " in line]
+    newer = [src for src in sources if os.path.exists(src) and os.path.getmtime(src) > os.path.getmtime(so)]
+    if newer:
+        return f"{newer[0]} is newer than the built op"
+    return ""
+
+
+def foreign_paths(ninja: str) -> list:
+    """What a ``build.ninja`` names that this environment's torch would not write: other system include
+    folders than torch's and Python's here, no ``-L`` to this torch's ``lib``, sources or include folders
+    outside this DeepSpeed."""
+    import importlib.util
+    import re
+    import sysconfig
+
+    from torch.utils.cpp_extension import TORCH_LIB_PATH, include_paths
+
+    here = [*include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
+    spec = importlib.util.find_spec("deepspeed")
+    deepspeed = os.path.realpath(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
+    found = []
+    found += [f"-isystem {p}" for p in re.findall(r"-isystem (\S+)", ninja)
+              if os.path.realpath(p) not in {os.path.realpath(h) for h in here}]
+    if f"-L{TORCH_LIB_PATH}" not in ninja.split():
+        found.append(f"not linked against {TORCH_LIB_PATH}")
+    theirs = re.findall(r"-I(\S+)", ninja) + [line.split()[-1] for line in ninja.splitlines()
+                                             if line.startswith("build ") and ": compile " in line]
+    found += [p for p in theirs if deepspeed is None or not os.path.realpath(p).startswith(deepspeed + os.sep)]
+    return found
 
 
 def remove_stale_lock(echo=print) -> bool:
@@ -75,12 +115,14 @@ def remove_stale_lock(echo=print) -> bool:
 
 
 def prebuild(echo=print, timeout: float = 1800.0) -> str:
-    """Build the op unless it is built already; returns 'built', 'was built' or 'not compatible'."""
+    """Build the op unless it is built for this environment already (``why_not_built``); returns 'built',
+    'was built' or 'not compatible'."""
     remove_stale_lock(echo)
-    if built():
+    why = why_not_built()
+    if not why:
         return "was built"
-    echo(f"stnb: building DeepSpeed's CPU communication op once for this machine (about a minute; "
-         f"cached in {build_dir()})")
+    echo(f"stnb: building DeepSpeed's CPU communication op once for this environment (about a minute; "
+         f"cached in {build_dir()}): {why}")
     out = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         from ..errors import ConfigError
