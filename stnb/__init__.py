@@ -9,6 +9,8 @@ from .profiles import current_profile, setup
 from .launch import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
+from .launchers.ray import Ray
+from .launchers.slurm import Slurm
 from .export import export_script
 
 
@@ -28,7 +30,7 @@ __all__ = [
     "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch",
     "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
-    "current_profile", "export_script", "predict",
+    "current_profile", "export_script", "predict", "Ray", "Slurm",
 ]
 
 
