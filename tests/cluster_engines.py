@@ -1,4 +1,6 @@
-"""The real cluster engines the cluster tests run on, started once per test session and stopped at its end.
+"""The real cluster engines the cluster tests run on, each started once per test session and stopped as soon
+as its tests are done (module scope: each engine's tests are one module, so the daemons do not stay up
+through the rest of ``make test``).
 
 ``slurm_cluster``: a one-node SLURM cluster on this machine (``tests/cluster/slurm_up.sh``: munged,
 slurmctld, slurmd, generated munge key and slurm.conf), ``SLURM_CONF`` set for this process and the
@@ -9,6 +11,7 @@ that nothing they started is left running. Neither is a mock: the tests submit r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,11 +26,26 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def _share_imports() -> None:
-    """Jobs and workers import stnb and the tests' build functions as this process does (on a real
-    cluster: stnb installed on every node)."""
+@contextlib.contextmanager
+def _env(**values):
+    """Set environment variables for the engine's lifetime, then put back what was there."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _shared_imports() -> str:
+    """A PYTHONPATH with which jobs and workers import stnb and the tests' build functions as this process
+    does (on a real cluster: stnb installed on every node)."""
     paths = [str(ROOT), str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return os.pathsep.join(dict.fromkeys(paths))
 
 
 def _wait_gone(procs, seconds: float = 30) -> list:
@@ -47,53 +65,51 @@ def _matching(text: str) -> list:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_cluster():
-    """SLURM_CONF of a running one-node cluster; stopped (and checked stopped) after the session."""
+    """SLURM_CONF of a running one-node cluster; stopped (and checked stopped) after the module's tests."""
     if shutil.which("slurmctld") is None or shutil.which("munged") is None:
         pytest.fail("slurmctld / munged not found: the cluster tests need Debian's slurm-wlm and munge. "
                     "Run `make cluster-deps` (make test does)")
     folder = tempfile.mkdtemp(prefix="stnb-slurm-")
-    _share_imports()
     up = subprocess.run([str(HERE / "cluster" / "slurm_up.sh"), folder], capture_output=True, text=True, timeout=120)
-    if up.returncode != 0:
-        subprocess.run([str(HERE / "cluster" / "slurm_down.sh"), folder], timeout=60)
-        pytest.fail(f"the SLURM test cluster did not start:\n{up.stdout}\n{up.stderr}")
-    previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = os.path.join(folder, "slurm.conf")
     try:
-        yield os.environ["SLURM_CONF"]
+        assert up.returncode == 0, f"the SLURM test cluster did not start:\n{up.stdout}\n{up.stderr}"
+        with _env(SLURM_CONF=os.path.join(folder, "slurm.conf"), PYTHONPATH=_shared_imports()):
+            yield os.environ["SLURM_CONF"]
     finally:
         daemons = _matching(folder)
         down = subprocess.run([str(HERE / "cluster" / "slurm_down.sh"), folder], capture_output=True, text=True,
                               timeout=120)
-        if previous is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = previous
         left = _wait_gone(daemons + _matching("slurmstepd"), 30)
         shutil.rmtree(folder, ignore_errors=True)
         assert down.returncode == 0 and not left, \
             f"SLURM processes left running: {[(p.pid, p.name()) for p in left]}\n{down.stderr}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """A Ray cluster of two raylets (one CPU each) this process is connected to; shut down after the session."""
-    _share_imports()
+    """A Ray cluster of two raylets (one CPU each) this process is connected to; shut down (and checked
+    gone) after the module's tests."""
+    with _env(PYTHONPATH=_shared_imports()):  # the raylets start their workers with this environment
+        yield from _ray_cluster()
+
+
+def _ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
     started_before = set(p.pid for p in psutil.Process().children(recursive=True))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
     try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
         yield cluster
     finally:
-        session = ray._private.worker._global_node.get_session_dir_path()
         ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in started_before]
-        ours += [p for p in _matching(session) if p.pid not in {q.pid for q in ours}]
+        if ray.is_initialized():  # the session's processes that are not this process's children (workers)
+            session = ray._private.worker._global_node.get_session_dir_path()
+            ours += [p for p in _matching(session) if p.pid not in {q.pid for q in ours}]
         ray.shutdown()
         cluster.shutdown()
         left = _wait_gone(ours, 30)

@@ -31,6 +31,9 @@ from ..files import write_atomic
 TAIL_LINES = 40
 #: error types a rank records when it was stopped from outside rather than failing by itself
 STOPPED = ("KeyboardInterrupt", "SystemExit", "SignalException")
+#: besides ``launch.peerfail``'s messages: gloo's TCP transport failing under a collective (a "Read error"
+#: when the peer's process is gone) is a peer's failure seen from this rank, not this rank's own
+PEER_LOST = ("gloo/transport/tcp",)
 
 
 class RunDir:
@@ -106,10 +109,12 @@ class RunDir:
 
 class ProgressFeed:
     """A thread in the submitting process: every ``interval`` seconds, the ranks' progress files go to
-    ``on_progress`` (a list of RankState), until ``stop()``; the cell (the kernel) stays free meanwhile."""
+    ``on_progress`` (a list of RankState), until ``stop()`` or, checked every few seconds, until
+    ``ended()`` is true (a job nobody waits for: then ``on_end()``); the cell (the kernel) stays free."""
 
-    def __init__(self, rundir: RunDir, world: int, on_progress, interval: float = 0.5):
+    def __init__(self, rundir: RunDir, world: int, on_progress, interval: float = 0.5, ended=None, on_end=None):
         self.rundir, self.world, self.on_progress, self.interval = rundir, world, on_progress, interval
+        self.ended, self.on_end = ended, on_end
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="stnb-progress", daemon=True)
@@ -119,10 +124,16 @@ class ProgressFeed:
         return self
 
     def _loop(self) -> None:
+        ticks = 0
         while True:
             stopping = self._stop.wait(self.interval)
+            ticks += 1
             try:
+                if not stopping and self.ended is not None and ticks % 10 == 0 and self.ended():
+                    stopping = True
                 self.on_progress(self.rundir.states(self.world))
+                if stopping and self.on_end is not None and not self._stop.is_set():
+                    self.on_end()
             except Exception as e:  # a display that fails must not take the run with it
                 self.error = e
                 return
@@ -151,7 +162,10 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
     peer's failure seen in a collective); a rank vanished (killed: neither report nor error); the
     rendezvous did not complete (which ranks arrived, which never did); a peer's failure alone.
     """
-    from ..launch.peerfail import is_secondary, origin
+    from ..launch.peerfail import is_secondary as peer_error, origin
+
+    def is_secondary(record):
+        return peer_error(record) or any(m in (record.get("message") or "") for m in PEER_LOST)
 
     reports = rundir.reports(world)
     if len(reports) == world:  # every rank finished (a job cancelled after that still trained)

@@ -158,8 +158,10 @@ class Slurm(Launcher):
         if on_progress is None and plan.echo:
             bars = StepBars(f"{plan.config.strategy} (SLURM {job.job_id})")
             on_progress = bars.update
-        feed = ProgressFeed(run, self.world, on_progress).start() if on_progress is not None else None
-        handle = SlurmJob(self, plan, job, run, feed, bars)
+        handle = SlurmJob(self, plan, job, run, None, bars)
+        if on_progress is not None:  # ends with the job, whether or not result() is called
+            handle.feed = ProgressFeed(run, self.world, on_progress, ended=handle.done,
+                                       on_end=bars.close if bars is not None else None).start()
         if plan.echo:
             print(f"stnb: submitted SLURM job {job.job_id} ({self.world} task(s) on {self.nodes} node(s), partition "
                   f"{self.partition!r}); logs and progress in {run.path}. job.result() gives the RunResult.",
