@@ -245,9 +245,9 @@ def train_in_rank(rundir: RunDir, rank: int, world: int, config, model_path, bui
 LOCAL_ONLY = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
 
-def check_shared_folder(path: str, what: str, multi_node: bool) -> str:
-    """``path`` made absolute and created; ConfigError when a multi-node job would put it where only
-    one machine sees it, or it cannot be written."""
+def check_shared_folder(path: str, what: str, multi_node: bool, create: bool = True) -> str:
+    """``path`` made absolute and (``create``) created; ConfigError when a multi-node job would put it where
+    only one machine sees it, or it cannot be written."""
     from ..errors import ConfigError
 
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
@@ -255,6 +255,8 @@ def check_shared_folder(path: str, what: str, multi_node: bool) -> str:
         raise ConfigError(f"{what} {path!r} is on this machine's own disk (under {next(p for p in LOCAL_ONLY if path.startswith(p))}): "
                           "the ranks on the other nodes could not write their logs, progress and results there. "
                           "Use a folder on the cluster's shared filesystem (your home or project directory)")
+    if not create:
+        return path
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".stnb-write-test-{os.getpid()}")

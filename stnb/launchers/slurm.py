@@ -94,8 +94,9 @@ class Slurm(Launcher):
         check_cluster_plan(plan, "SLURM", self.world, device, "nodes * tasks_per_node")
         if device == "cpu" and not plan.config.threads_per_rank:
             plan.config = plan.config.replace(threads_per_rank=self.cpus_per_task)
-        self.root = check_shared_folder(self.folder, "Slurm(folder=...)", self.nodes > 1)
+        root = check_shared_folder(self.folder, "Slurm(folder=...)", self.nodes > 1, create=False)
         self.partition = self._check_partition()
+        self.root = check_shared_folder(root, "Slurm(folder=...)", self.nodes > 1)  # created once the cluster answered
         self._executor(self.root)  # submitit's own check of the parameters, before submitting
 
     def _check_partition(self) -> str:
