@@ -48,7 +48,7 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser lab test test-oldest mutants mutants-sample notebooks bench hardware gpu-check clean distclean FORCE
+.PHONY: help venv install browser cluster-deps lab test test-oldest mutants mutants-sample notebooks bench hardware gpu-check clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
@@ -64,6 +64,8 @@ help:
 	@echo "                  (NB=03: only notebooks/03_*.ipynb)"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
+	@echo "  make cluster-deps  apt-get install slurm-wlm munge if slurmctld is missing (the cluster tests"
+	@echo "                  start a one-node SLURM cluster themselves, tests/cluster/slurm_up.sh)"
 	@echo "  make bench      python -m stnb bench --quick"
 	@echo "  make hardware   python -m stnb hardware"
 	@echo "  make gpu-check  run every GPU code path the visible GPUs allow (< 8 min on 1 GPU);"
@@ -104,6 +106,19 @@ browser:
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-liberation; \
 	fi
 
+# ----------------------------------------------------------- cluster-deps --
+
+# The cluster tests (pytest -m cluster) start and stop a one-node SLURM cluster and a Ray cluster on this
+# machine; SLURM and munge come from the OS packages (Ray from the dev extra)
+cluster-deps:
+	@if command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; then \
+		echo "slurm: $$(command -v slurmctld)"; \
+	else \
+		echo "Installing Debian slurm-wlm and munge (needed by the cluster tests)"; \
+		$(SUDO) apt-get update; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge; \
+	fi
+
 # -------------------------------------------------------------------- lab --
 
 lab: install
@@ -114,7 +129,7 @@ lab: install
 
 # ------------------------------------------------------------------- test --
 
-test: install browser
+test: install browser cluster-deps
 	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks $(PYTEST_ARGS)
 
 # ------------------------------------------------------------ test-oldest --

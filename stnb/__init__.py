@@ -10,6 +10,8 @@ from .launch import heartbeat, last_launch, launch, rank_context, report_progres
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
 from .parity import Parity, parity
+from .launchers.ray import Ray
+from .launchers.slurm import Slurm
 from .export import export_script
 from .launch.forksafe import watch_cuda_start
 
@@ -32,7 +34,7 @@ __all__ = [
     "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch",
     "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
-    "current_profile", "export_script", "parity", "predict",
+    "current_profile", "export_script", "parity", "predict", "Ray", "Slurm",
 ]
 
 

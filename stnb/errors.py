@@ -34,7 +34,9 @@ class LaunchError(StnbError):
     Attributes:
         rank: the global rank that failed first (None when no single rank is to blame).
         ranks: every rank reported as failed or stalled.
-        kind: 'raised', 'killed', 'exited', 'stalled', 'timeout', 'busy', 'interrupted'.
+        kind: 'raised', 'killed', 'exited', 'stalled', 'timeout', 'busy', 'interrupted'; a cluster job
+            (``stnb.Slurm`` / ``stnb.Ray``) also 'cancelled', 'rendezvous' (not every rank arrived),
+            'node_fail', 'out_of_memory', 'preempted'.
         rank_traceback: the failing rank's formatted traceback (or stack dumps for a stall).
         logs: {rank: captured output} of every rank.
     """

@@ -44,6 +44,7 @@ class RunResult:
     time_to_first_step_s: float | None = None
     wall_time_s: float | None = None
     launcher: str = "stnb"
+    cluster: dict = field(default_factory=dict)  # slurm / ray: job id, nodes and ranks seen, where the logs are
     start_method: str | None = None    # how stnb started the ranks, as they observed it: fork | spawn
     mfu: dict | None = None            # model FLOPs utilisation and its inputs (stnb.mfu.summarize)
     time_split: list = field(default_factory=list)  # per rank: where each step's time went (stnb.timesplit)
@@ -109,10 +110,10 @@ class RunResult:
 # ---- merging the ranks' measurements -----------------------------------------------------
 
 def merge(config, rank_results: list, device: str, n_gpu: int = 0,
-          wall_time_s: float | None = None, launcher: str = "stnb") -> RunResult:
+          wall_time_s: float | None = None, launcher: str = "stnb", cluster: dict | None = None) -> RunResult:
     """Combine every rank's measurements (``stnb.training.train_rank``'s RankReports) into one RunResult.
 
-    config: the run's TrainConfig."""
+    config: the run's TrainConfig. cluster: what a cluster launcher saw (job id, nodes, ranks, logs)."""
     import uuid
 
     from .hardware import versions
@@ -166,6 +167,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
                                   if r.time_to_first_step_s is not None), default=None),
         wall_time_s=wall_time_s,
         launcher=launcher,
+        cluster=dict(cluster or {}),
         start_method=verification.get("start_method", {}).get("seen"),
         mfu=mfu,
         time_split=combine_time_split([r.time_split for r in rank_results]),

@@ -1,25 +1,23 @@
 """One training run, from the notebook: stnb's recipe or your own trainer -> RunResult.
 
-``run(config)`` validates the config in the notebook process, then starts the ranks through
-``stnb.launch`` (ddp/fsdp: N ranks; single/dp: one child process, so CUDA never touches the
-kernel), forked or spawned (``config.start_method``). Every rank runs ``training.train_rank`` and returns its measurements; ``run`` merges them
-(``results.merge``). ``run(build, strategy=...)`` does the same with the SentenceTransformerTrainer
-your function ``build()`` returns in each rank.
+``run(config)`` turns the input into a plan and picks one launcher (``stnb.launchers.choose``): ranks
+started from this process through ``stnb.launch`` (ddp/fsdp: N ranks; single/dp: one child process, so
+CUDA never touches the kernel), forked or spawned (``config.start_method``); this process as a rank of
+torchrun / accelerate launch; or a cluster's tasks (``cluster=stnb.Slurm(...)`` / ``stnb.Ray(...)``).
+The launcher checks the plan before anything starts, every rank runs ``training.train_rank``, and
+``launchers.finish`` merges their measurements (``results.merge``). ``run(build, strategy=...)`` does
+the same with the SentenceTransformerTrainer your function ``build()`` returns in each rank.
 """
 
 from __future__ import annotations
 
-import time
-
 from .config import TrainConfig
 from .errors import ConfigError
-from .launch import launch
-from .results import RunResult, append_result, check_writable, merge
-from .saving import check_target
-from .training import train_rank
+from .launchers.bars import StepBars  # noqa: F401  (the default progress display, kept importable here)
+from .launchers.local import preimport_training_stack  # noqa: F401  (stnb.bench pre-imports with it)
 
 
-def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, **overrides) -> RunResult:
+def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, cluster=None, **overrides):
     """Train once and return a verified, measured RunResult.
 
     config: a TrainConfig (stnb's recipe; keyword overrides are applied to it:
@@ -34,9 +32,11 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         replace with ``override_args={"per_device_train_batch_size": 8}``.
     results_file: a JSONL file the result is appended to (atomically) as soon as it exists.
     on_progress: callback receiving per-rank progress (see ``stnb.launch``).
+    cluster: where the ranks run (``stnb.launchers``): None, this machine (``stnb.launch``, or the outer
+        torchrun / accelerate launch this process is a rank of); ``stnb.Slurm(...)`` / ``stnb.Ray(...)``
+        a cluster's tasks / workers (docs/cluster.md).
     """
-    from .hardware import gpu_count, start_method as resolve_start_method
-    from .models import resolve_model
+    from .launchers import Plan, choose, execute
 
     build = None
     if config is not None and not isinstance(config, TrainConfig):
@@ -45,50 +45,8 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         check_build_for(build, config)
     else:
         config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
-    from . import scaleout
-
-    if scaleout.inside_external_launch():  # a rank of torchrun / accelerate launch: don't launch again
-        return scaleout.run_here(config, results_file=results_file, build=build)
-    if build is None:
-        config.check_recipe_options()
-        config.validate()
-    else:  # the model and data are the function's: check the options and this machine
-        config.validate(check_resources=False)
-        config.check_hardware()
-    if results_file is not None:
-        check_writable(results_file)
-    check_target(config.save_to)
-    model_path = resolve_model(config.model) if build is None else None  # builds 'tiny' once, here
-    method = resolve_start_method(config.start_method)
-    if method == "fork":
-        preimport_training_stack()
-    device = config.resolved_device()
-    ws = config.world_size()
-    env = {}
-    if device == "cuda" and config.strategy_object().pinned_to_one_gpu():
-        from .hardware import single_gpu_env
-
-        env = single_gpu_env()
-    env.update(config.strategy_object().rank_env(config, device))
-    config.strategy_object().before_launch(config, device)
-    t0 = time.time()
-    bars = None
-    if on_progress is None and echo:
-        bars = StepBars(config.strategy)
-        on_progress = bars.update
-    try:
-        # the requested world size travels as an argument, apart from the environment the launcher sets
-        rank_results = launch(train_rank, config, model_path, t0, ws, build, num_processes=ws,
-                              timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
-                              threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=echo,
-                              distributed=config.strategy_object().distributed, env=env, start_method=method)
-    finally:
-        if bars is not None:
-            bars.close()
-    result = merge(config, rank_results, device=device, n_gpu=gpu_count(), wall_time_s=time.time() - t0)
-    if results_file is not None:
-        append_result(results_file, result)
-    return result
+    launcher = choose(cluster)
+    return execute(Plan(config, build, results_file, on_progress, echo), launcher)
 
 
 def check_build(build):
@@ -136,40 +94,3 @@ def check_build_for(build, config) -> None:
     problem = config.strategy_object().build_refusal(read_objects(build))
     if problem:
         raise ConfigError(f"strategy {config.strategy!r}: {problem}")
-
-
-def preimport_training_stack() -> None:
-    """Import the training stack once in this process: forked ranks inherit it instead of each
-    importing it again (6-8 CPU seconds per rank). None of it initialises CUDA."""
-    import sentence_transformers  # noqa: F401
-    import sentence_transformers.sentence_transformer.losses  # noqa: F401
-    import sentence_transformers.sentence_transformer.evaluation  # noqa: F401
-    import transformers.trainer  # noqa: F401
-
-
-class StepBars:
-    """Default live progress for ``run``: one tqdm bar per rank (a widget in Jupyter, text elsewhere),
-    fed from the launch's progress relay in this process: ranks never draw bars themselves."""
-
-    def __init__(self, label: str):
-        self.label = label
-        self.bars = {}
-
-    def update(self, states) -> None:
-        from tqdm.auto import tqdm
-
-        for st in states:
-            if st.total <= 0:
-                continue
-            bar = self.bars.get(st.rank)
-            if bar is None:
-                bar = self.bars[st.rank] = tqdm(total=st.total, desc=f"{self.label} rank {st.rank}",
-                                                unit="step", leave=True, mininterval=0.5)
-            if st.step > bar.n:
-                bar.update(st.step - bar.n)
-            if st.loss is not None:
-                bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
-
-    def close(self) -> None:
-        for bar in self.bars.values():
-            bar.close()

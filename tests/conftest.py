@@ -5,3 +5,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the real SLURM and Ray clusters of the cluster tests (started on first use, stopped after their module)
+from cluster_engines import ray_cluster, slurm_cluster  # noqa: E402,F401

@@ -31,6 +31,7 @@ from .peerfail import collective_timeout, nccl_env, open_wait_group
 
 _CTX: "RankContext | None" = None  # set inside a rank
 _LAUNCHER_TOKEN: "str | None" = None  # made in the launching process; a forked rank inherits it
+_PROGRESS_SINK = None  # outside stnb.launch: where report_progress goes (a cluster rank's progress file)
 
 #: seconds a failing rank waits for ``destroy_process_group`` before it leaves without it
 DESTROY_GRACE_S = 2.0
@@ -70,6 +71,15 @@ def report_progress(step: int, total: int | None = None, loss: float | None = No
     ctx = _CTX
     if ctx is not None:
         ctx.channel.report(ctx.local_rank, step, total, loss)
+    elif _PROGRESS_SINK is not None:
+        _PROGRESS_SINK(step, total, loss)
+
+
+def set_progress_sink(sink) -> None:
+    """In a rank another launcher started (a SLURM task, a Ray worker): ``sink(step, total, loss)``
+    receives what ``report_progress`` publishes (None: nothing does)."""
+    global _PROGRESS_SINK
+    _PROGRESS_SINK = sink
 
 
 def launcher_token() -> str:

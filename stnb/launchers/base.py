@@ -1,0 +1,87 @@
+"""The run pipeline, and the one interface every way of starting ranks implements.
+
+``stnb.run`` turns the user's input into a :class:`Plan`, picks one :class:`Launcher` (``choose``), and
+hands both to :func:`execute`: the launcher checks the plan (refusing before anything starts), starts the
+ranks, and the ranks' RankReports are merged here, in :func:`finish`, the one place a run's RunResult is
+decided. A launcher is one file in this package:
+
+    local     ranks forked or spawned from this process (``stnb.launch``): a notebook, a script
+    external  this process is one rank of torchrun / accelerate launch: train here, gather to rank 0
+    slurm     ranks as tasks of a SLURM job (submitit); ``start`` returns a job handle at once
+    ray       ranks as Ray Train workers (TorchTrainer)
+
+A launcher whose ranks finish later (a cluster job) returns a handle from ``start``; the handle calls
+:func:`finish` with the reports when they are there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Plan", "Launcher", "execute", "finish"]
+
+
+@dataclass
+class Plan:
+    """One run, as the launcher receives it: the user's input, and what the checks resolved."""
+
+    config: object                  # a TrainConfig
+    build: object = None            # the user's build function; None: stnb's recipe
+    results_file: object = None     # a JSONL file the RunResult is appended to
+    on_progress: object = None      # callback receiving per-rank progress (a list of RankState)
+    echo: bool = True               # print the ranks' output and default progress bars
+    model_path: str | None = None   # the recipe's model (models.resolve_model), set by the launcher's check
+    device: str | None = None       # 'cpu' / 'cuda', set by the launcher's check
+    t0: float = field(default_factory=time.time)  # the run's start (its wall time counts from here)
+
+
+class Launcher:
+    """A way of starting a run's ranks. Subclasses set ``name`` and implement ``check`` and ``start``."""
+
+    #: what RunResult.launcher says for runs it started
+    name = "?"
+
+    def check(self, plan: Plan) -> None:
+        """Refuse the plan (ConfigError, StrategyUnavailable, ResultsFileError) before anything starts,
+        naming the cause and the fix; complete what the plan leaves open for this launcher (device, model)."""
+        raise NotImplementedError
+
+    def start(self, plan: Plan):
+        """Start the ranks: return their RankReports in rank order, or a handle whose ``result()``
+        gives the RunResult later (a cluster job)."""
+        raise NotImplementedError
+
+    def deliver(self, plan: Plan, reports: list):
+        """The RunResult of ``reports`` (``finish``) for this process. An outer launcher's ranks
+        override it: rank 0 decides, the others receive its result."""
+        return finish(plan, reports, self.name)
+
+    def n_gpu(self, plan: Plan) -> int:
+        """GPUs per node, as merge counts devices for a strategy (this machine's, by default)."""
+        from ..hardware import gpu_count
+
+        return gpu_count()
+
+
+def execute(plan: Plan, launcher: Launcher):
+    """check -> start -> merge: a RunResult (or, from a launcher whose ranks finish later, its handle)."""
+    launcher.check(plan)
+    started = launcher.start(plan)
+    if not isinstance(started, list):  # a job handle: its result() finishes the run
+        return started
+    return launcher.deliver(plan, started)
+
+
+def finish(plan: Plan, reports: list, launcher: str, *, n_gpu: int | None = None, cluster: dict | None = None,
+           wall_time_s: float | None = None):
+    """Merge the ranks' reports into the RunResult (``results.merge``) and append it to the results file."""
+    from ..hardware import gpu_count
+    from ..results import append_result, merge
+
+    result = merge(plan.config, reports, device=plan.device, n_gpu=gpu_count() if n_gpu is None else n_gpu,
+                   wall_time_s=time.time() - plan.t0 if wall_time_s is None else wall_time_s, launcher=launcher,
+                   cluster=cluster)
+    if plan.results_file is not None:
+        append_result(plan.results_file, result)
+    return result

@@ -1,0 +1,78 @@
+"""Ranks forked or spawned from this process (a notebook kernel, a script): ``stnb.launch``.
+
+ddp / fsdp start N ranks; single / dp one child process, so CUDA never touches the kernel. The
+ranks run ``training.train_rank`` and their RankReports come back through ``stnb.launch``'s channel.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .bars import StepBars
+from .base import Launcher, Plan
+
+
+class Local(Launcher):
+    """The ranks on this machine, started by ``stnb.launch`` (launcher 'stnb')."""
+
+    name = "stnb"
+
+    def check(self, plan: Plan) -> None:
+        from ..hardware import start_method as resolve_start_method
+        from ..models import resolve_model
+        from ..results import check_writable
+        from ..saving import check_target
+
+        config = plan.config
+        if plan.build is None:
+            config.check_recipe_options()
+            config.validate()
+        else:  # the model and data are the function's: check the options and this machine
+            config.validate(check_resources=False)
+            config.check_hardware()
+        if plan.results_file is not None:
+            check_writable(plan.results_file)
+        check_target(config.save_to)
+        plan.model_path = resolve_model(config.model) if plan.build is None else None  # builds 'tiny' once, here
+        plan.device = config.resolved_device()
+        self.method = resolve_start_method(config.start_method)
+
+    def start(self, plan: Plan) -> list:
+        from ..launch import launch
+        from ..training import train_rank
+
+        config, device = plan.config, plan.device
+        plan.t0 = time.time()  # the wall time counts from here, after the checks
+        if self.method == "fork":
+            preimport_training_stack()
+        ws = config.world_size()
+        strategy = config.strategy_object()
+        env = {}
+        if device == "cuda" and strategy.pinned_to_one_gpu():
+            from ..hardware import single_gpu_env
+
+            env = single_gpu_env()
+        env.update(strategy.rank_env(config, device))
+        strategy.before_launch(config, device)
+        on_progress, bars = plan.on_progress, None
+        if on_progress is None and plan.echo:
+            bars = StepBars(config.strategy)
+            on_progress = bars.update
+        try:
+            # the requested world size travels as an argument, apart from the environment the launcher sets
+            return launch(train_rank, config, plan.model_path, plan.t0, ws, plan.build, num_processes=ws,
+                          timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
+                          threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=plan.echo,
+                          distributed=strategy.distributed, env=env, start_method=self.method)
+        finally:
+            if bars is not None:
+                bars.close()
+
+
+def preimport_training_stack() -> None:
+    """Import the training stack once in this process: forked ranks inherit it instead of each
+    importing it again (6-8 CPU seconds per rank). None of it initialises CUDA."""
+    import sentence_transformers  # noqa: F401
+    import sentence_transformers.sentence_transformer.losses  # noqa: F401
+    import sentence_transformers.sentence_transformer.evaluation  # noqa: F401
+    import transformers.trainer  # noqa: F401

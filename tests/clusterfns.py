@@ -1,0 +1,42 @@
+"""A user's build functions for the cluster tests: the tasks / workers import this module (tests/ is on
+their PYTHONPATH, as a user's package is installed on every node)."""
+
+from __future__ import annotations
+
+import os
+
+from trainfns import st_args, words
+
+
+def _pairs(n: int = 32):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"anchor": [f"what about {words(i)}" for i in range(n)],
+                              "positive": [words(i) for i in range(n)]})
+
+
+def build(steps: int = 3):
+    """A user's trainer: the tiny model, MultipleNegativesRankingLoss, ``steps`` steps."""
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer import losses
+
+    from stnb.models import tiny_path
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    out = tempfile.mkdtemp(prefix="stnb-cluster-build-")
+    return SentenceTransformerTrainer(model=model, args=st_args(out, max_steps=steps), train_dataset=_pairs(),
+                                      loss=losses.MultipleNegativesRankingLoss(model))
+
+
+def build_long():
+    """Long enough to be killed or cancelled while it trains."""
+    return build(steps=400)
+
+
+def build_rank1_raises():
+    """Rank 1 fails on purpose; rank 0 would train."""
+    if os.environ.get("RANK") == "1":
+        raise ValueError("rank 1 fails on purpose")
+    return build()

@@ -1,0 +1,103 @@
+"""stnb.run(..., cluster=stnb.Ray(...)) on a real Ray cluster of two raylets on this machine
+(``ray.cluster_utils.Cluster``, one CPU each; the ``ray_cluster`` fixture starts it once per session):
+Ray Train's TorchTrainer places one worker per node, every worker runs stnb's rank code, and the
+per-rank reports it leaves under the storage path merge into a verified RunResult that names both nodes.
+No mock of Ray anywhere."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import sys
+import threading
+
+import pytest
+
+import stnb
+from cluster_engines import kill_rank_when_training
+from stnb.errors import ConfigError, LaunchError
+
+pytestmark = pytest.mark.cluster
+
+RECIPE = dict(model="tiny", steps=3, train_size=64, dev_size=16, evaluate=False, per_device_batch_size=4, timeout=300)
+
+
+@pytest.mark.parametrize("what,strategy", [("recipe", "ddp"), ("build", "fsdp")])
+def test_ray_workers_on_two_nodes_train_verified(ray_cluster, tmp_path, what, strategy):
+    import clusterfns
+
+    seen = {}
+
+    def on_progress(states):
+        for st in states:
+            seen[st.rank] = (st.step, st.total)
+
+    ray_nodes = sorted(n["NodeID"] for n in __import__("ray").nodes() if n["Alive"])
+    cluster = stnb.Ray(num_workers=2, storage_path=str(tmp_path))
+    if what == "recipe":
+        res = stnb.run(strategy=strategy, **RECIPE, cluster=cluster, on_progress=on_progress)
+    else:
+        res = stnb.run(clusterfns.build, strategy=strategy, cluster=cluster, on_progress=on_progress)
+    assert res.verified, res.reason
+    assert (res.launcher, res.world_size, res.strategy) == ("ray", 2, strategy)
+    # one worker per node: the two raylets have one CPU each
+    assert res.cluster["nodes"] == ray_nodes and len(ray_nodes) == 2
+    assert sorted(res.cluster["ranks"].values()) == ray_nodes
+    assert res.cluster["folder"].startswith(str(tmp_path)) and os.path.isdir(res.cluster["ray_logs"])
+    assert sorted(glob.glob(os.path.join(res.cluster["folder"], "report-*.pkl"))) == \
+        [os.path.join(res.cluster["folder"], f"report-{r}.pkl") for r in (0, 1)]
+    assert seen == {0: (res.steps, res.steps), 1: (res.steps, res.steps)}
+
+
+def test_a_worker_that_raises_is_named(ray_cluster, tmp_path):
+    import clusterfns
+
+    with pytest.raises(LaunchError) as info:
+        stnb.run(clusterfns.build_rank1_raises, strategy="ddp", cluster=stnb.Ray(num_workers=2, storage_path=str(tmp_path)))
+    e = info.value
+    assert e.rank == 1 and e.kind == "raised", str(e)
+    assert (f"rank 1 on {socket.gethostname()} raised BuildError: your build function "
+            "clusterfns.build_rank1_raises() raised ValueError: rank 1 fails on purpose") in str(e), str(e)
+    assert "last lines of rank 1's log" in e.rank_traceback
+
+
+def test_a_killed_worker_is_named(ray_cluster, tmp_path):
+    import clusterfns
+
+    def folder():
+        found = glob.glob(os.path.join(str(tmp_path), "stnb-*", "stnb"))
+        return found[0] if found else None
+
+    killer = threading.Thread(target=lambda: kill_rank_when_training(folder, 1), daemon=True)
+    killer.start()
+    with pytest.raises(LaunchError) as info:
+        stnb.run(clusterfns.build_long, strategy="ddp", cluster=stnb.Ray(num_workers=2, storage_path=str(tmp_path)),
+                 echo=False)
+    killer.join(timeout=10)
+    e = info.value
+    assert e.rank == 1 and e.kind == "killed", str(e)
+    assert f"rank 1 on {socket.gethostname()} ended without a result or an error" in str(e)
+
+
+# ---- refused before starting ------------------------------------------------------------------------
+
+def test_more_workers_than_the_ray_cluster_has_is_refused_with_what_it_has(ray_cluster, tmp_path):
+    with pytest.raises(ConfigError, match=r"num_workers=3 x cpus_per_worker=1 CPUs is more than the Ray cluster has "
+                                          r"2 CPU\(s\) and 0 GPU\(s\) on 2 node\(s\)"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Ray(num_workers=3, storage_path=str(tmp_path)))
+
+
+def test_unreachable_and_client_addresses_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"no Ray cluster answers at address='127.0.0.1:1'.*tried a TCP connection"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Ray(address="127.0.0.1:1", storage_path=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"Ray Client, which Ray advises against for Ray Train"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Ray(address="ray://head:10001", storage_path=str(tmp_path)))
+
+
+def test_a_one_process_strategy_and_a_missing_extra_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"strategy 'single' trains in one process, so Ray cannot spread it"):
+        stnb.run(strategy="single", **RECIPE, cluster=stnb.Ray(storage_path=str(tmp_path)))
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match=r'pip install "stnb\[ray\]"'):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Ray(storage_path=str(tmp_path)))

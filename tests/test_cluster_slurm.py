@@ -1,0 +1,174 @@
+"""stnb.run(..., cluster=stnb.Slurm(...)) on a real one-node SLURM cluster (tests/cluster/slurm_up.sh,
+started once per session by the ``slurm_cluster`` fixture): every job is submitted with submitit, runs 2
+tasks with stnb's rank code and comes back as a verified RunResult, or as the LaunchError that says
+which rank failed, on which node, with its log tail. No mock of the scheduler anywhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+
+import pytest
+
+import stnb
+from cluster_engines import kill_rank_when_training, wait_for
+from stnb.errors import ConfigError, LaunchError
+
+pytestmark = pytest.mark.cluster
+
+RECIPE = dict(model="tiny", steps=3, train_size=64, dev_size=16, evaluate=False, per_device_batch_size=4, timeout=300)
+
+
+def _slurm(tmp_path, **kw):
+    return stnb.Slurm(tasks_per_node=2, folder=str(tmp_path / "runs"), time_min=10, **kw)
+
+
+def _progress():
+    seen = {}
+
+    def on_progress(states):
+        for st in states:
+            seen[st.rank] = (st.step, st.total, st.state)
+    return seen, on_progress
+
+
+# with tests/test_cluster_ray.py's pair, every one of recipe / build function x ddp / fsdp runs on a cluster engine,
+# and each engine runs both strategies and both inputs (each run costs 20-40 s of this machine's 2 cores)
+@pytest.mark.parametrize("what,strategy", [("recipe", "fsdp"), ("build", "ddp")])
+def test_a_slurm_job_trains_verified_and_returns_at_once(slurm_cluster, tmp_path, what, strategy):
+    import clusterfns
+
+    seen, on_progress = _progress()
+    results = tmp_path / "results.jsonl"
+    if what == "recipe":
+        job = stnb.run(strategy=strategy, **RECIPE, cluster=_slurm(tmp_path), on_progress=on_progress,
+                       results_file=results)
+    else:
+        job = stnb.run(clusterfns.build, strategy=strategy, cluster=_slurm(tmp_path), on_progress=on_progress,
+                       results_file=results)
+    # the cell got the handle back before any task trained
+    assert isinstance(job, stnb.launchers.slurm.SlurmJob) and job.job_id.isdigit()
+    assert job.rundir.reports(2) == {} and not results.exists()
+    assert set(job.paths) == {0, 1} and job.paths[1]["stdout"].endswith(f"{job.job_id}_1_log.out")
+    res = job.result(timeout=600)
+    assert res.verified, res.reason
+    assert (res.launcher, res.world_size, res.strategy) == ("slurm", 2, strategy)
+    host = socket.gethostname()
+    assert res.cluster["job_id"] == job.job_id and res.cluster["nodes"] == [host]
+    assert res.cluster["ranks"] == {0: host, 1: host} and res.cluster["state"] == "COMPLETED"
+    assert res.build == (None if what == "recipe" else "clusterfns.build")
+    # every rank's progress came into this process while the job ran, up to its last step
+    assert {r: (s[0], s[1]) for r, s in seen.items()} == {0: (res.steps, res.steps), 1: (res.steps, res.steps)}
+    assert stnb.load_results(results)["run_id"].tolist() == [res.run_id]
+    assert job.state == "COMPLETED" and job.result() is res
+
+
+def test_a_task_that_raises_is_named_with_its_node_and_log(slurm_cluster, tmp_path):
+    import clusterfns
+
+    job = stnb.run(clusterfns.build_rank1_raises, strategy="ddp", cluster=_slurm(tmp_path))
+    with pytest.raises(LaunchError) as info:
+        job.result(timeout=600)
+    e = info.value
+    assert e.rank == 1 and e.kind == "raised", str(e)
+    assert (f"rank 1 on {socket.gethostname()} raised BuildError: your build function "
+            "clusterfns.build_rank1_raises() raised ValueError: rank 1 fails on purpose") in str(e)
+    assert "rank 1 fails on purpose" in e.rank_traceback and "last lines of rank 1's log" in e.rank_traceback
+    assert job.state == "FAILED"
+
+
+def test_a_killed_task_is_named_and_the_job_ends(slurm_cluster, tmp_path):
+    import clusterfns
+
+    job = stnb.run(clusterfns.build_long, strategy="ddp", cluster=_slurm(tmp_path), echo=False)
+    kill_rank_when_training(lambda: job.folder, 1)
+    with pytest.raises(LaunchError) as info:
+        job.result(timeout=600)
+    e = info.value
+    assert e.rank == 1 and e.kind == "killed", str(e)
+    assert f"rank 1 on {socket.gethostname()} ended without a result or an error" in str(e)
+
+
+def test_a_job_cancelled_from_the_handle(slurm_cluster, tmp_path):
+    import clusterfns
+
+    job = stnb.run(clusterfns.build_long, strategy="ddp", cluster=_slurm(tmp_path), echo=False)
+    wait_for(lambda: len(job.rundir.arrived(2)) == 2, "both tasks to start")
+    job.cancel()
+    with pytest.raises(LaunchError) as info:
+        job.result(timeout=300)
+    assert info.value.kind == "cancelled" and "the job ended (cancelled)" in str(info.value), str(info.value)
+    assert job.state == "CANCELLED"
+    pids = [a["pid"] for a in job.rundir.arrived(2).values()]
+    wait_for(lambda: not any(_alive(p) for p in pids), "the cancelled tasks' processes to end", 60)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---- refused before submitting ------------------------------------------------------------------------
+
+def test_no_slurm_commands_names_what_was_tried(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"no SLURM commands on this machine: looked for sbatch, sinfo.*missing"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=_slurm(tmp_path))
+
+
+def test_an_unreachable_controller_is_refused(slurm_cluster, tmp_path, monkeypatch):
+    conf = tmp_path / "slurm.conf"
+    text = open(slurm_cluster).read().splitlines()
+    conf.write_text("\n".join("SlurmctldPort=9" if ln.startswith("SlurmctldPort=") else ln for ln in text) + "\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    with pytest.raises(ConfigError, match=r"`sinfo .*` (failed|did not answer).*(controller)"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=_slurm(tmp_path))
+
+
+def test_more_than_the_partition_has_is_refused_with_what_it_has(slurm_cluster, tmp_path):
+    host = socket.gethostname()
+    with pytest.raises(ConfigError, match=rf"tasks_per_node=3 x cpus_per_task=1 CPUs is more than a node has: "
+                                          rf"partition 'debug' has 1 node\(s\) \({host}: 2 CPUs, 0 GPUs"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Slurm(tasks_per_node=3, folder=str(tmp_path)))
+    shared = tempfile.mkdtemp(prefix=".stnb-test-", dir=os.path.expanduser("~"))  # a 2-node job refuses /tmp first
+    try:
+        with pytest.raises(ConfigError, match=r"nodes=2 is more than partition 'debug' has 1 node"):
+            stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Slurm(nodes=2, tasks_per_node=1, folder=shared))
+    finally:
+        shutil.rmtree(shared)
+    with pytest.raises(ConfigError, match=r"gpus_per_node=2 is more than a node has"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Slurm(tasks_per_node=2, gpus_per_node=2,
+                                                              folder=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"partition 'gpu' is not on this cluster; sinfo lists debug"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=_slurm(tmp_path, partition="gpu"))
+
+
+def test_a_multi_node_log_folder_under_tmp_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"Slurm\(folder=...\) '/tmp/.*' is on this machine's own disk \(under /tmp\)"
+                                          r".*other nodes could not write"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Slurm(nodes=2, tasks_per_node=1, folder="/tmp/stnb-x"))
+
+
+def test_a_strategy_that_cannot_span_tasks_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"strategy 'dp' trains in one process, so SLURM cannot spread it"):
+        stnb.run(strategy="dp", **RECIPE, cluster=_slurm(tmp_path))
+    with pytest.raises(ConfigError, match=r"num_processes=4 but the SLURM job has 2 ranks"):
+        stnb.run(strategy="ddp", num_processes=4, **RECIPE, cluster=_slurm(tmp_path))
+
+
+def test_without_submitit_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "submitit", None)
+    with pytest.raises(ConfigError, match=r'pip install "stnb\[slurm\]"'):
+        stnb.run(strategy="ddp", **RECIPE, cluster=_slurm(tmp_path))
+
+
+def test_cluster_takes_a_launcher_only():
+    with pytest.raises(ConfigError, match=r"cluster= takes stnb.Slurm\(...\) or stnb.Ray\(...\); got str"):
+        stnb.run(strategy="ddp", **RECIPE, cluster="slurm")
