@@ -23,7 +23,7 @@ pytestmark = pytest.mark.cluster
 RECIPE = dict(model="tiny", steps=3, train_size=64, dev_size=16, evaluate=False, per_device_batch_size=4, timeout=300)
 
 
-@pytest.mark.parametrize("what,strategy", [("recipe", "ddp"), ("build", "fsdp")])
+@pytest.mark.parametrize("what,strategy", [("recipe", "ddp"), ("recipe", "fsdp"), ("build", "ddp"), ("build", "fsdp")])
 def test_ray_workers_on_two_nodes_train_verified(ray_cluster, tmp_path, what, strategy):
     import clusterfns
 
