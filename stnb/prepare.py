@@ -136,6 +136,18 @@ def apply_overrides(trainer, config: TrainConfig) -> dict:
     return overridden
 
 
+def drop_autocast(model) -> bool:
+    """After training: take off the autocast wrapper accelerate put on ``model.forward`` for mixed precision
+    (``accelerate.utils.extract_model_from_parallel(keep_fp32_wrapper=False)``), so that what follows
+    training, the dev metric and the save check, sees the model in its own precision, as it is saved and as
+    the dev metric before training saw it. True when there was a wrapper to take off."""
+    from accelerate.utils import extract_model_from_parallel
+
+    wrapped = "_original_forward" in vars(model)
+    extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    return wrapped
+
+
 def rebind_loss_model(trainer) -> list:
     """Point every reference the loss holds to the trainer's model at the module that trains
     (``trainer.model_wrapped``: DDP / DataParallel). sentence-transformers does this for a loss's

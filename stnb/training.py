@@ -121,6 +121,7 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         peak_memory.start_phase()
         trainer.train()
         train_peak = peak_memory.phase_peak()
+        prepare.drop_autocast(trainer.model)  # evaluated and saved below as before training: full precision
         after = {"frozen_unused": frozen, "reuse_freed_memory": allocator,
                  "released_each_step": seen.released_bytes if seen.release_each_step else None,
                  **{name: watched.stats() for name, watched in seen.strategy_watch.items()}}
