@@ -72,6 +72,10 @@ CASES = [
     # impossible combinations
     ("fsdp-one-process", dict(strategy="fsdp", num_processes=1), ConfigError,
      ["fsdp", "num_processes=1", "num_processes >= 2", "strategy='single'"]),
+    ("ddp-one-gpu-process", dict(strategy="ddp", num_processes=1, device="cuda"), ConfigError,
+     ["'ddp' with one process on a GPU", "DistributedDataParallel", "strategy='single'", "num_processes >= 2"]),
+    ("zero1-one-gpu-process", dict(strategy="zero1", num_processes=1, device="cuda"), ConfigError,
+     ["'zero1' with one process on a GPU", "DistributedDataParallel", "strategy='single'", "num_processes >= 2"]),
     ("single-two-processes", dict(strategy="single", num_processes=2), ConfigError,
      ["runs in one process", "one process per device (ddp, zero1, zero2, fsdp", "drop num_processes"]),
     ("gather-on-single", dict(strategy="single", loss="mnrl", gather_across_devices=True), ConfigError,

@@ -190,6 +190,21 @@ def test_single_pins_one_gpu_in_its_rank(gpu_box, monkeypatch):
     assert box.driver_calls == []
 
 
+def test_ddp_and_zero1_on_one_gpu_are_refused_before_launch(gpu_box):
+    """accelerate does not wrap one CUDA process in DDP: asked for (num_processes=1) or the default on a one-GPU
+    machine, ddp and zero1 are refused with the fix; two GPUs, or one process on CPU, run."""
+    gpu_box([A100])
+    for strategy in ("ddp", "zero1"):
+        for asked in (dict(num_processes=1, device="cuda"), dict(device="auto")):
+            with pytest.raises(ConfigError, match=f"strategy '{strategy}' with one process on a GPU.*strategy='single'"):
+                stnb.TrainConfig(strategy=strategy, model="tiny", **asked).validate(check_resources=False)
+        stnb.TrainConfig(strategy=strategy, model="tiny", num_processes=1, device="cpu").validate(check_resources=False)
+    stnb.TrainConfig(strategy="deepspeed", model="tiny", num_processes=1, device="cuda").validate(check_resources=False)
+    gpu_box([A100, A100])
+    for strategy in ("ddp", "zero1"):
+        stnb.TrainConfig(strategy=strategy, model="tiny", device="auto").validate(check_resources=False)
+
+
 def test_bf16_on_a_t4_is_refused_with_the_fix(gpu_box):
     gpu_box([T4])
     with pytest.raises(ConfigError) as e:

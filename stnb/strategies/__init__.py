@@ -123,6 +123,10 @@ def validate_config(config) -> None:
         raise ConfigError(
             f"strategy {s.name!r} runs in one process, got num_processes={config.num_processes}; use a strategy "
             f"with one process per device ({', '.join(distributed_names())}) or drop num_processes")
+    if s.distributed:
+        refused = s.world_refusal(config.resolved_device(), config.world_size())
+        if refused:
+            raise ConfigError(refused)
     s.validate(config)
 
 

@@ -110,6 +110,16 @@ class Strategy(abc.ABC):
     def validate(self, config) -> None:
         """Raise ConfigError for a config this strategy cannot run (beyond the registry's generic checks)."""
 
+    def world_refusal(self, device: str, world: int) -> str:
+        """Before any process starts: why this strategy cannot run ``world`` processes on ``device`` ('' when it
+        can). A strategy whose gradients go through a DDP wrapper needs one to verify: accelerate wraps one
+        process on CPU (gloo) but not one CUDA process (``Accelerator.multi_device`` needs 2)."""
+        if self.ddp_buckets and device == "cuda" and world == 1:
+            return (f"strategy {self.name!r} with one process on a GPU: accelerate does not wrap a single CUDA process "
+                    f"in DistributedDataParallel, so there would be no {self.label} to verify; use strategy='single' "
+                    "for one GPU, or num_processes >= 2 (one GPU each)")
+        return ""
+
     def check_recipe(self, config) -> None:
         """ConfigError for what stnb's recipe (not a user's trainer) cannot run with this strategy."""
 
