@@ -23,8 +23,8 @@ strategy='deepspeed'), ``use_cpu=True`` on a CUDA run, and whatever the chosen s
 
 The loss holds the model: ``rebind_loss_model`` points every reference the loss holds to the
 trainer's model at the model that trains (DDP / DataParallel wrapper) before the first step
-(sentence-transformers issue #3023); the callback then checks that the first step's loss really
-called it.
+(sentence-transformers issue #3023); the first-step checks (``stnb.instruments.FirstStepChecks``)
+then check that the first step's loss really called it.
 """
 
 from __future__ import annotations
