@@ -23,7 +23,7 @@ from .config import TrainConfig
 from .launch import rank_context, wait_for_all
 from .model_types import load_like
 from .rankreport import RankReport
-from .recipe import build_trainer
+from .recipe import RecipeBuild
 from .saving import save_checked
 
 
@@ -47,15 +47,14 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     memory = ins.MemoryUse(here.cuda, strategy)  # the peak is growth from here on
     torch.manual_seed(config.seed)
     # build: stnb's recipe or the user's function, checked and made ready (stnb's display, the overrides)
-    trainer = build_trainer(config, model_path, here.device, here.cuda, here.distributed) if build is None \
-        else prepare.call_build(build)
-    frozen = strategies.freeze_unused_pooler(trainer.model) if build is None else []  # never gets a gradient
+    source = RecipeBuild(config, model_path, here.device, here.distributed) if build is None \
+        else prepare.UserBuild(build)
+    trainer = source()
     prepare.refusals(trainer, config, here.cuda)
     memory.built(trainer)
-    overridden, removed = prepare.own_display(trainer)
+    overridden, callbacks = prepare.own_display(trainer)  # {"kept": the trainer's callbacks, "removed": ...}
     overridden.update(prepare.apply_overrides(trainer, config))
-    kept = [type(c).__name__ for c in trainer.callback_handler.callbacks]
-    outcome = Outcome.before_training(trainer, config, strategy, model_path, build, here)  # rank 0
+    outcome = Outcome.before_training(trainer, config, strategy, source.initial_path, here)  # rank 0
     flops = ins.Flops(trainer.model, here.device)  # its hook counts the training forwards' tokens
     # apply the strategy, and keep the loss's own parameters equal on every rank (a collective)
     trainer.stnb_config = config
@@ -78,14 +77,15 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))
         outcome.after_training(trainer, config, strategy, here)  # rank 0 evaluates and saves
     finally:
-        outcome.clean_up(trainer, build)
+        outcome.clean_up()
+        source.clean_up(trainer)
     # report: each instrument its own part, the verification record composed from them
-    added = [type(c).__name__ for c in trainer.callback_handler.callbacks[len(kept):]]
-    callbacks = {"kept": kept, "removed": removed, "added": added}
-    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": frozen}, attached)
+    callbacks["added"] = [type(c).__name__ for c in trainer.callback_handler.callbacks[len(callbacks["kept"]):]]
+    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": source.frozen},
+                                 attached)
     return RankReport(**here.report(), global_batch_size=here.global_batch(trainer.args, strategy),
                       verification=verification, weight_digests=digests, overridden_args=overridden,
-                      **outcome.report(), **ins.reports(attached), **_build_facts(trainer, build))
+                      **outcome.report(), **ins.reports(attached), **source.facts(trainer))
 
 
 @dataclass(frozen=True)
@@ -157,13 +157,14 @@ class Outcome:
         self.metric = self.before = self.after = self.saved = None
 
     @classmethod
-    def before_training(cls, trainer, config, strategy, model_path, build, here: Here) -> "Outcome":
-        """Rank 0 evaluates the model as built, and keeps a user's untrained model where it is needed
-        again: to rebuild an unsharded copy (sharded parameters) and to check the saved one against."""
-        outcome = cls(trainer.evaluator, model_path, None)
+    def before_training(cls, trainer, config, strategy, initial_path, here: Here) -> "Outcome":
+        """Rank 0 evaluates the model as built and, where no saved copy of it exists (``initial_path`` None: a
+        user's model), saves it where it is needed again: to rebuild an unsharded copy (sharded parameters)
+        and to check the saved one against."""
+        outcome = cls(trainer.evaluator, initial_path, None)
         if outcome.evaluator is not None and here.rank == 0:
             outcome.metric, outcome.before = _dev_metric(outcome.evaluator, trainer.model)
-        if build is not None and here.rank == 0 and (strategy.shards_params(config) or config.save_to):
+        if initial_path is None and here.rank == 0 and (strategy.shards_params(config) or config.save_to):
             outcome.scratch = outcome.initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
             trainer.model.save(outcome.scratch)
         if here.distributed:
@@ -184,9 +185,7 @@ class Outcome:
         if here.distributed:
             wait_for_all()  # rank 0 evaluated and saved: not bounded by the collective timeout
 
-    def clean_up(self, trainer, build) -> None:
-        if build is None:
-            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder
+    def clean_up(self) -> None:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -214,31 +213,3 @@ def _full_model_on_rank0(strategy, model, initial_path, device, rank, max_seq_le
     plain = load_like(model, initial_path, device=device, max_seq_length=max_seq_length)
     plain.load_state_dict(full, strict=True)  # raises if any key is missing or unexpected
     return plain
-
-
-def _build_facts(trainer, build) -> dict:
-    """A user's build function and what its trainer trains with, for the result's config (its TrainConfig
-    fields do not apply); None for stnb's recipe."""
-    if build is None:
-        return {"build": None, "training": None}
-    args, model = trainer.args, trainer.model
-    loss = trainer.loss
-    name = (getattr(model.model_card_data, "base_model", None)
-            or getattr(getattr(model[0], "auto_model", None), "name_or_path", None) or type(model).__name__)
-    return {"build": prepare.describe(build), "training": {
-        "model": str(name),
-        "loss": ", ".join(sorted({type(v).__name__ for v in loss.values()})) if isinstance(loss, dict)
-        else type(loss).__name__,
-        "per_device_batch_size": args.per_device_train_batch_size, "steps": args.max_steps,
-        "learning_rate": args.learning_rate, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "seed": args.seed, "mixed_precision": prepare.mixed_precision(args), "max_seq_length": model.max_seq_length,
-        "evaluator": prepare.describe(type(trainer.evaluator)) if trainer.evaluator is not None else None,
-        "train_size": _rows(trainer.train_dataset)}}
-
-
-def _rows(dataset):
-    """Rows of a dataset; of a dict of datasets, the sum over them; None when it has no length."""
-    if isinstance(dataset, dict):
-        counts = [_rows(d) for d in dataset.values()]
-        return None if None in counts else sum(counts)
-    return len(dataset) if hasattr(dataset, "__len__") else None
