@@ -14,38 +14,30 @@ LOSSES = ("cosine", "mnrl", "softmax+cosine")  # softmax+cosine: stnb.seed_recip
 PRECISIONS = ("no", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
-# The fields that apply to any training, stnb's recipe or a user's own trainer (``stnb.run(build, ...)``):
-# where and how the ranks run, and the strategy's knobs. The other fields describe stnb's recipe;
-# for a user's trainer they live in the user's code, here is where (refused with this hint).
-LAUNCH_FIELDS = ("strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout",
-                 "threads_per_rank", "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
-                 "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "stage", "deepspeed_config",
-                 "override_args")
+# Every field of TrainConfig says in its declaration which of two kinds it is:
+# - a run option (``run_option``): applies to any training, stnb's recipe or a user's own trainer
+#   (``stnb.run(build, ...)``): where and how the ranks run, and the strategy's knobs;
+# - a recipe field (``recipe_field``): describes stnb's recipe; for a user's trainer it lives in the user's
+#   code, and the field says where (``stnb.run(build, ...)`` refuses it with that hint).
+# LAUNCH_FIELDS and RECIPE_FIELDS are read from the declarations (below TrainConfig).
+
 # Training arguments of a user's trainer that ``override_args`` may replace in every rank (read when
 # train() starts, so setting them on the built trainer takes effect), and what each changes.
 OVERRIDABLE_ARGS = {
     "per_device_train_batch_size": "the per-device batch (the train dataloader and the global batch follow it)",
 }
 _ARGS = "your SentenceTransformerTrainingArguments"
-RECIPE_FIELDS = {
-    "model": "build your SentenceTransformer in the function",
-    "data": "pass train_dataset=... (and eval_dataset=...) to your trainer",
-    "columns": "give your datasets the columns your loss reads (dataset.rename_column / select_columns)",
-    "train_size": "select the rows in your function (dataset.select(range(n)))",
-    "dev_size": "select the rows in your function (dataset.select(range(n)))",
-    "loss": "pass loss=... to your trainer",
-    "gather_across_devices": "pass it to your loss: MultipleNegativesRankingLoss(model, gather_across_devices=True)",
-    "per_device_batch_size": f"per_device_train_batch_size in {_ARGS}",
-    "steps": f"max_steps in {_ARGS}",
-    "learning_rate": f"learning_rate in {_ARGS}",
-    "max_seq_length": "set model.max_seq_length in your function",
-    "seed": f"seed in {_ARGS}",
-    "evaluate": "pass evaluator=... to your trainer (or leave it out)",
-    "mixed_precision": f"bf16=True or fp16=True in {_ARGS}",
-    "gradient_accumulation_steps": f"gradient_accumulation_steps in {_ARGS}",
-    "warmup_steps_excluded": "stnb leaves the first 2 steps out of the throughput of your trainer",
-    "extra": "stnb's recipe only",
-}
+_KIND = "stnb_kind"
+
+
+def run_option(default=dataclasses.MISSING, **kw):
+    """A TrainConfig field every run takes (stnb's recipe and ``stnb.run(build, ...)``)."""
+    return field(default=default, metadata={_KIND: "run"}, **kw)
+
+
+def recipe_field(where: str, default=dataclasses.MISSING, **kw):
+    """A TrainConfig field of stnb's recipe only; ``where``: where it belongs in a user's own code."""
+    return field(default=default, metadata={_KIND: "recipe", "where": where}, **kw)
 
 
 @dataclass
@@ -90,47 +82,49 @@ class TrainConfig:
         (the Panel's batch widget sets it, "set in the Panel").
     """
 
-    strategy: str = "ddp"
-    num_processes: int | None = None
-    model: str = "minilm"
-    data: str = "synthetic"
-    columns: dict | None = None
-    loss: str = "cosine"
-    gather_across_devices: bool = False
-    per_device_batch_size: int = 16
-    steps: int = 20
-    learning_rate: float = 2e-5
-    max_seq_length: int | None = 64
-    seed: int = 42
-    train_size: int = 2000
-    dev_size: int = 200
-    warmup_steps_excluded: int = 2
-    evaluate: bool = True
-    save_to: str | None = None
-    device: str = "auto"
-    start_method: str = "auto"
-    mixed_precision: str = "no"
-    threads_per_rank: int | None = None
-    reuse_freed_memory: bool = True  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
+    strategy: str = run_option("ddp")
+    num_processes: int | None = run_option(None)
+    model: str = recipe_field("build your SentenceTransformer in the function", "minilm")
+    data: str = recipe_field("pass train_dataset=... (and eval_dataset=...) to your trainer", "synthetic")
+    columns: dict | None = recipe_field(
+        "give your datasets the columns your loss reads (dataset.rename_column / select_columns)", None)
+    loss: str = recipe_field("pass loss=... to your trainer", "cosine")
+    gather_across_devices: bool = recipe_field(
+        "pass it to your loss: MultipleNegativesRankingLoss(model, gather_across_devices=True)", False)
+    per_device_batch_size: int = recipe_field(f"per_device_train_batch_size in {_ARGS}", 16)
+    steps: int = recipe_field(f"max_steps in {_ARGS}", 20)
+    learning_rate: float = recipe_field(f"learning_rate in {_ARGS}", 2e-5)
+    max_seq_length: int | None = recipe_field("set model.max_seq_length in your function", 64)
+    seed: int = recipe_field(f"seed in {_ARGS}", 42)
+    train_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 2000)
+    dev_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 200)
+    warmup_steps_excluded: int = recipe_field("stnb leaves the first 2 steps out of the throughput of your trainer", 2)
+    evaluate: bool = recipe_field("pass evaluator=... to your trainer (or leave it out)", True)
+    save_to: str | None = run_option(None)
+    device: str = run_option("auto")
+    start_method: str = run_option("auto")
+    mixed_precision: str = recipe_field(f"bf16=True or fp16=True in {_ARGS}", "no")
+    threads_per_rank: int | None = run_option(None)
+    reuse_freed_memory: bool = run_option(True)  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
     # DDP knobs
-    bucket_cap_mb: float | None = None
-    gradient_as_bucket_view: bool = False
-    broadcast_buffers: bool = False  # what sentence-transformers' arguments force; True applies it (ddp)
-    static_graph: bool = False
-    comm_hook: str = "none"
-    gradient_accumulation_steps: int = 1
+    bucket_cap_mb: float | None = run_option(None)
+    gradient_as_bucket_view: bool = run_option(False)
+    broadcast_buffers: bool = run_option(False)  # what sentence-transformers' arguments force; True applies it (ddp)
+    static_graph: bool = run_option(False)
+    comm_hook: str = run_option("none")
+    gradient_accumulation_steps: int = recipe_field(f"gradient_accumulation_steps in {_ARGS}", 1)
     # FSDP knobs
-    reshard_after_forward: bool = True
-    fsdp_layer_cls: str | None = None
+    reshard_after_forward: bool = run_option(True)
+    fsdp_layer_cls: str | None = run_option(None)
     # DeepSpeed knobs (stnb.strategies.deepspeed)
-    stage: int | None = None
-    deepspeed_config: dict | None = None
+    stage: int | None = run_option(None)
+    deepspeed_config: dict | None = run_option(None)
     # process control
-    timeout: float | None = None
-    stall_timeout: float | None = 60.0
+    timeout: float | None = run_option(None)
+    stall_timeout: float | None = run_option(60.0)
     # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
-    override_args: dict | None = None
-    extra: dict = field(default_factory=dict)
+    override_args: dict | None = run_option(None)
+    extra: dict = recipe_field("stnb's recipe only", default_factory=dict)
 
     # ---- derived -----------------------------------------------------------------
     def resolved_device(self) -> str:
@@ -332,6 +326,21 @@ class TrainConfig:
         need = self.strategy_object().min_ranks
         if ws < need:
             raise ConfigError(f"{self.strategy} needs at least {need} ranks to shard over; use num_processes >= {need}")
+
+
+def _fields_of(cls, kind: str) -> list:
+    """The fields of ``cls`` declared as ``kind`` ('run' or 'recipe'); TypeError naming a field declared as neither."""
+    unsorted = [f.name for f in dataclasses.fields(cls) if f.metadata.get(_KIND) not in ("run", "recipe")]
+    if unsorted:
+        raise TypeError(f"{cls.__name__} fields {unsorted} are neither run_option(...) nor recipe_field(...): "
+                        "declare which, so that stnb.run(build, ...) knows whether it applies to a user's trainer")
+    return [f for f in dataclasses.fields(cls) if f.metadata[_KIND] == kind]
+
+
+#: the run options, in TrainConfig's order: what ``stnb.run(build, ...)`` takes
+LAUNCH_FIELDS = tuple(f.name for f in _fields_of(TrainConfig, "run"))
+#: the recipe's fields, each with where it belongs in a user's own code
+RECIPE_FIELDS = {f.name: f.metadata["where"] for f in _fields_of(TrainConfig, "recipe")}
 
 
 def _check_choice(name, value, choices):

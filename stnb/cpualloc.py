@@ -17,7 +17,7 @@ gathers parameters during its steps (FSDP, ZeRO-2) allocates and frees blocks of
 all-gather outputs, the unsharded parameters and gradients, the reduce-scatter buffers, activations whose
 size follows each batch's padded length): on the bundled MiniLM the heap's free part grew from 390 to
 815 MiB over four FSDP steps while the memory in use stayed at 320 MiB (DDP: free levels off at 310 MiB).
-stnb calls it at every step's end in those runs (``stnb.training``, ``release_each_step``; ``STNB_RELEASE_FREED=off``
+stnb calls it at every step's end in those runs (``stnb.instruments.AllocatorRelease``, ``release_each_step``; ``STNB_RELEASE_FREED=off``
 turns it off: faster steps, a higher peak); docs/memory.md has the numbers.
 """
 

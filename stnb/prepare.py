@@ -23,8 +23,8 @@ strategy='deepspeed'), ``use_cpu=True`` on a CUDA run, and whatever the chosen s
 
 The loss holds the model: ``rebind_loss_model`` points every reference the loss holds to the
 trainer's model at the model that trains (DDP / DataParallel wrapper) before the first step
-(sentence-transformers issue #3023); the callback then checks that the first step's loss really
-called it.
+(sentence-transformers issue #3023); the first-step checks (``stnb.instruments.FirstStepChecks``)
+then check that the first step's loss really called it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,48 @@ def describe(obj) -> str:
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
     module = getattr(obj, "__module__", None)
     return f"{module}.{name}" if module and module not in ("__main__", "builtins") else name
+
+
+class UserBuild:
+    """A user's build function as the build a rank trains (stnb's own recipe is a ``recipe.RecipeBuild``):
+    ``UserBuild(build)()`` calls it (``call_build``: checked, or BuildError naming the fix)."""
+
+    initial_path = None  # the untrained model: saved by the rank where it is needed (train_rank)
+    frozen: list = []    # stnb freezes nothing in a user's model
+
+    def __init__(self, build):
+        self.build = build
+
+    def __call__(self):
+        return call_build(self.build)
+
+    def clean_up(self, trainer) -> None:
+        pass  # the trainer's folders are the user's
+
+    def facts(self, trainer) -> dict:
+        """RankReport's ``build`` (the function's name) and ``training``: what the user's trainer trains
+        with, for the result's config (its TrainConfig fields do not apply)."""
+        args, model = trainer.args, trainer.model
+        loss = trainer.loss
+        name = (getattr(model.model_card_data, "base_model", None)
+                or getattr(getattr(model[0], "auto_model", None), "name_or_path", None) or type(model).__name__)
+        return {"build": describe(self.build), "training": {
+            "model": str(name),
+            "loss": ", ".join(sorted({type(v).__name__ for v in loss.values()})) if isinstance(loss, dict)
+            else type(loss).__name__,
+            "per_device_batch_size": args.per_device_train_batch_size, "steps": args.max_steps,
+            "learning_rate": args.learning_rate, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "seed": args.seed, "mixed_precision": mixed_precision(args), "max_seq_length": model.max_seq_length,
+            "evaluator": describe(type(trainer.evaluator)) if trainer.evaluator is not None else None,
+            "train_size": _rows(trainer.train_dataset)}}
+
+
+def _rows(dataset):
+    """Rows of a dataset; of a dict of datasets, the sum over them; None when it has no length."""
+    if isinstance(dataset, dict):
+        counts = [_rows(d) for d in dataset.values()]
+        return None if None in counts else sum(counts)
+    return len(dataset) if hasattr(dataset, "__len__") else None
 
 
 def call_build(build):
@@ -102,8 +144,8 @@ def refusals(trainer, config: TrainConfig, use_cuda: bool) -> None:
         raise BuildError("cannot train this trainer under strategy " f"{config.strategy!r}: " + "; ".join(problems))
 
 
-def own_display(trainer) -> tuple[dict, list]:
-    """stnb shows progress: (overridden, removed callbacks)."""
+def own_display(trainer) -> tuple[dict, dict]:
+    """stnb shows progress: (overridden, {"removed": the callbacks taken off, "kept": the trainer's others})."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     overridden = {}
@@ -116,7 +158,7 @@ def own_display(trainer) -> tuple[dict, list]:
     for cls in (ProgressCallback, PrinterCallback):
         if trainer.pop_callback(cls) is not None:
             removed.append(cls.__name__)
-    return overridden, removed
+    return overridden, {"kept": [type(c).__name__ for c in trainer.callback_handler.callbacks], "removed": removed}
 
 
 def apply_overrides(trainer, config: TrainConfig) -> dict:

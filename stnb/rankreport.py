@@ -20,7 +20,8 @@ __all__ = ["RankReport", "check_reports"]
 
 @dataclass(frozen=True)
 class RankReport:
-    """One rank's measurements and observations (``training.train_rank``).
+    """One rank's measurements and observations (``training.train_rank``): the rank's own facts, and each of its
+    instruments' part (``stnb.instruments``: which instrument reports which field).
 
     rank: this rank's global rank.
     device: "cpu" or "cuda" (without the index).

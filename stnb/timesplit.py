@@ -1,6 +1,6 @@
 """Where a rank's step time goes, measured: data, forward, backward compute, communication, optimizer, wait.
 
-``StepTimer`` lives inside a rank (``stnb.training``'s callback calls it). Its clock readings:
+``StepTimer`` lives inside a rank (the ``stnb.instruments.TimeSplit`` callback calls it). Its clock readings:
 
 * a forward pre-hook and hook on the module that trains (the first forward of each micro-batch
   starts the forward; the loss runs until backward starts, so ``forward`` includes the loss);

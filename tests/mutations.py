@@ -42,49 +42,51 @@ class Mutation:
     pending: str = ""
 
 
-NOOP_HOOK = '''                if config.strategy == "ddp" and seen.process_group_size > 1:  # MUTATION: DDP never all-reduces
-                    def _noop(_state, bucket):
-                        import torch
+NOOP_HOOK = '''            if self.trainer.stnb_config.strategy == "ddp" and args.world_size > 1:
+                def _noop(_state, bucket):  # MUTATION: DDP never all-reduces
+                    import torch
 
-                        fut = torch.futures.Future()
-                        fut.set_result(bucket.buffer())
-                        return fut
+                    fut = torch.futures.Future()
+                    fut.set_result(bucket.buffer())
+                    return fut
 
-                    tr.model_wrapped.register_comm_hook(None, _noop)
-                seen.t_first_begin = time.perf_counter()
+                self.trainer.model_wrapped.register_comm_hook(None, _noop)
+            self.timer.attach(self.trainer, self.comm_hook)  # registers DDP's comm hook, timed
 '''
 
-AFTER_TRAIN = "        trainer.train()\n"
+AFTER_TRAIN = "            trainer.train()\n"
 
 MUTATIONS = [
     Mutation(
         "ddp-no-allreduce",
         "a no-op DDP comm hook: each rank trains on its own half batch",
-        (("stnb/training.py", "                seen.t_first_begin = time.perf_counter()\n", NOOP_HOOK),),
+        (("stnb/instruments/timesplit.py",
+          "            self.timer.attach(self.trainer, self.comm_hook)  # registers DDP's comm hook, timed\n",
+          NOOP_HOOK),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(
         "save-untrained",
         "the untrained model is saved instead of the trained one",
-        (("stnb/training.py", 'saved = save_checked(final_model, config.save_to, device,',
-          'saved = save_checked(load_like(final_model, initial_path, device=device, max_seq_length=max_len), '
+        (("stnb/training.py", 'self.saved = save_checked(final_model, config.save_to, device,',
+          'self.saved = save_checked(load_like(final_model, initial_path, device=device, max_seq_length=max_len), '
           'config.save_to, device,'),),
         ("tests/test_run.py::test_ddp_final_weights_equal_one_big_batch",)),
     Mutation(
         "rank1-swaps-embedding-rows",
         "after training, rank 1 swaps two rows of the word embeddings",
         (("stnb/training.py", AFTER_TRAIN, AFTER_TRAIN +
-          "        if rank == 1:  # MUTATION\n"
-          "            with torch.no_grad():\n"
-          "                _w = trainer.model[0].auto_model.embeddings.word_embeddings.weight\n"
-          "                _w[[100, 101]] = _w[[101, 100]].clone()\n"),),
+          "            if here.rank == 1:  # MUTATION\n"
+          "                with torch.no_grad():\n"
+          "                    _w = trainer.model[0].auto_model.embeddings.word_embeddings.weight\n"
+          "                    _w[[100, 101]] = _w[[101, 100]].clone()\n"),),
         ("tests/test_run.py::test_ddp_two_ranks_verified",)),
     Mutation(
         "rank1-adds-3e-4",
         "after training, rank 1 adds 3e-4 to one weight",
         (("stnb/training.py", AFTER_TRAIN, AFTER_TRAIN +
-          "        if rank == 1:  # MUTATION\n"
-          "            with torch.no_grad():\n"
-          "                next(trainer.model.parameters()).view(-1)[0] += 3e-4\n"),),
+          "            if here.rank == 1:  # MUTATION\n"
+          "                with torch.no_grad():\n"
+          "                    next(trainer.model.parameters()).view(-1)[0] += 3e-4\n"),),
         ("tests/test_run.py::test_ddp_two_ranks_verified",)),
     Mutation(
         "results-thread-lock",
@@ -225,8 +227,9 @@ MUTATIONS = [
     Mutation(
         "multi-dataset-inputs-recorded-once",
         "a dict of losses: only the first loss that runs records its inputs (the other datasets go unchecked)",
-        (("stnb/training.py", "        one.register_forward_pre_hook(functools.partial(hook, name))\n",
-          "        one.register_forward_pre_hook(functools.partial(hook, None))  # MUTATION\n"),),
+        (("stnb/instruments/loss_inputs.py",
+          "            one.register_forward_pre_hook(functools.partial(self._hook, name))\n",
+          "            one.register_forward_pre_hook(functools.partial(self._hook, None))  # MUTATION\n"),),
         ("tests/test_seed_recipe.py::test_ddp_trains_one_classifier_across_ranks",)),
 ]
 

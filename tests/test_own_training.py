@@ -284,6 +284,39 @@ def test_a_build_that_returns_no_trainer_is_refused_and_the_kernel_stays_usable(
     assert stnb.launch(os.getpid, num_processes=2, device="cpu", echo=False, timeout=120)
 
 
+def test_every_config_field_declares_whether_it_applies_to_a_users_trainer():
+    """TrainConfig's fields say in their declarations (``run_option`` / ``recipe_field``) whether they apply to a
+    user's own trainer: every field is exactly one of the two (today's split), each recipe field says where it
+    belongs in the user's code, ``for_build`` takes every run option and refuses every recipe field with its
+    hint, and a class with a field declared as neither is refused when its fields are read."""
+    import dataclasses
+    import re
+
+    from stnb import config as c
+
+    names = [f.name for f in dataclasses.fields(c.TrainConfig)]
+    assert sorted(c.LAUNCH_FIELDS + tuple(c.RECIPE_FIELDS)) == sorted(names)
+    assert set(c.LAUNCH_FIELDS) == {
+        "strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout", "threads_per_rank",
+        "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
+        "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "stage", "deepspeed_config",
+        "override_args"}
+    assert all(isinstance(w, str) and w for w in c.RECIPE_FIELDS.values())
+    defaults = c.TrainConfig()
+    assert c.TrainConfig.for_build(**{k: getattr(defaults, k) for k in c.LAUNCH_FIELDS}) == defaults
+    for name, where in c.RECIPE_FIELDS.items():
+        with pytest.raises(stnb.ConfigError, match=re.escape(f"{name}: {where}")):
+            c.TrainConfig.for_build(**{name: getattr(defaults, name)})
+
+    @dataclasses.dataclass
+    class Undeclared:
+        a: int = c.run_option(1)
+        b: int = 2
+
+    with pytest.raises(TypeError, match=r"fields \['b'\] are neither run_option"):
+        c._fields_of(Undeclared, "run")
+
+
 def test_options_that_belong_in_the_users_code_are_refused_before_anything_starts():
     before = set(psutil.Process().children(recursive=True))
     with pytest.raises(stnb.ConfigError, match=r"steps: max_steps in your SentenceTransformerTrainingArguments"):

@@ -58,41 +58,92 @@ def test_train_rank_reports_across_a_spawned_launch():
     assert r.start_method == "spawn" and r.start_method_requested == "spawn"
     assert len(r.step_times) == cfg.steps and r.verification["ok"] is True
     assert r.verification["loss_model"]["ok"] is True and r.verification["trained_parameters"]["model"] > 0
+    # every instrument attached, in its order, and each reported its part
+    from stnb.instruments import ORDER
+
+    assert r.verification["callbacks"]["added"] == ["LossParameterSyncCallback", *(k.__name__ for k in ORDER)]
+    assert len(r.train_flops) == len(r.time_split["steps"]) == len(r.losses) == cfg.steps
+    assert r.memory_split["built"] > 0 and r.peak_memory_bytes > 0 and r.model_shape["optimizer"]
+    assert r.loss_inputs == {"texts": 2, "label": True} and r.data_columns and r.time_to_first_step_s > 0
     res = merge(cfg, reports, device="cpu")
     assert res.verified, res.reason
     assert res.start_method == "spawn" and res.verification["ranks"] == [r.verification]
 
 
 def test_every_check_of_a_rank_reaches_its_one_verification_record():
-    """The record is composed in one place from what the rank observed: a problem found at the first
-    optimizer step, a loss that never called the module that trains, a batch other than the one asked
-    for, each one lands in ``problems`` (in the order training found them) and turns ``ok`` off; a rank
-    where no step began has an empty record, which merges as never verified."""
-    from stnb.training import Observed, verification_record
+    """The record is composed in one place (``FirstStepChecks.record``) from what the rank's instruments
+    observed: a problem found at the first optimizer step, a loss that never called the module that trains,
+    a first batch other than the one asked for (``LossInputs``, from the rows the loss really received),
+    each one lands in ``problems`` (in the order training found them) and turns ``ok`` off; every
+    instrument's entries land beside them; a rank where no step began has an empty record, which merges as
+    never verified."""
+    import types
 
-    def observed(**kw):
-        seen = Observed(world_size_requested=2, process_group_size=2, flops=None, timer=None)
-        seen.prepared = {"strategy": "ddp", "world_size_seen": 2, "problems": [], "ok": True}
-        seen.loss_model = {"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 1, "ok": True}
+    import torch
+
+    from stnb.instruments import AllocatorRelease, FirstStepChecks, LossInputs
+
+    def checks(**kw):
+        c = FirstStepChecks(None, None, None, world_size_requested=2, process_group_size=2, loss_sync=None)
+        c.prepared = {"strategy": "ddp", "world_size_seen": 2, "problems": [], "ok": True}
+        c.loss_model = {"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 1, "ok": True}
         for k, v in kw.items():
-            setattr(seen, k, v)
-        return seen
+            setattr(c, k, v)
+        return c
 
-    good_batch = {"batch_override": {"asked": 4, "first_batch_rows": 4, "ok": True}}
-    v = verification_record(observed(step_check=({"grads_sharded": False}, []), trained_parameters={"model": 3}),
-                            {"wrapper_kind": "ddp"}, {"added": "StnbCallback"}, good_batch)
+    class Loss(torch.nn.Module):
+        def forward(self, features, labels):
+            return torch.zeros(())
+
+    def loss_inputs(rows: int, asked: int | None = 4):
+        trainer = types.SimpleNamespace(loss=Loss(), args=types.SimpleNamespace(n_gpu=0), train_dataset=list(range(16)))
+        instrument = LossInputs(trainer, asked)
+        pair = [{"input_ids": torch.ones(rows, 5, dtype=torch.long)} for _ in range(2)]
+        trainer.loss(pair, torch.ones(rows))  # the loss's first call: its hook records what it received
+        trainer.loss(pair[:1], None)  # later calls change nothing
+        return instrument
+
+    allocator = AllocatorRelease(reuse_freed_memory=False, cuda=False, gathers_during_step=False)
+    facts = {"wrapper_kind": "ddp", "callbacks": {"added": ["StepLog"]}}
+    good = checks(step_check=({"grads_sharded": False}, []), trained_parameters={"model": 3})
+    first = loss_inputs(rows=4)
+    assert first.report()["loss_inputs"] == {"texts": 2, "label": True} and first.first_batch_rows == 4
+    v = good.record(facts, [good, allocator, first])
     assert v["ok"] is True and v["problems"] == [] and v["grads_sharded"] is False and v["wrapper_kind"] == "ddp"
-    assert v["trained_parameters"] == {"model": 3} and v["callbacks"] == {"added": "StnbCallback"}
+    assert v["trained_parameters"] == {"model": 3} and v["callbacks"] == {"added": ["StepLog"]}
+    assert v["batch_override"] == {"asked": 4, "first_batch_rows": 4, "ok": True}
+    assert v["reuse_freed_memory"] == {"applied": False, "reason": "off (reuse_freed_memory=False)"}
+    assert v["released_each_step"] is None and v["loss_model"]["ok"] is True
 
-    bad = observed(step_check=({}, ["the optimizer updates 1 parameter(s) that neither the model nor the loss own"]),
-                   loss_model={"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 0, "ok": False})
-    v = verification_record(bad, {}, {}, {"batch_override": {"asked": 4, "first_batch_rows": 2, "ok": False}})
+    bad = checks(step_check=({}, ["the optimizer updates 1 parameter(s) that neither the model nor the loss own"]),
+                 loss_model={"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 0, "ok": False})
+    v = bad.record({}, [allocator, loss_inputs(rows=2)])
     assert v["ok"] is False and len(v["problems"]) == 3
     assert v["problems"][0].startswith("the optimizer updates 1 parameter(s)")
     assert v["problems"][1].startswith("the loss never called the DistributedDataParallel that trains")
     assert v["problems"][2] == ("per_device_train_batch_size was overridden to 4, but the loss's first batch "
                                 "had 2 rows")
-    never = verification_record(observed(prepared=None), {}, {}, good_batch)
+    assert "batch_override" not in checks().record({}, [loss_inputs(rows=2, asked=None)])  # nothing overridden
+    never = checks(prepared=None).record(facts, [allocator, first])
     assert never == {}
     res = merge(_cfg(), [RankReport(**dict(REQUIRED, verification=never))], device="cpu")
     assert not res.verified and "no training step began" in res.reason
+
+
+def test_each_instrument_reports_its_own_fields():
+    """The instruments' parts of the report are disjoint: a field two of them reported would be decided by
+    whichever came last; ``reports`` refuses it, naming both."""
+    from stnb.instruments import reports
+    from stnb.instruments.base import Instrument
+
+    class A(Instrument):
+        def report(self):
+            return {"losses": [1.0], "step_times": [0.5]}
+
+    class B(Instrument):
+        def report(self):
+            return {"losses": [2.0]}
+
+    assert reports([A()]) == {"losses": [1.0], "step_times": [0.5]}
+    with pytest.raises(ValueError, match=r"B reports \['losses'\], already reported"):
+        reports([A(), B()])

@@ -54,5 +54,18 @@ class LossParameterSync:
                 p.grad = mean.view_as(p).to(p.dtype)
         self.steps_synced += 1
 
+    def callback(self):
+        """A ``transformers.TrainerCallback`` that calls ``sync_grads()`` before every optimizer step (the
+        trainer's ``on_pre_optimizer_step``); added to the trainer where the strategy is applied."""
+        from transformers import TrainerCallback
+
+        sync = self
+
+        class LossParameterSyncCallback(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                sync.sync_grads()  # the loss's own parameters: mean gradient over the ranks
+
+        return LossParameterSyncCallback()
+
     def describe(self) -> dict:
         return {"loss_parameters": self.names(), "synced": self.active, "steps_synced": self.steps_synced}

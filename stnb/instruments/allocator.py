@@ -1,0 +1,31 @@
+"""``AllocatorRelease``: how this rank's CPU allocator keeps and gives back freed memory (``stnb.cpualloc``).
+
+Made first thing in a rank: on CPU (``TrainConfig.reuse_freed_memory``, default True) glibc keeps large
+freed blocks for reuse (``reuse_freed_memory``: this process only, never the notebook kernel). As a
+callback, in CPU runs of a strategy that gathers parameters during its steps, it gives the freed heap
+pages back at every step's end (``release_each_step``; ``STNB_RELEASE_FREED=off`` turns it off).
+"""
+
+from __future__ import annotations
+
+from .. import cpualloc
+from .base import Instrument
+
+
+class AllocatorRelease(Instrument):
+    """Applies the allocator setting at construction; reports it and what each step's end gave back."""
+
+    def __init__(self, reuse_freed_memory: bool, cuda: bool, gathers_during_step: bool):
+        self.reuse = {"applied": False, "reason": "GPU run" if cuda else "off (reuse_freed_memory=False)"}
+        if not cuda and reuse_freed_memory:
+            self.reuse = cpualloc.reuse_freed_memory()  # this process only: a rank, never the notebook kernel
+        # CPU, a strategy that gathers parameters in its steps: freed memory goes back at each step's end
+        self.each_step = cpualloc.release_each_step("cuda" if cuda else "cpu", gathers_during_step)
+        self.released: list = []     # what each step's end gave back (bytes)
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.each_step:
+            self.released.append(cpualloc.release_freed_memory())
+
+    def verification(self) -> tuple[dict, list]:
+        return {"reuse_freed_memory": self.reuse, "released_each_step": self.released if self.each_step else None}, []

@@ -1,0 +1,29 @@
+"""The instruments' common shape: a TrainerCallback that reports its own part of the rank's record."""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+
+class Instrument(TrainerCallback):
+    """A TrainerCallback that reports its own part of the rank's record (``stnb.instruments``)."""
+
+    def report(self) -> dict:
+        """This instrument's RankReport fields (after training)."""
+        return {}
+
+    def verification(self) -> tuple[dict, list]:
+        """(entries of the rank's verification record, problems found) (after training)."""
+        return {}, []
+
+
+def reports(instruments) -> dict:
+    """Every instrument's RankReport fields, in one dict; ValueError when two report the same field."""
+    out = {}
+    for instrument in instruments:
+        part = instrument.report()
+        twice = sorted(out.keys() & part.keys())
+        if twice:
+            raise ValueError(f"{type(instrument).__name__} reports {twice}, already reported by another instrument")
+        out.update(part)
+    return out

@@ -1,0 +1,60 @@
+"""``MemoryUse``: a rank's peak memory, the training steps apart from the whole run, and where it goes.
+
+Alive from the rank's start (the peak is growth over the resident size then; ``stnb.memory.PeakMemory``):
+``train_rank`` marks the trainer ``built`` and ``prepared`` (``stnb.memsplit.MemorySplit``), and trains
+inside ``training_steps()``, so rank 0's evaluation, FSDP's gathered full copy and the save/reload count in
+the whole run's peak only. As a callback it measures the model's and optimizer's tensors after the first
+optimizer step (``memory.measure``) and counts the activations of the first training forwards.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .. import memory
+from ..memsplit import MemorySplit
+from .base import Instrument
+
+
+class MemoryUse(Instrument):
+    """The rank's peaks, the split of the training peak (``memsplit``), and the memory prediction's inputs
+    (``model_shape``: the model as built, before sharding)."""
+
+    def __init__(self, cuda: bool, strategy):
+        self.strategy = strategy     # what it holds beyond the model's and optimizer's tensors (held_bytes)
+        self.peak = memory.PeakMemory(cuda)
+        self.split = MemorySplit(self.peak)
+        self.trainer = None
+        self.model_shape = None
+        self.breakdown = None        # memory.measure after the first optimizer step
+        self.train_peak = None
+
+    def built(self, trainer) -> None:
+        """The trainer and the whole model are built (the model as the prediction sees it: before sharding)."""
+        self.split.mark("built")
+        self.split.remember_built(trainer.model)
+        self.model_shape = memory.model_shape(trainer.model)
+
+    def prepared(self, trainer) -> None:
+        """The strategy prepared the trainer (sharded, wrapped): count the activations from here on."""
+        self.trainer = trainer
+        self.split.mark("prepared")
+        self.split.watch_activations(trainer)
+        self.model_shape["optimizer"] = memory.optimizer_kind(trainer.args.optim)
+
+    @contextmanager
+    def training_steps(self):
+        """The peak of what runs inside: the training steps alone."""
+        self.split.mark("train_start")
+        self.peak.start_phase()
+        yield
+        self.train_peak = self.peak.phase_peak()
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        if self.breakdown is None:
+            self.breakdown = memory.measure(self.trainer.model, optimizer, self.strategy.held_bytes(self.trainer))
+
+    def report(self) -> dict:
+        return {"peak_memory_bytes": int(self.train_peak), "peak_memory_run_bytes": int(self.peak.peak()),
+                "peak_memory_method": self.peak.method, "memory_breakdown": self.breakdown or {},
+                "memory_split": self.split.summary(self.breakdown, self.train_peak), "model_shape": self.model_shape}

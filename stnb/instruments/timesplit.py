@@ -1,0 +1,45 @@
+"""``TimeSplit``: where each training step's time goes (data, forward, backward compute, communication,
+optimizer), measured by ``stnb.timesplit.StepTimer`` (its docstring has the method).
+
+At the first step's begin the timer attaches to the module that trains (forward hooks, the backward
+wrapped, DDP's communication hook timed; a barrier every rank leaves together is its origin). It reads the
+steps' begin and end from the rank's step clock (``StepLog``), so the split adds up to the step times.
+"""
+
+from __future__ import annotations
+
+from ..timesplit import StepTimer
+from .base import Instrument
+
+
+class TimeSplit(Instrument):
+    """Per-step phase readings of this rank (``StepTimer``), reported as ``time_split``."""
+
+    def __init__(self, trainer, steps, comm_hook: str = "none"):
+        self.trainer = trainer
+        self.steps = steps            # the StepLog: its clock times the steps
+        self.comm_hook = comm_hook    # the DDP communication hook the run asked for (TrainConfig.comm_hook)
+        self.timer = StepTimer()
+        self.attached = False
+
+    def timed(self, hook):
+        """``hook`` (a DDP communication hook a strategy registers itself) timed like the built-in ones."""
+        return self.timer.timed(hook)
+
+    def on_step_begin(self, args, state, control, **kw):
+        if not self.attached:
+            self.attached = True
+            self.timer.attach(self.trainer, self.comm_hook)  # registers DDP's comm hook, timed
+            self.timer.on_step_begin(self.steps.began)  # steps timed as step_times are
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.timer.on_pre_optimizer_step()
+
+    def on_optimizer_step(self, args, state, control, **kw):
+        self.timer.on_optimizer_step()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.timer.on_step_end(self.steps.last_end)
+
+    def report(self) -> dict:
+        return {"time_split": self.timer.summary()}
