@@ -125,9 +125,8 @@ def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network
         if sps:
             every = [c[s, n][1] for c in corners] + [sps]
             row["low"], row["high"] = min(every), max(every)
-            top = max(range(len(corners) + 1), key=lambda i: every[i])
-            hi_base, hi_m = (corners[top][s, n][2], corners[top][s, n][3]) if top < len(corners) else (base, m)
-            row["speedup_high"] = row["high"] * hi_base / hi_m.batch
+            # the highest speed-up over the scenarios (each against its own single step)
+            row["speedup_high"] = max([c[s, n][1] * c[s, n][2] / c[s, n][3].batch for c in corners] + [row["speedup"]])
             swing = {}
             for name, res in alone:
                 swing.setdefault(name, []).append(res[s, n][1])
