@@ -1,16 +1,19 @@
-"""Predict before you buy: samples/s of N devices from one measured run and a link model.
+"""Predict before you buy: samples/s of N devices from one measured run and a link model, as an interval.
 
     pred = stnb.predict(result, devices=[2, 4, 8, 64, 512], link="nvlink-v100")
-    pred.table          one row per strategy and device count: samples/s, speed-up, efficiency, step split
-    pred.assumptions    what the numbers rest on (the link's sources, the split's origin, what is left out)
-    pred.figure         predicted samples/s per device count (``stnb.predict`` adds it)
+    pred.table          one row per strategy and device count: low, samples/s (all inputs at their mids),
+                        high, speed-up, efficiency, step split, the dominant input, a suspect flag
+    pred.assumptions    what the numbers rest on (the link's sources, the split's origin, every range)
+    pred.figure         predicted samples/s per device count, each interval a band (``stnb.predict`` adds it)
 
 ``stnb.scaling.predict`` is the pure computation (no plot); ``stnb.predict`` adds the figure.
 The run's measured time split (``RunResult.time_split``) gives forward, backward compute, optimizer
-and the rest; its model shape gives the bytes. ``links`` holds the presets and the alpha-beta costs,
-``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
-registry), ``calibrate`` measures this machine's loopback, ``seed`` checks the whole against the
-sentence-transformers documentation's 4x V100 table.
+and the rest; its model shape gives the bytes; its step times the spread; its data's columns the model
+calls per step. ``links`` holds the presets (bus bandwidth ranges with their sources) and the collective
+costs, ``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
+registry), ``interval`` the ranges' combinations and the suspect flags, ``calibrate`` measures this
+machine's loopback, ``check`` predicts two published tables (``seed``: the sentence-transformers docs' 4x
+V100; ``dle``: DeepLearningExamples' BERT-large on a DGX-1) from their 1-GPU rows.
 """
 
 from __future__ import annotations
