@@ -21,7 +21,8 @@ watch_cuda_start()  # only when torch is already imported; stnb.setup() does it 
 def predict(result, devices=(2, 4, 8), link="loopback", **options):
     """Predict before you buy: samples/s of ``devices`` devices on ``link`` from one measured run.
 
-    Returns a Prediction (``.table``, ``.figure``, ``.assumptions``); ``stnb.plots.predict.predict``
+    Returns a Prediction (``.table`` with each row's interval: ``low``, ``samples_per_second`` (the mid),
+    ``high``, ``dominant``, ``suspect``; ``.figure``, ``.assumptions``); ``stnb.plots.predict.predict``
     documents the options, ``stnb.scaling`` the model and the link presets."""
     from .plots.predict import predict as with_figure
 

@@ -1,16 +1,19 @@
-"""Predict before you buy: samples/s of N devices from one measured run and a link model.
+"""Predict before you buy: samples/s of N devices from one measured run and a link model, as an interval.
 
     pred = stnb.predict(result, devices=[2, 4, 8, 64, 512], link="nvlink-v100")
-    pred.table          one row per strategy and device count: samples/s, speed-up, efficiency, step split
-    pred.assumptions    what the numbers rest on (the link's sources, the split's origin, what is left out)
-    pred.figure         predicted samples/s per device count (``stnb.predict`` adds it)
+    pred.table          one row per strategy and device count: low, samples/s (all inputs at their mids),
+                        high, speed-up, efficiency, step split, the dominant input, a suspect flag
+    pred.assumptions    what the numbers rest on (the link's sources, the split's origin, every range)
+    pred.figure         predicted samples/s per device count, each interval a band (``stnb.predict`` adds it)
 
 ``stnb.scaling.predict`` is the pure computation (no plot); ``stnb.predict`` adds the figure.
 The run's measured time split (``RunResult.time_split``) gives forward, backward compute, optimizer
-and the rest; its model shape gives the bytes. ``links`` holds the presets and the alpha-beta costs,
-``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
-registry), ``calibrate`` measures this machine's loopback, ``seed`` checks the whole against the
-sentence-transformers documentation's 4x V100 table.
+and the rest; its model shape gives the bytes; its step times the spread; its data's columns the model
+calls per step. ``links`` holds the presets (bus bandwidth ranges with their sources) and the collective
+costs, ``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
+registry), ``interval`` the ranges' combinations and the suspect flags, ``calibrate`` measures this
+machine's loopback, ``check`` predicts two published tables (``seed``: the sentence-transformers docs' 4x
+V100; ``dle``: DeepLearningExamples' BERT-large on a DGX-1) from their 1-GPU rows.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from dataclasses import dataclass, field, replace
 from ..errors import ConfigError
 from .. import strategies as registry  # ``predict`` takes an argument named strategies
 from .links import KNOWN as LINKS, PRESETS, Fabric, Link, custom, fabric
-from .model import Measured
+from .model import Measured, Range, Uncertain
+from ..strategies import stepcost
 
 MIN_STEADY_STEPS = 3
 PHASES = ("forward", "backward_compute", "optimizer", "data", "other")
 
 __all__ = ["predict", "compare", "verdict", "Prediction", "Measured", "Link", "Fabric", "custom", "fabric", "from_result",
-           "LINKS", "PRESETS", "known", "MIN_STEADY_STEPS"]
+           "LINKS", "PRESETS", "known", "MIN_STEADY_STEPS", "Range", "Uncertain"]
 
 
 @dataclass
@@ -49,8 +53,8 @@ class Prediction:
     def _ipython_display_(self):
         from IPython.display import Markdown, display
 
-        cols = ["strategy", "devices", "samples_per_second", "speedup", "efficiency", "step_ms", "comm_exposed_ms",
-                "note"]
+        cols = ["strategy", "devices", "low", "samples_per_second", "high", "speedup", "efficiency", "step_ms",
+                "comm_exposed_ms", "dominant", "suspect", "note"]
         display(self.table[cols].round(2))
         if self.figure is not None:
             display(self.figure)
@@ -66,60 +70,122 @@ def known() -> tuple:
 
 
 def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network="100gbps",
-            host_fraction=None, measured: Measured | None = None) -> Prediction:
-    """Predicted samples/s on each device count for each strategy (a Prediction, no figure).
+            host_fraction=None, measured=None) -> Prediction:
+    """Predicted samples/s on each device count for each strategy, as an interval (a Prediction, no figure).
 
     strategies: names (or one name); None: every strategy with a step model (``known()``). A name its
         strategy's ``aka`` spells (e.g. 'zero3' for fsdp) is that strategy's model, shown under that name.
-    result: a RunResult (or its dict) measured with stnb; its time split and model shape are the inputs.
-        None with ``measured`` (a hand-built Measured, e.g. ``seed.measured()``).
+    result: a RunResult (or its dict) measured with stnb; its time split, model shape, step spread and
+        text columns are the inputs. None with ``measured`` (a Measured, or an ``Uncertain`` whose inputs
+        carry ranges, e.g. ``seed.measured()``).
     link: a preset name (``stnb.scaling.LINKS``; 'loopback' is measured here) or a ``Link``.
     network: the link between nodes when devices exceed what one node holds on ``link``.
-    host_fraction: DataParallel's single-process limit (see ``stnb.scaling.model``); None leaves it out.
+    host_fraction: DataParallel's single-process limit (see ``stnb.strategies.dp``): a share, a
+        (low, mid, high) range, or None (left out).
+
+    The table's ``samples_per_second`` is the all-mid prediction; ``low`` and ``high`` the interval over
+    every combination of the inputs' ends (``stnb.scaling.interval``); ``dominant`` the input whose range
+    moves the row most; ``suspect`` a reason the row is not to be trusted, or ''.
     """
+    from . import interval
+
     strategies = _check_strategies(strategies)
     devices = _check_devices(devices)
     if not isinstance(link, Link) and link not in LINKS:
         fabric(link, network)  # refuses an unknown link with the list
-    m = measured if measured is not None else from_result(result)  # refuses a short run before measuring
+    unc = _uncertain(measured if measured is not None else uncertain_from_result(result))  # refuses a short run first
+    unc, hf_range = _with_host_fraction(unc, host_fraction)
     fab = fabric(link, network)  # 'loopback' is measured here (once per process)
-    base = _model(registry.baseline_name()).step_time(m, fab, 1)["step"]
+    names = interval.widths(unc.ranges, fab)
+    base_model = _model(registry.baseline_name())
+
+    def evaluate(ends):
+        values = {r.name: getattr(r, ends.get(r.name, "mid")) for r in unc.ranges}
+        m = unc.build(values)
+        f = fab.at(bandwidth=ends.get("bandwidth", "mid"), launch=ends.get("launch", "mid"))
+        hf = values.get("host_fraction", host_fraction if hf_range is None else None)
+        base = base_model.step_time(m, f, 1)["step"]
+        out = {}
+        for s in strategies:
+            model = _model(s)
+            for n in ([1] if model.pinned_to_one_gpu() else devices):
+                r = model.step_time(m, f, n, hf)
+                if r["feasible"]:
+                    r = dict(r, step=r["step"] + m.step_spread * stepcost.slowest_of(n))
+                out[s, n] = (r, n * m.batch / r["step"] if r["feasible"] else None, base, m)
+        return out
+
+    mid = evaluate({k: "mid" for k in names})
+    corners = [evaluate(e) for e in interval.scenarios(names)[1:]]
+    alone = [(name, evaluate(e)) for name, _, e in interval.one_at_a_time(names)]
     rows = []
-    for s in strategies:
-        model = _model(s)
-        for n in ([1] if model.pinned_to_one_gpu() else devices):
-            r = model.step_time(m, fab, n, host_fraction)
-            sps = n * m.batch / r["step"] if r["feasible"] else None
-            rows.append({"strategy": s, "devices": n, "link": fab.link.name,
-                         "samples_per_second": sps, "speedup": sps * base / m.batch if sps else None,
-                         "efficiency": sps * base / m.batch / n if sps else None,
-                         "step_ms": _ms(r["step"]), "comm_ms": _ms(r["comm"]),
-                         "comm_exposed_ms": _ms(r["comm_exposed"]), "note": r["note"]})
+    for (s, n), (r, sps, base, m) in mid.items():
+        row = {"strategy": s, "devices": n, "link": fab.link.name, "samples_per_second": sps,
+               "low": None, "high": None, "speedup": sps * base / m.batch if sps else None,
+               "efficiency": sps * base / m.batch / n if sps else None,
+               "step_ms": _ms(r["step"]), "comm_ms": _ms(r["comm"]), "comm_exposed_ms": _ms(r["comm_exposed"]),
+               "dominant": "", "suspect": "", "fits": m.fits, "note": r["note"]}
+        if sps:
+            every = [c[s, n][1] for c in corners] + [sps]
+            row["low"], row["high"] = min(every), max(every)
+            # the highest speed-up over the scenarios (each against its own single step)
+            row["speedup_high"] = max([c[s, n][1] * c[s, n][2] / c[s, n][3].batch for c in corners] + [row["speedup"]])
+            swing = {}
+            for name, res in alone:
+                swing.setdefault(name, []).append(res[s, n][1])
+            if swing:
+                name = max(swing, key=lambda k: max(swing[k]) - min(swing[k]))
+                if max(swing[name]) > min(swing[name]):
+                    row["dominant"] = interval.label(name, unc.ranges)
+        rows.append(row)
+    interval.suspects(rows, _model)
     import pandas as pd
 
-    return Prediction(pd.DataFrame(rows), assumptions(m, fab, host_fraction), m, fab)
+    m = unc.mid()
+    return Prediction(pd.DataFrame(rows).drop(columns=["fits"]), assumptions(m, fab, host_fraction, unc.ranges),
+                      m, fab, extra={"ranges": unc.ranges, "inputs": names})
 
 
-def assumptions(m: Measured, fab: Fabric, host_fraction=None) -> list:
-    out = [f"one device's step ({m.source}): forward {m.forward * 1e3:.1f} ms, backward {m.backward * 1e3:.1f} ms, "
+def _uncertain(m) -> Uncertain:
+    """A Measured as an Uncertain with no ranges (or the Uncertain as it is)."""
+    if isinstance(m, Uncertain):
+        return m
+    return Uncertain((), lambda values, m=m: m)
+
+
+def _with_host_fraction(unc: Uncertain, host_fraction):
+    """host_fraction given as (low, mid, high): one more range of the prediction."""
+    if host_fraction is None or isinstance(host_fraction, (int, float)):
+        return unc, None
+    lo, mid, hi = host_fraction
+    r = Range("host_fraction", lo, mid, hi, "DataParallel's host share", "given")
+    return Uncertain(unc.ranges + (r,), unc.build), r
+
+
+def assumptions(m: Measured, fab: Fabric, host_fraction=None, ranges=()) -> list:
+    hf = host_fraction if host_fraction is None or isinstance(host_fraction, (int, float)) else host_fraction[1]
+    out = [f"one device's step ({m.source}), at the mids: forward {m.forward * 1e3:.1f} ms "
+           f"({m.forward_calls:g} call(s) of the model), backward {m.backward * 1e3:.1f} ms, "
            f"optimizer {m.optimizer * 1e3:.1f} ms, rest {m.other * 1e3:.1f} ms for {m.batch} samples; "
            "every added device computes as fast",
            f"link inside a node: {fab.link.describe()}",
            f"between nodes ({fab.link.per_node} devices per node): {fab.network.describe()}"
            if fab.link.per_node else "the link is a network: any number of devices, one per node",
-           f"collectives: ring costs (nccl-tests doc/PERFORMANCE.md), alpha-beta; gradients "
-           f"{m.grad_bytes / 2**20:.0f} MiB in {m.bucket_bytes / 2**20:.0f} MiB buckets, parameters "
-           f"{m.param_bytes / 2**20:.0f} MiB; FSDP units: {m.layers} layers + the root holding "
-           f"{m.root_fraction:.0%} of the parameters",
+           f"collectives: ring costs (nccl-tests doc/PERFORMANCE.md), latency + size / bus bandwidth; gradients "
+           f"{m.grad_bytes / 2**20:.0f} MiB in {m.bucket_bytes / 2**20:.0f} MiB buckets (the root's "
+           f"{m.root_fraction:.0%}, the embeddings, ready only at backward's end), parameters "
+           f"{m.param_bytes / 2**20:.0f} MiB; FSDP units: {m.layers} layers + the root",
            "communication overlaps compute" if fab.overlap else
            "communication counts in full (CPU: gloo's thread reduces on the cores the ranks compute on, so what "
            "overlaps slows compute as much)",
            "DataParallel: the GIL's serialisation of the replicas is left out (host_fraction=None)"
-           if host_fraction is None else f"DataParallel: host busy {host_fraction:.0%} of a step, serialised "
-                                         "across the replicas by the GIL",
+           if hf is None else f"DataParallel: host busy {hf:.0%} of a step at the mid, serialised "
+                              "across the replicas by the GIL",
            "DataParallel's scatter of the inputs and gather of the outputs (tokens and embeddings: kilobytes "
            "against the parameters' megabytes) are left out",
-           "no stragglers: every rank is as fast as the measured one"]
+           f"stragglers: every synchronised step waits for the slowest of n ranks, E[max of n normals] x a rank's "
+           f"step spread ({m.step_spread * 1e3:.2f} ms at the mid)"]
+    out += [f"range: {r.describe()}" for r in ranges]
     return out + list(m.notes)
 
 
@@ -192,13 +258,51 @@ def from_result(result) -> Measured:
     if not layers:
         layers, root = 12, 0.25
         notes.append("FSDP units not recorded in this result: 12 layers + a root of 25% of the parameters assumed")
+    steady_times = list(r.get("step_times") or [])[warm:]
+    spread = statistics.pstdev(steady_times) if len(steady_times) > 1 else 0.0
+    calls = text_columns((r.get("verification") or {}).get("data_columns"))
+    if calls is None:
+        notes.append("the run did not record its data's columns: the model calls per step (one per text column) "
+                     "taken as 1 to 3")
     return Measured(batch=batch, forward=fwd, backward=bwd, optimizer=opt, other=rest,
+                    forward_calls=float(calls or 2), step_spread=spread,
+                    fits="params" not in registry.get(r["strategy"]).sharded,
                     grad_bytes=grad_size * shape.get("trainable_param_count", shape["param_count"]),
                     param_bytes=4 * shape["param_count"],
                     bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
                     layers=int(layers), root_fraction=float(root),
                     reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,
                     notes=tuple(notes))
+
+
+def text_columns(columns):
+    """Model calls per step from the training data's columns (one per text column the loss embeds; a dict of
+    datasets: their mean, one dataset a step); None when the run did not record them."""
+    from ..columns import LABEL_COLUMNS
+
+    if isinstance(columns, dict):
+        counts = [text_columns(c) for c in columns.values()]
+        return None if not counts or None in counts else statistics.fmean(counts)
+    if isinstance(columns, (list, tuple)):
+        return max(1, len([c for c in columns if c not in LABEL_COLUMNS]))
+    return None
+
+
+def uncertain_from_result(result) -> Uncertain:
+    """``from_result``'s step with the ranges a run leaves open: the slowest-of-n wait between identical ranks
+    (0) and independent draws with the run's measured step spread (mid: half of it), and the model calls per
+    step when the run did not record its columns (1 to 3)."""
+    m = from_result(result)
+    r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    ranges = [Range("spread", 0.0, m.step_spread / 2, m.step_spread, "a rank's step spread (s)",
+                    "0: ranks identical; the run's measured standard deviation of its steady steps")]
+    if text_columns((r.get("verification") or {}).get("data_columns")) is None:
+        ranges.append(Range("forward_calls", 1.0, 2.0, 3.0, "model calls per step", "not recorded by the run"))
+
+    def build(values, m=m):
+        return replace(m, step_spread=values["spread"], forward_calls=values.get("forward_calls", m.forward_calls))
+
+    return Uncertain(tuple(ranges), build)
 
 
 def _model(name):

@@ -1,6 +1,7 @@
 """``python -m stnb predict``: the scaling predictor from the command line.
 
-    python -m stnb predict --seed-table            the 4x V100 table, predicted row by row, with errors
+    python -m stnb predict --seed-table            the published tables (ST docs 4x V100, DLE BERT on a DGX-1),
+                                                   predicted row by row as intervals (stnb.scaling.check)
     python -m stnb predict --calibrate             this machine's loopback link, measured
     python -m stnb predict --results runs.jsonl --run-id ID --link nvlink-a100 --devices 2,4,8
     python -m stnb predict --check-here            measure single, 2-rank DDP and FSDP here and compare
@@ -16,7 +17,8 @@ def add_cli(subparsers) -> None:
 
     p = subparsers.add_parser("predict", help="predict samples/s on N devices from one measured run")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--seed-table", action="store_true", help="check against the ST docs' 4x V100 table")
+    what.add_argument("--seed-table", action="store_true",
+                      help="check against the published tables (ST docs' 4x V100, DLE BERT on a DGX-1)")
     what.add_argument("--calibrate", action="store_true", help="measure this machine's loopback link")
     what.add_argument("--results", help="a results file (JSONL); predicts from its run --run-id (default: last)")
     what.add_argument("--check-here", action="store_true",
@@ -33,14 +35,17 @@ def add_cli(subparsers) -> None:
 
 
 def cmd_predict(a) -> int:
-    from . import predict, seed
+    from . import check, predict
     from .calibrate import loopback
 
     if a.seed_table:
-        rows, assumptions = seed.check()
-        print(json.dumps(rows, indent=1) if a.json else seed.markdown(rows, assumptions))
+        from pathlib import Path
+
+        rows, notes = check.rows()
+        print(json.dumps(rows, indent=1) if a.json else check.document(rows, notes))
         if a.write:
-            print(f"{a.write}: {'updated' if seed.refresh_doc(a.write) else 'already current'}")
+            changed = check.refresh(a.write, table_only=Path(a.write).name == "README.md")
+            print(f"{a.write}: {'updated' if changed else 'already current'}")
         return 0
     if a.calibrate:
         print(loopback().describe())

@@ -13,6 +13,39 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Range:
+    """One uncertain input of a prediction: its low, mid and high value, what it is and where it comes from.
+    ``stnb.scaling.interval`` predicts at every combination of the ends (and all mids) of an input's ranges."""
+    name: str                  # a key the predictor knows (``interval.KNOBS``)
+    low: float
+    mid: float
+    high: float
+    label: str = ""            # shown in the table (e.g. "link bus bandwidth")
+    source: str = ""
+
+    def __post_init__(self):
+        if not self.low <= self.mid <= self.high:
+            raise ValueError(f"range {self.name}: low <= mid <= high needed, got {self.low}, {self.mid}, {self.high}")
+
+    def describe(self, fmt="{:.3g}") -> str:
+        vals = fmt.format(self.mid) if self.low == self.high else " / ".join(fmt.format(v) for v in
+                                                                             (self.low, self.mid, self.high))
+        return f"{self.label or self.name}: {vals}{' (low / mid / high)' if self.low != self.high else ''}" + \
+            (f" ({self.source})" if self.source else "")
+
+
+@dataclass(frozen=True)
+class Uncertain:
+    """A step whose inputs carry ranges: ``build(values)`` gives the Measured step for one value of each of
+    ``ranges`` (a dict name -> value), e.g. the published single row split with one optimizer cost."""
+    ranges: tuple
+    build: object              # callable(dict) -> Measured
+
+    def mid(self):
+        return self.build({r.name: r.mid for r in self.ranges})
+
+
+@dataclass(frozen=True)
 class Measured:
     """One device's optimizer step, measured (seconds), and what the collectives move (bytes)."""
     batch: int                 # samples per device per optimizer step
@@ -26,6 +59,9 @@ class Measured:
     layers: int = 12           # FSDP units besides the root
     root_fraction: float = 0.25  # parameters outside the layers (embeddings): gathered first, reduced last
     reshard_after_forward: bool = True  # FSDP frees gathered parameters after forward: gathers again in backward
+    forward_calls: float = 1.0  # calls of the model per step (one per text column the loss embeds)
+    step_spread: float = 0.0    # standard deviation of a rank's step (s): the slowest of n ranks sets the pace
+    fits: bool = True           # the whole model trained on one device (the input run did not shard it)
     source: str = ""
     notes: tuple = field(default_factory=tuple)
 

@@ -176,10 +176,20 @@ def ddp_handler(kw: dict):
 
 
 def ddp_step(m, fab, n: int) -> dict:
-    """Forward; backward with the gradient buckets (``bucket_bytes`` each) all-reduced as they fill (ready
-    in proportion to backward progress, one collective at a time); the last bucket's all-reduce is exposed,
-    and all of them when the link cannot overlap (CPU); optimizer; rest."""
+    """Forward (``m.forward_calls`` calls, one all-reduce all the same: autograd sums each parameter's gradient
+    before DDP's hook sees it); backward with the gradient buckets (``bucket_bytes`` each) all-reduced as they
+    fill, one collective at a time. The layers' gradients are ready in proportion to backward's progress;
+    the root's (the embeddings, ``m.root_fraction`` of the bytes) only at its end, so their all-reduce is
+    exposed. All of it is exposed when the link cannot overlap (CPU); optimizer; rest."""
     sizes = buckets(m)
-    units = [(0.0, m.backward / len(sizes), fab.all_reduce(s, n)) for s in sizes]
+    layer_bytes = (1 - m.root_fraction) * m.grad_bytes
+    per_byte = m.backward / layer_bytes if layer_bytes > 0 else 0.0
+    units, filled = [], 0.0
+    for s in sizes:  # reverse parameter order: the last layer's gradients first, the embeddings' last
+        in_layers = max(0.0, min(filled + s, layer_bytes) - filled)
+        units.append((0.0, in_layers * per_byte, fab.all_reduce(s, n)))
+        filled += s
+    if layer_bytes <= 0:
+        units[0] = (0.0, m.backward, units[0][2])
     backward, comm = pipeline(units, fab.overlap)
     return step(m.forward + backward + m.optimizer + m.other, comm, backward - m.backward)

@@ -29,13 +29,16 @@ class DataParallel(Strategy):
         runs the replicas side by side, reduces the gradients to GPU 0 and steps the optimizer there once; the
         one process loads n batches. All devices must be in one node. The GIL serialises the replicas' Python
         work: ``host_fraction`` (the share of a step the host is busy launching, e.g. 1 - GPU busy time from a
-        trace) adds (n-1) x that share of forward+backward; None leaves it out (said in the assumptions)."""
+        trace) adds (n-1) x that share of forward+backward; None leaves it out (said in the assumptions).
+        Every call of the model (``m.forward_calls``: one per text column the loss embeds) replicates the
+        parameters again, and its backward reduces the gradients again."""
         per_node = fab.link.per_node
         if per_node is None or n > per_node:
             where = ("needs GPUs in one machine" if per_node is None
                      else f"holds at most {per_node} devices on {fab.link.name}")
             return infeasible(f"DataParallel is one process: it {where}")
-        replicate, reduce = fab.broadcast(m.param_bytes, n), fab.broadcast(m.grad_bytes, n)
+        calls = m.forward_calls
+        replicate, reduce = calls * fab.broadcast(m.param_bytes, n), calls * fab.broadcast(m.grad_bytes, n)
         host = 0.0 if host_fraction is None else (n - 1) * host_fraction * (m.forward + m.backward)
         seconds = replicate + m.forward + m.backward + reduce + host + m.optimizer + m.other * n
         return step(seconds, replicate + reduce, replicate + reduce)

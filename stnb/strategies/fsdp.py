@@ -294,8 +294,11 @@ def fsdp_step(m, fab, n: int, reshard_after_forward: bool) -> dict:
     shares = [root] + [(1 - root) / m.layers] * m.layers
     work_f = [0.0] + [m.forward / m.layers] * m.layers
     work_b = [0.0] + [m.backward / m.layers] * m.layers
-    fwd = [(fab.all_gather(s * m.param_bytes, n), w, 0.0) for s, w in zip(shares, work_f)]
-    regather = 1.0 if reshard_after_forward else 0.0
+    # each call of the model (one per text column) gathers every unit again when it was resharded after
+    # the previous call's forward, and its backward gathers again; kept parameters are gathered once
+    calls = m.forward_calls if reshard_after_forward else 1.0
+    fwd = [(calls * fab.all_gather(s * m.param_bytes, n), w, 0.0) for s, w in zip(shares, work_f)]
+    regather = m.forward_calls if reshard_after_forward else 0.0
     bwd = [(regather * fab.all_gather(s * m.param_bytes, n), w, fab.reduce_scatter(s * m.grad_bytes, n))
            for s, w in reversed(list(zip(shares, work_b)))]
     t_f, c_f = pipeline(fwd, fab.overlap)

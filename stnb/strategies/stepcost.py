@@ -44,6 +44,18 @@ def buckets(m) -> list:
     return [m.grad_bytes / k] * k
 
 
+def slowest_of(n: int) -> float:
+    """E[max of n standard normal draws]: how many standard deviations of a rank's step the slowest of n
+    ranks adds to every synchronised step (0 for one). Numerical integration of n x phi(x) Phi(x)^(n-1)."""
+    if n <= 1:
+        return 0.0
+    h, total = 0.01, 0.0
+    for i in range(-800, 801):
+        x = i * h
+        total += x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
+    return total * h
+
+
 def step(seconds, comm, exposed, note="") -> dict:
     """A feasible prediction: the step, its communication and the part of it compute does not hide."""
     return {"step": seconds, "comm": comm, "comm_exposed": max(0.0, exposed), "feasible": True, "note": note}
