@@ -4,19 +4,21 @@
 #   bash gpu-kit/install.sh [gpu-check options]        e.g. bash gpu-kit/install.sh --plan
 #   PYTHON=/path/to/python bash gpu-kit/install.sh      another interpreter (default: python3)
 #   GPU_KIT_CHECK=--cpu bash gpu-kit/install.sh         the kit's CPU rows instead (what CI runs)
+#   GPU_KIT_OUT=folder                                  a kit built elsewhere (default gpu-kit/out)
 #
 # Installs into PYTHON's own environment (the image's: its torch stays; pip only adds what the image lacks
 # and upgrades transformers to the kit's), with --no-index: nothing is fetched. It never runs `make install`.
 # Needs the device tool to carry the ignored kit folder: carry: ["gpu-kit/out"].
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-KIT=gpu-kit/out
+KIT=${GPU_KIT_OUT:-gpu-kit/out}
 PY=${PYTHON:-python3}
 if [ ! -d "$KIT/wheels" ]; then
   echo "gpu-kit/install.sh: $KIT/wheels is missing: run 'make gpu-kit' where a registry is reachable and carry $KIT" >&2
   exit 2
 fi
-export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1
+# no index and no pip configuration (no find-links, no extra index): the kit's wheels and the image, nothing else
+export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1
 "$PY" -m pip install --no-index --find-links "$KIT/wheels" -r gpu-kit/install.txt
 "$PY" -m pip install --no-index --no-deps --force-reinstall "$KIT"/wheels/stnb-*.whl
 # the tokenizer the random models are built with, where stnb.models.tokenizer_path finds it

@@ -112,11 +112,6 @@ def plan(machine: Machine) -> list:
     checks.append(Check(f"nccl all_reduce x{n}", "allreduce", {"nproc": n}, gpus=n))
     checks.append(Check(f"{base} bf16", "train", dict(one, strategy=base, mixed_precision="bf16"), skip=no_bf16))
     checks.append(Check(f"{base} fp16", "train", dict(one, strategy=base, mixed_precision="fp16")))
-    checks.append(Check(f"{base} {dist_mp} save_to", "train", dict(one, strategy=base, mixed_precision=dist_mp,
-                                                                  save_to=True)))
-    for kind in ("reranker", "sparse"):  # CrossEncoder and SparseEncoder through their own trainers
-        checks.append(Check(f"{base} {dist_mp} {kind}", "train_build",
-                            dict(one, strategy=base, mixed_precision=dist_mp, build=kind)))
     # one NCCL rank each: TrainConfig refuses these for users (nothing to shard / nothing to average),
     # so they run through stnb.launch + training.train_rank directly: the NCCL path itself. stnb shards
     # FSDP2 itself; DDP is accelerate's wrapper, which one rank never gets (ONE_RANK_DDP)
@@ -131,7 +126,8 @@ def plan(machine: Machine) -> list:
     if n == 1:
         checks.append(Check("fault: a peer is aborted (x2 nccl)", "fault", {"fault": "raise", "nproc": 2}, gpus=2,
                             skip=ONE_GPU_PEER_ABORT))
-    # the multi-GPU rows before the long rows (ratio, st-docs): on 2x T4 the budget ran out before them
+    # the multi-GPU rows next, before the 1-GPU extras and the long rows (ratio: 4 x 300 steps, st-docs):
+    # on 2x T4 the 450 s budget ran out before them when they came last
     if n >= 2:
         multi = dict(one, mixed_precision=dist_mp)
         for s in trained:  # one process over every GPU (dp), or one rank per GPU
@@ -150,6 +146,12 @@ def plan(machine: Machine) -> list:
                 checks.append(Check(f"{s.name} x{n} {dist_mp}", "train",
                                     dict(multi, strategy=s.name, num_processes=n), gpus=n,
                                     skip=_needs(machine, s.name)))
+    # what users do besides a bi-encoder: save the trained model, train a CrossEncoder / SparseEncoder
+    checks.append(Check(f"{base} {dist_mp} save_to", "train", dict(one, strategy=base, mixed_precision=dist_mp,
+                                                                  save_to=True)))
+    for kind in ("reranker", "sparse"):  # CrossEncoder and SparseEncoder through their own trainers
+        checks.append(Check(f"{base} {dist_mp} {kind}", "train_build",
+                            dict(one, strategy=base, mixed_precision=dist_mp, build=kind)))
     checks.append(Check("notebook 00", "notebook", {"path": machine.notebook},
                         skip=(None if machine.notebook else "notebooks/ not found: run from a source checkout")
                         or machine.missing.get("nbclient")))
@@ -171,20 +173,24 @@ def cpu_plan(machine: Machine) -> list:
     tiny model and a few steps (the mpnet-base row builds the seed benchmark's architecture and takes one
     step). What the GPU kit's CPU test runs in a fresh environment; it says nothing about a GPU."""
     t = dict(CPU_TRAIN)
+    base = strategies.baseline_name()
     rows = [Check("gloo all_reduce x2 [cpu]", "allreduce", {"nproc": 2, "device": "cpu"}, gpus=0),
-            Check("single save_to [cpu]", "train", dict(t, strategy="single", save_to=True), gpus=0),
-            Check("single reranker [cpu]", "train_build", dict(t, strategy="single", build="reranker"), gpus=0),
-            Check("fsdp x1 gloo [cpu]", "train_direct", dict(t, strategy="fsdp", num_processes=1), gpus=0,
-                  skip=_needs(machine, "fsdp")),
-            Check("ddp x2 [cpu]", "train", dict(t, strategy="ddp", num_processes=2), gpus=0),
-            Check("fault: a peer is aborted (x2 gloo) [cpu]", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"},
-                  gpus=0),
-            Check("plain vs stnb single [cpu]", "ratio",
-                  {**RATIO, **t, "steps": 4, "warmup_steps_excluded": 1, "strategy": "single", "goal": 0.0,
-                   "repeats": 1}, gpus=0),
-            Check("single mpnet-base-random [cpu]", "train",
-                  dict(t, model=NO_MINILM_RATIO, strategy="single", steps=1, warmup_steps_excluded=0,
-                       per_device_batch_size=2, train_size=8, dev_size=4, evaluate=False), gpus=0)]
+            Check(f"{base} save_to [cpu]", "train", dict(t, strategy=base, save_to=True), gpus=0),
+            Check(f"{base} reranker [cpu]", "train_build", dict(t, strategy=base, build="reranker"), gpus=0)]
+    for s in (s for s in strategies.all_strategies() if s.gpu_check and s.distributed):
+        if not s.ddp_buckets:  # a sharding strategy: one rank, through the direct path (as on one GPU)
+            rows.append(Check(f"{s.name} x1 gloo [cpu]", "train_direct", dict(t, strategy=s.name, num_processes=1),
+                              gpus=0, skip=_needs(machine, s.name)))
+        else:
+            rows.append(Check(f"{s.name} x2 [cpu]", "train", dict(t, strategy=s.name, num_processes=2), gpus=0))
+    rows += [Check("fault: a peer is aborted (x2 gloo) [cpu]", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"},
+                   gpus=0),
+             Check(f"plain vs stnb {base} [cpu]", "ratio",
+                   {**RATIO, **t, "steps": 4, "warmup_steps_excluded": 1, "strategy": base, "goal": 0.0,
+                    "repeats": 1}, gpus=0),
+             Check(f"{base} {NO_MINILM_RATIO} [cpu]", "train",
+                   dict(t, model=NO_MINILM_RATIO, strategy=base, steps=1, warmup_steps_excluded=0,
+                        per_device_batch_size=2, train_size=8, dev_size=4, evaluate=False), gpus=0)]
     return rows
 
 
