@@ -205,8 +205,9 @@ gpu-check: install
 # GPU_KIT_PYTHON: the target's Python (the GPU image's 3.12; tests/test_gpu_kit.py builds it for this one).
 GPU_KIT_PYTHON ?= 3.12
 
-gpu-kit:
-	$(PYTHON) gpu-kit/build.py --python-version $(GPU_KIT_PYTHON)
+# Built with $(VENV)'s Python (pip download, stnb's wheel, the bundled MiniLM's tokenizer files).
+gpu-kit: install
+	$(PY) gpu-kit/build.py --python-version $(GPU_KIT_PYTHON)
 
 gpu-kit-install:
 	bash gpu-kit/install.sh
