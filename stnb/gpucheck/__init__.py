@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from .planning import BUDGET_S, Check, Machine, detect, plan
+from .planning import BUDGET_S, Check, Machine, cpu_plan, detect, plan
 from .report import Outcome, build, exit_code, plan_table, table, write
 
 __all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_check", "plan", "plan_table", "table",
@@ -27,12 +27,16 @@ __all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_c
 DEFAULT_REPORT = os.path.join("artifacts", "gpu-check", "report.json")
 
 
-def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, echo: bool = True) -> dict:
-    """PLAN, RUN, REPORT; returns the report (also written to ``report_path``)."""
+def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, echo: bool = True,
+              cpu: bool = False) -> dict:
+    """PLAN, RUN, REPORT; returns the report (also written to ``report_path``). ``cpu``: the CPU rows
+    (``planning.cpu_plan``: gloo ranks, the tiny model) instead of the GPU plan; they say nothing about a GPU."""
     say = print if echo else None
     started = time.time()
     machine = detect()
-    checks = plan(machine)
+    checks = cpu_plan(machine) if cpu else plan(machine)
+    if say and cpu:
+        say(f"stnb gpu-check --cpu: {len(checks)} CPU rows (gloo ranks, tiny model), no GPU used", flush=True)
     if say and machine.gpus:
         say(f"stnb gpu-check: {len(machine.gpus)} GPU(s); {len(checks)} checks planned, "
             f"{sum(1 for c in checks if c.skip)} not applicable here; budget {budget_s:g} s", flush=True)
@@ -43,6 +47,10 @@ def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, ech
         outcomes = run_all(checks, machine, deadline=started + budget_s,
                            echo=(lambda line: print(line, flush=True)) if say else None)
     rep = build(machine, checks, outcomes, started, time.time())
+    if cpu:
+        c = rep["counts"]
+        rep["verdict"] = (f"CPU rows (no GPU used): {c['passed']} passed, {c['failed'] + len(rep['not_run'])} failed, "
+                          f"{c['skipped']} not run" + (" -- FAILED" if exit_code(rep) else ""))
     rep["report_path"] = os.path.abspath(report_path)
     write(rep, report_path)
     return rep
@@ -56,15 +64,17 @@ def add_cli(subparsers) -> None:
                    help="seconds after which no further check starts (those fail as not started)")
     p.add_argument("--plan", action="store_true", help="print the rows this machine would run (and why any would "
                    "not), run nothing")
+    p.add_argument("--cpu", action="store_true", help="run the CPU rows instead (gloo ranks, the tiny model, a few "
+                   "steps): the same checks' code in this environment, e.g. after installing the GPU kit")
     p.set_defaults(func=cmd_gpu_check)
 
 
 def cmd_gpu_check(a) -> int:
     if a.plan:
         machine = detect()
-        print(plan_table(machine, plan(machine)))
+        print(plan_table(machine, cpu_plan(machine) if a.cpu else plan(machine)))
         return 0
-    rep = gpu_check(a.report, a.budget)
+    rep = gpu_check(a.report, a.budget, cpu=a.cpu)
     print(table(rep))
     print(f"report: {rep['report_path']}")
     sys.stdout.flush()

@@ -74,7 +74,7 @@ def train_config(params: dict):
     """The TrainConfig a training row runs (device cuda unless the row says otherwise)."""
     from ..config import TrainConfig
 
-    keep = {k: v for k, v in params.items() if k not in ("goal", "repeats")}
+    keep = {k: v for k, v in params.items() if k not in ("goal", "repeats", "build")}
     keep.setdefault("device", "cuda")
     return TrainConfig(**keep)
 
@@ -116,15 +116,55 @@ def check_allreduce(check, machine) -> Outcome:
 
 
 def check_train(check, machine) -> Outcome:
+    """One training row; ``save_to: True`` saves into a temporary folder (stnb's save check runs)."""
+    import dataclasses
+
     from ..runner import run
 
     cfg = train_config(check.params)
-    res = run(cfg, echo=False)
-    problems = _judge_training(res, check)
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-save-") as tmp:
+        if check.params.get("save_to") is True:
+            cfg = dataclasses.replace(cfg, save_to=os.path.join(tmp, "model"))
+        res = run(cfg, echo=False)
+        problems = _judge_training(res, check) + _save_problems(res, check)
     gpus = check.gpus
     return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, gpus),
                    detail=f"{res.strategy} x{res.world_size}, {res.steps} steps, loss {res.losses[0]:.4f} -> "
                           f"{res.losses[-1]:.4f}" if res.losses else "", error="; ".join(problems))
+
+
+def _save_problems(res, check) -> list:
+    if not check.params.get("save_to"):
+        return []
+    saved = (res.verification or {}).get("saved_model") or {}
+    if not saved.get("saved_to") or not os.path.isdir(saved["saved_to"]):
+        return [f"save_to: nothing saved ({json.dumps(saved, default=str)[:200]})"]
+    return []
+
+
+def check_train_build(check, machine) -> Outcome:
+    """A CrossEncoder / SparseEncoder row: stnb.run(build) with sentence-transformers' own trainer for it."""
+    import functools
+
+    from ..models import resolve_model
+    from ..runner import run
+    from .builds import BUILDS
+
+    p = check.params
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-build-") as tmp:
+        build = functools.partial(BUILDS[p["build"]], os.path.join(tmp, "out"), resolve_model(p["model"]), p)
+        res = run(build, strategy=p["strategy"], device=_dev(check), timeout=p["timeout"],
+                  stall_timeout=p["stall_timeout"], save_to=os.path.join(tmp, "model"), echo=False)
+        problems = _judge_training(res, check) + _save_problems(res, dict_check(check, save_to=True))
+    return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),
+                   detail=f"{p['build']}: {res.dev_metric} {res.dev_metric_before} -> {res.dev_metric_after}, saved and reloaded"
+                   if not problems else "", error="; ".join(problems))
+
+
+def dict_check(check, **params):
+    from .planning import Check
+
+    return Check(check.name, check.kind, dict(check.params, **params), check.gpus, check.skip)
 
 
 def check_train_direct(check, machine) -> Outcome:
@@ -344,7 +384,7 @@ def check_st_docs(check, machine) -> Outcome:
 
 
 RUNNERS = {"hardware": check_hardware, "allreduce": check_allreduce, "train": check_train,
-           "train_direct": check_train_direct, "fault": check_fault, "notebook": check_notebook,
+           "train_direct": check_train_direct, "train_build": check_train_build, "fault": check_fault, "notebook": check_notebook,
            "ratio": check_ratio, "st_docs": check_st_docs}
 
 

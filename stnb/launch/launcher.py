@@ -21,7 +21,7 @@ from .channel import Channel
 from .diagnose import diagnose
 from .forksafe import check_fork_safe, fork_ready
 from .rank import RankOptions, launcher_token
-from .start import LOCALHOST, keep_spawn_helper, run_ranks
+from .start import LOCALHOST, keep_spawn_helper, node_gpus, run_ranks
 from .supervise import tracked_children
 from .watchdog import Watchdog
 
@@ -187,6 +187,7 @@ def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_p
     if problem:
         raise ConfigError(problem)
     _check_rendezvous(num_nodes, master_addr, master_port)
+    node_gpus(device, num_processes, num_nodes, node_rank, master_addr)  # "nodes" on one machine: a GPU per rank
     return device
 
 

@@ -41,7 +41,9 @@ def run_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, no
               mixed_precision: str, echo: bool) -> Outcome:
     """Start this node's ranks, wait until they end; never raises what the launcher raises."""
     try:
-        with rank_environment(num_nodes, master_addr), quiet_elastic_logs(), kept_signal_handlers():
+        with rank_environment(num_nodes, master_addr, node_gpus(opts.device, opts.nproc, num_nodes, node_rank,
+                                                                master_addr)), \
+                quiet_elastic_logs(), kept_signal_handlers():
             if opts.nproc == 1:
                 # notebook_launcher runs a 1-process "launch" inside this process (the kernel) even
                 # with num_nodes > 1; fork the rank here instead, as global rank node_rank
@@ -151,13 +153,38 @@ def exit_codes(failure: BaseException) -> dict:
     return {}
 
 
+def node_gpus(device: str, nproc: int, num_nodes: int, node_rank: int, master_addr: str) -> str | None:
+    """CUDA_VISIBLE_DEVICES for this node's ranks when several "nodes" run on this one machine
+    (num_nodes > 1, master_addr localhost) on CUDA: node k gets the visible GPUs k*nproc .. (k+1)*nproc-1.
+    Each node's ranks have LOCAL_RANK 0..nproc-1 (torch elastic, or 0 for a one-process node) and a rank
+    calls ``torch.cuda.set_device(LOCAL_RANK)``; without its own slice every node's rank 0 took GPU 0
+    (NCCL: two ranks on one device). None: nothing to change (one node, real nodes, CPU ranks).
+    Raises ConfigError when this machine has too few GPUs for every node's ranks."""
+    if device != "cuda" or num_nodes == 1 or master_addr not in LOCALHOST:
+        return None
+    from ..errors import ConfigError
+    from ..hardware import gpu_count
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else [str(i) for i in range(gpu_count())]
+    mine = ids[node_rank * nproc:(node_rank + 1) * nproc]
+    if len(ids) < num_nodes * nproc:
+        raise ConfigError(f"{num_nodes} nodes x {nproc} process(es) on this one machine (master_addr {master_addr}) "
+                          f"need {num_nodes * nproc} GPUs, one per rank; {len(ids)} are visible "
+                          f"({visible and 'CUDA_VISIBLE_DEVICES=' + visible or 'all'}). Use fewer nodes or "
+                          "processes, or device='cpu'")
+    return ",".join(mine)
+
+
 @contextmanager
-def rank_environment(num_nodes: int, master_addr: str):
+def rank_environment(num_nodes: int, master_addr: str, gpus: str | None = None):
     """What the ranks inherit from this process's environment while they start: STNB_LAUNCH (a rank
-    knows it runs under stnb.launch, not an outside launcher) and gloo on loopback when every rank
-    is on this machine (one node, or "nodes" on localhost)."""
+    knows it runs under stnb.launch, not an outside launcher), gloo on loopback when every rank
+    is on this machine (one node, or "nodes" on localhost) and, for such "nodes" on CUDA, this node's
+    own GPUs (``gpus``, from ``node_gpus``) as CUDA_VISIBLE_DEVICES."""
     local_only = num_nodes == 1 or master_addr in LOCALHOST
-    env = {"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo" if local_only else "")}
+    env = {"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo" if local_only else ""),
+           "CUDA_VISIBLE_DEVICES": gpus}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update({k: v for k, v in env.items() if v})
     try:

@@ -54,16 +54,15 @@ class DataParallel(Strategy):
 
     def prepare(self, trainer, config, device_type, world):
         precision = mixed_precision(trainer.args)
-        if precision != "no":
-            original = trainer._wrap_model
+        original = trainer._wrap_model
 
-            def wrap_model(model, training=True, dataloader=None):
-                wrapped = original(model, training=training, dataloader=dataloader)
-                if wrapped is not model:  # newly wrapped here: the Trainer's DP path
-                    wrapped = autocast_data_parallel(wrapped, precision)
-                return wrapped
+        def wrap_model(model, training=True, dataloader=None):
+            wrapped = original(model, training=training, dataloader=dataloader)
+            if wrapped is not model:  # newly wrapped here: the Trainer's DP path
+                wrapped = feature_data_parallel(wrapped, precision)
+            return wrapped
 
-            trainer._wrap_model = wrap_model
+        trainer._wrap_model = wrap_model
         return {"info": {"dp_autocast": precision}, "overridden": {}}
 
     def check_prepared(self, trainer, world_size):
@@ -79,6 +78,70 @@ class DataParallel(Strategy):
 
     def check_ranks(self, rank_results, world_size):
         return {}, []
+
+
+def gather_features(outputs, output_device, dim: int = 0):
+    """DataParallel's gather of the replicas' outputs, keeping the values that are not tensors.
+
+    sentence-transformers (6.2) passes ``modality`` (a str) and, with a prompt, ``prompt_length`` (an int)
+    through the forward's feature dict. torch's ``gather`` treats any other value as a sequence: a str comes
+    back as ``'<map object ...>'``, an int raises ``TypeError: 'int' object is not iterable``. Here a value
+    that is not a tensor, the same on every replica (the batch's modality, its prompt's length), is kept
+    as it is; tensors go through torch's own gather; replicas that disagree raise naming the key."""
+    from torch.nn.parallel.scatter_gather import gather
+
+    def walk(items, where):
+        first = items[0]
+        if isinstance(first, dict):
+            return type(first)((k, walk([o[k] for o in items], f"{where}[{k!r}]")) for k in first)
+        if isinstance(first, (list, tuple)) and not hasattr(first, "_fields") and not isinstance(first, str):
+            return type(first)(walk(list(parts), f"{where}[{i}]") for i, parts in enumerate(zip(*items)))
+        if first is None or _is_tensor(first) or hasattr(first, "_fields"):
+            return gather(items, output_device, dim)
+        if any(o != first for o in items):
+            raise ValueError(f"DataParallel replicas returned different values for {where or 'the output'}: "
+                             f"{items!r}; a value that is not a tensor must be the same on every replica")
+        return first
+
+    return walk(list(outputs), "")
+
+
+def _is_tensor(x) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def feature_data_parallel(dp, mixed_precision: str = "no"):
+    """The trainer's torch.nn.DataParallel as stnb trains it: over the same module and devices, gathering
+    the feature dict's non-tensor values (``gather_features``) and, for fp16 / bf16, with autocast in every
+    replica (``autocast_data_parallel``)."""
+    import torch
+
+    if not isinstance(dp, torch.nn.DataParallel):
+        return dp
+    if mixed_precision in ("fp16", "bf16"):
+        return autocast_data_parallel(dp, mixed_precision)
+    return _rewrap(dp, _feature_dp_class())
+
+
+def _rewrap(dp, cls):
+    if not dp.device_ids:  # no accelerator: DataParallel just calls the module
+        return cls(dp.module)
+    return cls(dp.module, device_ids=dp.device_ids, output_device=dp.output_device, dim=dp.dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _feature_dp_class():
+    import torch
+
+    class FeatureDataParallel(torch.nn.DataParallel):
+        """DataParallel that gathers sentence-transformers' feature dicts whole (``gather_features``)."""
+
+        def gather(self, outputs, output_device):
+            return gather_features(outputs, output_device, dim=getattr(self, "dim", 0))  # no devices: no dim
+
+    return FeatureDataParallel
 
 
 def autocast_data_parallel(dp, mixed_precision: str):
@@ -98,11 +161,7 @@ def autocast_data_parallel(dp, mixed_precision: str):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
     if dtype is None or not isinstance(dp, torch.nn.DataParallel):
         return dp
-    if not dp.device_ids:  # no accelerator: DataParallel just calls the module
-        wrapped = _autocast_dp_class()(dp.module)
-    else:
-        wrapped = _autocast_dp_class()(dp.module, device_ids=dp.device_ids, output_device=dp.output_device,
-                                       dim=dp.dim)
+    wrapped = _rewrap(dp, _autocast_dp_class())
     wrapped.autocast_dtype = dtype
     return wrapped
 
@@ -119,7 +178,7 @@ def _autocast_dp_class():
             with torch.autocast(device_type=self.device_type, dtype=self.dtype):
                 return self.replica(*args, **kwargs)
 
-    class AutocastDataParallel(torch.nn.DataParallel):
+    class AutocastDataParallel(_feature_dp_class()):
         """DataParallel whose forward, and every replica in its worker thread, runs under autocast."""
 
         def _device_type(self):
