@@ -6,10 +6,10 @@ one machine, the same training is started by an outside launcher instead, and st
 * ``python -m stnb run ...`` (or a script calling ``stnb.run``) started by
   ``torchrun --nproc_per_node=N`` or ``accelerate launch --multi_gpu --num_processes N``
   finds WORLD_SIZE / RANK / LOCAL_RANK in its environment (and not STNB_LAUNCH=1, which
-  ``stnb.launch`` sets in its own ranks), so it does not launch again: :func:`run_here`
-  runs ``training.train_rank`` in this process, gathers every rank's measurements to rank 0
-  (``dist.all_gather_object``) and merges them into the same RunResult a notebook run
-  gives, with ``launcher='torchrun'`` or ``'accelerate'``.
+  ``stnb.launch`` sets in its own ranks), so it does not launch again: ``stnb.run`` picks the
+  ``External`` launcher (``stnb.launchers.external``), which runs ``training.train_rank`` in this
+  process, gathers every rank's measurements to rank 0 (``dist.all_gather_object``) and merges
+  them into the same RunResult a notebook run gives, with ``launcher='torchrun'`` or ``'accelerate'``.
   (``accelerate launch --cpu --num_processes N`` starts only ONE process unless given an MPI
   hostfile; stnb then starts the ranks itself, launcher 'stnb', and says so.)
 * ``stnb.export_script(config, "train.py")`` (``stnb/export.py``) writes such a script for a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["inside_external_launch", "launcher_name", "external_rank", "is_main_process", "run_here"]
+__all__ = ["inside_external_launch", "launcher_name", "external_rank", "is_main_process"]
 
 def inside_external_launch(environ=None) -> bool:
     """True when this process is a rank started by torchrun, accelerate launch (or another
@@ -84,17 +84,3 @@ def is_main_process(environ=None) -> bool:
     """
     return external_rank(environ) == 0
 
-
-def run_here(config, *, results_file=None, build=None):
-    """Train ``config`` (or the trainer ``build()`` returns) as one rank of torchrun / accelerate launch.
-
-    ``stnb.run`` does this when :func:`inside_external_launch` is true: the run pipeline with the
-    ``External`` launcher (``stnb.launchers.external``). Each rank runs ``training.train_rank``; the
-    ranks gather their measurements to rank 0, which merges them (``launcher='torchrun'`` /
-    ``'accelerate'``) and, with ``results_file``, appends the RunResult there. Every rank returns the
-    same RunResult; print it on rank 0 only (:func:`is_main_process`). The process group is destroyed
-    before returning, unless it existed before this call.
-    """
-    from .launchers import External, Plan, execute
-
-    return execute(Plan(config, build, results_file), External())

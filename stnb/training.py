@@ -1,7 +1,7 @@
 """Inside a rank: build the trainer, apply the strategy, attach the instruments, train, report (``train_rank``).
 
 Every rank of a run executes ``train_rank``: started by ``stnb.run`` through ``stnb.launch``
-(notebook side, ``stnb.runner``), or by torchrun / accelerate launch (``stnb.scaleout.run_here``).
+(notebook side, ``stnb.runner``), or by torchrun / accelerate launch (``stnb.launchers.external``).
 The trainer comes from stnb's recipe (``stnb.recipe``, from the TrainConfig) or from the user's
 build function; ``stnb.prepare`` makes it ready and the strategy object applies itself to it the same
 way in both cases. What the rank measures and checks while it trains are its instruments

@@ -115,7 +115,7 @@ def test_cli_runs_deepspeed_stage_2():
 
 
 def test_torchrun_runs_deepspeed_stage_2(tmp_path):
-    """`torchrun ... -m stnb run --strategy deepspeed`: each rank (stnb.scaleout.run_here) gets what
+    """`torchrun ... -m stnb run --strategy deepspeed`: each rank (stnb.launchers.external) gets what
     stnb.launch's ranks get, DeepSpeed's config and on CPU its CPU accelerator, so the trainer enables
     DeepSpeed (without it the rank refuses: "the trainer did not enable DeepSpeed")."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
