@@ -289,16 +289,29 @@ class TrainConfig:
             raise ConfigError("evaluate=True needs dev pairs; set dev_size > 0 or evaluate=False")
         if check_resources:
             self.check_hardware()
-            from .models import resolve_model
-            from .data import check_data
-            from . import seed_recipe
-
-            resolve_model(self.model)
-            if self.loss == seed_recipe.NAME:  # two datasets, one loss each
-                seed_recipe.check(self.data, self.columns)
-            else:
-                check_data(self.data, self.loss, self.columns)
+            self.check_inputs()
         return self
+
+    def check_inputs(self) -> str:
+        """stnb's recipe: its model resolved (the local path it trains from, returned) and its data checked."""
+        from .models import resolve_model
+        from .data import check_data
+        from . import seed_recipe
+
+        path = resolve_model(self.model)
+        if self.loss == seed_recipe.NAME:  # two datasets, one loss each
+            seed_recipe.check(self.data, self.columns)
+        else:
+            check_data(self.data, self.loss, self.columns)
+        return path
+
+    def check_device(self, device: str) -> None:
+        """What only a GPU does, refused for ranks on ``device`` 'cpu' (ConfigError)."""
+        if self.mixed_precision == "fp16" and device == "cpu":
+            raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
+        if self.comm_hook == "bf16" and device == "cpu":
+            raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
+                              "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
 
     def check_hardware(self) -> None:
         """This machine can run the strategy with this many processes (ConfigError / StrategyUnavailable)."""
@@ -311,11 +324,7 @@ class TrainConfig:
             problems = gpu_problems(self.mixed_precision)
             if problems:
                 raise ConfigError("; ".join(problems))
-        if self.mixed_precision == "fp16" and device == "cpu":
-            raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-        if self.comm_hook == "bf16" and device == "cpu":
-            raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
-                              "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
+        self.check_device(device)
         avail = strategy_availability(device)[self.strategy]
         if not avail["runnable"]:
             raise StrategyUnavailable(self.strategy, avail["reason"])

@@ -31,7 +31,7 @@ import uuid
 
 from ..errors import ConfigError, LaunchError
 from .base import Launcher, Plan, finish
-from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_shared_folder, failure
+from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder, failure
 
 INSTALL = 'pip install "stnb[ray]"'
 #: seconds to reach a Ray cluster's address before it counts as unreachable
@@ -64,18 +64,14 @@ class Ray(Launcher):
     # -- before starting ------------------------------------------------------------------------
     def check(self, plan: Plan) -> None:
         for name, lo in (("num_workers", 1), ("cpus_per_worker", 1), ("max_failures", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"Ray({name}=...) must be an integer >= {lo}, got {v!r}")
+            check_int("Ray", name, getattr(self, name), lo)
         try:
             import ray  # noqa: F401
             import ray.train.torch  # noqa: F401
         except ImportError:
             raise ConfigError(f"stnb.Ray runs Ray Train, which is not installed; {INSTALL}") from None
         device = "cuda" if self.use_gpu else "cpu"
-        check_cluster_plan(plan, "Ray", self.num_workers, device, "num_workers")
-        if device == "cpu" and not plan.config.threads_per_rank:
-            plan.config = plan.config.replace(threads_per_rank=self.cpus_per_worker)
+        check_cluster_plan(plan, "Ray", self.num_workers, device, "num_workers", self.cpus_per_worker)
         self._connect()
         try:
             nodes = self._check_resources()

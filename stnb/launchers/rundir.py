@@ -269,11 +269,12 @@ def check_shared_folder(path: str, what: str, multi_node: bool, create: bool = T
     return path
 
 
-def check_cluster_plan(plan, engine: str, world: int, device: str, option: str) -> None:
+def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, cpus_per_rank: int) -> None:
     """The checks every cluster launcher makes on the submitting machine, before submitting: the strategy
     can span processes, the world is the job's, the device is the job's, the options and (stnb's recipe)
     the model and data are fine, the results file and the save target too. ``option`` names how the
-    user sets the world (e.g. 'nodes * tasks_per_node'). Completes ``plan.config``/``device``/``model_path``."""
+    user sets the world (e.g. 'nodes * tasks_per_node'); ``cpus_per_rank``, each CPU rank's torch threads unless
+    ``threads_per_rank`` says otherwise. Completes ``plan.config``/``device``/``model_path``."""
     from .. import strategies
     from ..errors import ConfigError
     from ..results import check_writable
@@ -299,21 +300,20 @@ def check_cluster_plan(plan, engine: str, world: int, device: str, option: str) 
     if plan.build is None:
         config.check_recipe_options()
     config.validate(check_resources=False)  # the hardware is the cluster's, checked by the launcher
-    if device == "cpu" and config.mixed_precision == "fp16":
-        raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-    if device == "cpu" and config.comm_hook == "bf16":
-        raise ConfigError("comm_hook='bf16' needs CUDA GPUs (NCCL); on CPU use comm_hook='fp16' or 'none'")
+    config.check_device(device)
     if plan.build is None:
-        from .. import seed_recipe
-        from ..data import check_data
-        from ..models import resolve_model
-
-        plan.model_path = resolve_model(config.model)
-        if config.loss == seed_recipe.NAME:  # two datasets, one loss each
-            seed_recipe.check(config.data, config.columns)
-        else:
-            check_data(config.data, config.loss, config.columns)
+        plan.model_path = config.check_inputs()
     if plan.results_file is not None:
         check_writable(plan.results_file)
     check_target(config.save_to)
     plan.device = device
+    if device == "cpu" and not config.threads_per_rank:  # a CPU rank uses the cores its task or worker got
+        plan.config = config.replace(threads_per_rank=cpus_per_rank)
+
+
+def check_int(engine: str, name: str, value, lo: int) -> None:
+    """ConfigError unless ``value`` (the launcher's option ``name``) is an integer >= ``lo``."""
+    from ..errors import ConfigError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{engine}({name}=...) must be an integer >= {lo}, got {value!r}")

@@ -24,7 +24,7 @@ import uuid
 
 from ..errors import ConfigError, LaunchError
 from .base import Launcher, Plan, finish
-from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_shared_folder, failure
+from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder, failure
 
 INSTALL = 'pip install "stnb[slurm]"'
 COMMANDS = ("sbatch", "sinfo", "squeue", "scontrol", "scancel")
@@ -73,8 +73,8 @@ class Slurm(Launcher):
     # -- before submitting ------------------------------------------------------------------
     def check(self, plan: Plan) -> None:
         for name in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
-            _positive_int(name, getattr(self, name), 1)
-        _positive_int("gpus_per_node", self.gpus_per_node, 0)
+            check_int("Slurm", name, getattr(self, name), 1)
+        check_int("Slurm", "gpus_per_node", self.gpus_per_node, 0)
         if not isinstance(self.rendezvous_timeout_s, (int, float)) or self.rendezvous_timeout_s <= 0:
             raise ConfigError(f"Slurm(rendezvous_timeout_s=...) must be a positive number, got {self.rendezvous_timeout_s!r}")
         try:
@@ -91,9 +91,7 @@ class Slurm(Launcher):
         if self.gpus_per_node and self.gpus_per_node != self.tasks_per_node:
             raise ConfigError(f"gpus_per_node={self.gpus_per_node} but tasks_per_node={self.tasks_per_node}: each "
                               "task is one rank driving one GPU; set them equal")
-        check_cluster_plan(plan, "SLURM", self.world, device, "nodes * tasks_per_node")
-        if device == "cpu" and not plan.config.threads_per_rank:
-            plan.config = plan.config.replace(threads_per_rank=self.cpus_per_task)
+        check_cluster_plan(plan, "SLURM", self.world, device, "nodes * tasks_per_node", self.cpus_per_task)
         root = check_shared_folder(self.folder, "Slurm(folder=...)", self.nodes > 1, create=False)
         self.partition = self._check_partition()
         self.root = check_shared_folder(root, "Slurm(folder=...)", self.nodes > 1)  # created once the cluster answered
@@ -340,11 +338,6 @@ def _command(argv: list) -> str:
         raise ConfigError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): "
                           f"{(proc.stderr or proc.stdout).strip()[-500:]}")
     return proc.stdout
-
-
-def _positive_int(name, value, lo) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"Slurm({name}=...) must be an integer >= {lo}, got {value!r}")
 
 
 def _int(text: str) -> int:
