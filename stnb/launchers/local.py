@@ -19,21 +19,20 @@ class Local(Launcher):
 
     def check(self, plan: Plan) -> None:
         from ..hardware import start_method as resolve_start_method
-        from ..models import resolve_model
         from ..results import check_writable
         from ..saving import check_target
 
         config = plan.config
         if plan.build is None:
             config.check_recipe_options()
-            config.validate()
-        else:  # the model and data are the function's: check the options and this machine
-            config.validate(check_resources=False)
-            config.check_hardware()
+        config.validate(check_resources=False)
+        config.check_hardware()
+        # stnb's recipe: its model resolved once, here ('tiny' is built here), and its data checked; a build
+        # function's model and data are its own
+        plan.model_path = config.check_inputs() if plan.build is None else None
         if plan.results_file is not None:
             check_writable(plan.results_file)
         check_target(config.save_to)
-        plan.model_path = resolve_model(config.model) if plan.build is None else None  # builds 'tiny' once, here
         plan.device = config.resolved_device()
         self.method = resolve_start_method(config.start_method)
 
