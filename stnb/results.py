@@ -134,7 +134,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
 
     mfu = mfu_summary(rank_results, warm, n_steps, span, gbs * (n_steps - warm),
                       devices=config.strategy_object().devices(n_gpu))
-    verification, problems = cross_rank_checks(config, rank_results)
+    verification, problems = cross_rank_checks(config, rank_results, device)
     ok = not problems
     spearman = (r0.dev_metric or "").endswith("spearman_cosine")
     return RunResult(
@@ -186,7 +186,7 @@ def _own_config(config, build: str, training: dict) -> dict:
     return {**{k: v for k, v in config.to_dict().items() if k in LAUNCH_FIELDS}, **training, "build": build}
 
 
-def cross_rank_checks(config, rank_results: list) -> tuple:
+def cross_rank_checks(config, rank_results: list, device: str | None = None) -> tuple:
     """(verification dict, problems): every rank's own verification, plus what needs all ranks:
     the number of ranks against the requested world size, per-tensor identical replicated weights (every
     parameter the optimizer updates that is not sharded: the model's and the loss's own), the strategy's
@@ -210,6 +210,7 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
     own, own_problems = verify_ranks(strategy, rank_results, requested)
     verification.update(own)
     problems += own_problems
+    problems += _device_problems(device, rank_results, verification)
     started = [r.start_method for r in rank_results]
     asked = rank_results[0].start_method_requested
     if asked is not None:  # stnb started the ranks: each saw how it was started
@@ -246,7 +247,19 @@ def cross_rank_checks(config, rank_results: list) -> tuple:
     return verification, problems
 
 
-def _columns_reached(cols: list, seen: list) -> dict:
+def _device_problems(asked: str | None, rank_results: list, verification: dict) -> list:
+    """The device the run asked for (``device``: 'cpu' / 'cuda', resolved before launch) against the one each
+    rank's module that trains received its first batch on (``FirstStepChecks.device_seen``): a rank that
+    could not start CUDA and trained on the CPU instead is named, never merged as verified."""
+    seen = [(r.verification or {}).get("device_seen") for r in rank_results]
+    if asked is None or not any(seen):  # no step began (reported as never verified), or an older report
+        return []
+    verification["device"] = {"requested": asked, "per_rank": seen}
+    return [f"rank {i}: device {asked!r} was requested, its model trained on {'/'.join(s) if s else 'nothing'}"
+            for i, s in enumerate(seen) if s is not None and s != [asked]]
+
+
+cols: list, seen: list) -> dict:
     """What a loss should receive from columns ``cols`` against what each rank's loss received (``seen``,
     None where that loss never ran): ok True / False, or None when it ran on no rank (nothing to compare;
     a multi-dataset sampler may not pick a dataset in a short run)."""

@@ -222,6 +222,23 @@ def test_merge_counts_the_ranks_against_the_requested_world():
     assert not res.verified and "2 ranks were requested, 1 returned a result" in res.reason
 
 
+def test_each_rank_reports_the_device_its_batches_reached_and_merge_compares_it_with_the_one_asked():
+    """A rank that could not start CUDA and trained on the CPU is named (issue 32, 4.7): the device comes
+    from the first batch the module that trains received, and merge compares it with the device asked."""
+    from stnb.training import train_rank
+
+    cfg = _cfg(per_device_batch_size=4, train_size=32, dev_size=8, evaluate=False)
+    reports = stnb.launch(train_rank, cfg, tiny_path(), None, 2, num_processes=2, device="cpu", timeout=180,
+                          echo=False)
+    assert [r.verification["device_seen"] for r in reports] == [["cpu"], ["cpu"]]
+    assert merge(cfg, reports, device="cpu").verified
+    asked_cuda = merge(cfg, reports, device="cuda")
+    assert not asked_cuda.verified
+    assert "rank 0: device 'cuda' was requested, its model trained on cpu" in asked_cuda.reason
+    assert "rank 1: device 'cuda' was requested" in asked_cuda.reason
+    assert asked_cuda.verification["device"] == {"requested": "cuda", "per_rank": [["cpu"], ["cpu"]]}
+
+
 # ---------------------------------------------------------------------------------------
 # FSDP shards
 

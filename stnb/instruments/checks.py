@@ -16,6 +16,20 @@ from .. import prepare, strategies
 from .base import Instrument
 
 
+def _tensors(obj):
+    """The tensors in nested args / kwargs / feature dicts."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 class FirstStepChecks(Instrument):
     """The first step's checks of this rank; ``record()`` is the rank's verification record."""
 
@@ -28,6 +42,7 @@ class FirstStepChecks(Instrument):
         self.timed = timed                      # wraps a strategy's own comm hook for the time split
         self.watch: dict = {}                   # Strategy.on_first_step's {name: observer with .stats()}
         self.prepared: dict | None = None       # verify_prepared at the first step (None: never verified)
+        self.device_seen: list | None = None    # device types of the first batch the trained module received
         self.loss_model: dict | None = None     # {"trains", "rebound", "calls_in_first_step", "ok"}
         self.loss_model_calls = 0               # forwards of the module that trains in the first step
         self._hook = None
@@ -44,10 +59,13 @@ class FirstStepChecks(Instrument):
         # the loss must call the module that trains (sentence-transformers #3023)
         rebound = prepare.rebind_loss_model(tr)
         self.loss_model = {"trains": type(tr.model_wrapped).__name__, "rebound": rebound}
-        self._hook = tr.model_wrapped.register_forward_pre_hook(self._count_loss_model_call)
+        self._hook = tr.model_wrapped.register_forward_pre_hook(self._count_loss_model_call, with_kwargs=True)
 
-    def _count_loss_model_call(self, *_) -> None:
+    def _count_loss_model_call(self, _module, args, kwargs) -> None:
         self.loss_model_calls += 1
+        if self.device_seen is None:  # the device the first step's batch reached the module on (observed, not
+            # chosen; parameters offloaded to the host would mislead): results.cross_rank_checks compares it
+            self.device_seen = sorted({t.device.type for t in _tensors((args, kwargs))}) or None
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
         if self.step_check is None and self.prepared is not None:
@@ -74,7 +92,7 @@ class FirstStepChecks(Instrument):
             self.loss_model.update(calls_in_first_step=self.loss_model_calls, ok=self.loss_model_calls > 0)
 
     def verification(self) -> tuple[dict, list]:
-        v, problems = {"loss_model": self.loss_model}, []
+        v, problems = {"loss_model": self.loss_model, "device_seen": self.device_seen}, []
         if self.step_check is not None:
             info, step_problems = self.step_check
             v.update(info)
