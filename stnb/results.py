@@ -259,7 +259,7 @@ def _device_problems(asked: str | None, rank_results: list, verification: dict) 
             for i, s in enumerate(seen) if s is not None and s != [asked]]
 
 
-cols: list, seen: list) -> dict:
+def _columns_reached(cols: list, seen: list) -> dict:
     """What a loss should receive from columns ``cols`` against what each rank's loss received (``seen``,
     None where that loss never ran): ok True / False, or None when it ran on no rank (nothing to compare;
     a multi-dataset sampler may not pick a dataset in a short run)."""
