@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import warnings
 
 from dataclasses import asdict, dataclass, field
@@ -132,12 +133,25 @@ def gpus() -> list:
 
 
 def torch_arch_list() -> list:
-    """GPU architectures this torch build ships kernels for (compile-time flags; no driver call)."""
+    """GPU architectures this torch build ships kernels for, asked in a child process (cached).
+
+    Not in this process: ``torch.cuda.get_arch_list()`` asks ``is_available()`` first, which runs
+    ``cudaGetDeviceCount`` and so ``cuInit``, and ``torch._C._cuda_getArchFlags()`` marks forked children
+    as forked from a CUDA parent ("Cannot re-initialize CUDA in forked subprocess"); both seen on an H200
+    with torch 2.11, where every rank gpu-check forked after this call was refused or failed."""
     if not _cuda_build():
         return []
-    import torch
+    return list(_arch_list_of(sys.executable))
 
-    return list(torch.cuda.get_arch_list())
+
+@functools.lru_cache(maxsize=2)
+def _arch_list_of(python: str) -> tuple:
+    code = "import torch; print(' '.join(torch.cuda.get_arch_list()))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(out.stdout.split()) if out.returncode == 0 else ()
 
 
 def arch_supported(capability, arch_list) -> bool:

@@ -91,7 +91,12 @@ def gpu_box(monkeypatch, tmp_path):
         monkeypatch.delenv("STNB_FORCE_CPU", raising=False)
         monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
         monkeypatch.setattr(torch.version, "cuda", "12.8")
-        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: archs, raising=False)
+        # the build's architectures: asked in a child process (stnb.hardware._arch_list_of, which this
+        # box answers); in this process torch's own reader marks forked children as CUDA's (seen on an
+        # H200 with torch 2.11: "Cannot re-initialize CUDA in forked subprocess"), so it counts as a driver call
+        monkeypatch.setattr(hardware, "_arch_list_of", lambda python: tuple(archs.split()))
+        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", driver("cudaGetArchFlags (marks forked children)", archs),
+                            raising=False)
         monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", driver("cudaGetDeviceCount", 0), raising=False)
         monkeypatch.setattr(torch._C, "_cuda_init", driver("cuInit", None), raising=False)
         monkeypatch.setattr(torch.cuda, "_lazy_init", driver("torch.cuda._lazy_init", None))
@@ -807,7 +812,7 @@ def driver(name, in_rank=None):
     return call
 
 torch.version.cuda = "12.8"
-torch._C._cuda_getArchFlags = lambda: "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+torch._C._cuda_getArchFlags = driver("cudaGetArchFlags (marks forked children)", "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120")
 torch._C._cuda_getDeviceCount = driver("cudaGetDeviceCount", 0)
 torch._C._cuda_init = driver("cuInit")
 torch.cuda._lazy_init = driver("torch.cuda._lazy_init")
@@ -826,6 +831,9 @@ def step(name, fn):
 
 step("import stnb", lambda: importlib.import_module("stnb"))
 import stnb
+import stnb.hardware
+# the build's architectures, as the child process stnb asks would answer
+stnb.hardware._arch_list_of = lambda python: ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
 step("stnb.setup()", stnb.setup)
 step("hardware_report", lambda: stnb.hardware_report().device == "cuda" or 1 / 0)
 for mod in ("sentence_transformers", "sentence_transformers.sentence_transformer.losses",
