@@ -202,7 +202,7 @@ MUTATIONS = [
         "a user's trainer gets a DeepSpeed config for ZeRO stage 1 whatever stage was asked (only the engine's "
         "observed stage can tell: the refusals see no deepspeed=... in the user's arguments)",
         (("stnb/strategies/deepspeed.py", "                   json.dumps(ds_config(config)).encode()).decode()}",
-          '                   json.dumps(merge(ds_config(config), {"zero_optimization": {"stage": 1}})).encode()'
+          '                   json.dumps(overlay(ds_config(config), {"zero_optimization": {"stage": 1}})).encode()'
           ').decode()}'),),
         ("tests/test_deepspeed.py::test_a_users_trainer_gets_deepspeed_and_is_verified",)),
     Mutation(

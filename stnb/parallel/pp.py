@@ -229,7 +229,7 @@ def rank_main(layout: Layout, path: str, split: list, jobs: list, batches: list,
     return [run_job(mesh, path, split, job, batches, refs, lr, loss_kind, shape, plan) for job in jobs]
 
 
-def merge(ranks: list, jobs: list, refs: dict, loss_kind: str, layout: Layout) -> list:
+def per_job(ranks: list, jobs: list, refs: dict, loss_kind: str, layout: Layout) -> list:
     """One dict per job from every rank's view: the last stage's loss and embeddings, all ranks' gradients.
     ``stages`` keeps replica 0's shard 0 of each stage (its timeline and idle time)."""
     runs = []

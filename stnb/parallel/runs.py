@@ -15,7 +15,7 @@ from ..launch import launch
 from ..models import resolve_model
 from .oversubscribe import launch_oversubscribed
 from .plans import check_pp, check_tp, layer_plan, model_shape, split_layers
-from .pp import Layout, check_options, merge, summary
+from .pp import Layout, check_options, per_job, summary
 from .pp import rank_main as pp_rank
 from .tp import rank_main as tp_rank
 from .single import make_batches, reference
@@ -129,7 +129,7 @@ def pipeline_parallel(model: str = "tiny", stages: int = 2, runs=PP_RUNS, pairs:
     start = launch_oversubscribed if oversubscribe else launch
     ranks = start(pp_rank, layout, path, split, jobs, batches, refs, lr, loss, shape, plan,
                   num_processes=layout.world, device="cpu", echo=False, timeout=timeout)
-    merged = merge(ranks, jobs, refs, loss, layout)
+    merged = per_job(ranks, jobs, refs, loss, layout)
     result = PPResult(stages=stages, layers=[list(r) for r in split], runs=merged, references=refs, layout=layout)
     for r in merged:
         what = f"PP ({r['schedule']}, {r['microbatches']} microbatches)"
