@@ -9,9 +9,10 @@ import json
 import pytest
 
 import stnb
-from stnb import bench, reference
+from stnb import reference
+from stnblab import bench
 from stnb.__main__ import main as cli
-from stnb.bench import document
+from stnblab.bench import document
 
 TINY = ["--model", "tiny", "--steps", "3", "--warmup", "1", "--train-size", "64", "--batch-size", "4"]
 
