@@ -6,14 +6,14 @@ from .errors import (BuildError, ConfigError, LaunchError, ResultsFileError, Stn
 from . import hardware
 from .hardware import report as hardware_report
 from .profiles import current_profile, setup
-from .launch import heartbeat, last_launch, launch, rank_context, report_progress
+from .processes import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
 from .parity import Parity, parity
 from .launchers.ray import Ray
 from .launchers.slurm import Slurm
 from .export import export_script
-from .launch.forksafe import watch_cuda_start
+from .processes.forksafe import watch_cuda_start
 
 watch_cuda_start()  # only when torch is already imported; stnb.setup() does it otherwise
 

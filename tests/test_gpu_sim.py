@@ -277,7 +277,7 @@ def test_check_fork_safe_sees_a_driver_started_by_is_available(tmp_path):
     script = textwrap.dedent(f"""
         import ctypes, json, torch
         import stnb
-        from stnb.launch import forksafe
+        from stnb.processes import forksafe
         out = {{"before_load": forksafe.cuda_driver_initialised()}}
         def cuda_get_device_count():  # what torch's cudaGetDeviceCount does: load the driver, cuInit
             driver = ctypes.CDLL({str(lib)!r})
@@ -529,7 +529,7 @@ def test_diagnosis_treats_an_nccl_watchdog_timeout_as_a_consequence():
     "Connection closed by remote peer 127.0.0.1:29500",
 ])
 def test_nccl_messages_are_secondary(message):
-    from stnb.launch import peerfail
+    from stnb.processes import peerfail
 
     assert peerfail.is_secondary({"type": "RuntimeError", "message": message})
     assert not peerfail.is_secondary({"type": "ValueError", "message": "bad batch"})
@@ -556,7 +556,7 @@ def test_failing_rank_never_calls_a_blocking_destroy_process_group(monkeypatch):
 
 
 def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
-    from stnb.launch import peerfail
+    from stnb.processes import peerfail
 
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
@@ -700,7 +700,7 @@ def _rank0_busy_then_barrier(how: str):
 
     import torch.distributed as dist
 
-    from stnb.launch import wait_for_all
+    from stnb.processes import wait_for_all
 
     if dist.get_rank() == 0:
         for _ in range(40):
@@ -721,7 +721,7 @@ def test_waiting_for_rank0s_save_outlives_the_collective_timeout(monkeypatch, ho
     it too): a plain barrier is cut short, stnb's wait_for_all (what training uses) is not."""
     import datetime
 
-    from stnb.launch import rank as rank_module
+    from stnb.processes import rank as rank_module
 
     monkeypatch.setattr(rank_module, "collective_timeout", lambda stall: datetime.timedelta(seconds=1.5))
     out = stnb.launch(_rank0_busy_then_barrier, how, num_processes=2, device="cpu", echo=False, stall_timeout=60)

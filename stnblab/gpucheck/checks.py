@@ -103,7 +103,7 @@ def check_hardware(check, machine) -> Outcome:
 
 def check_allreduce(check, machine) -> Outcome:
     from stnb import examples
-    from stnb.launch import last_launch, launch
+    from stnb.processes import last_launch, launch
 
     n = check.params["nproc"]
     sums = launch(examples.allreduce_check, num_processes=n, device=_dev(check), timeout=120, echo=False)
@@ -200,7 +200,7 @@ def check_fault(check, machine) -> Outcome:
     import psutil
 
     from stnb.errors import LaunchError
-    from stnb.launch import launch
+    from stnb.processes import launch
 
     fn, kind = _FAULTS[check.params["fault"]]
     n = check.params["nproc"]

@@ -20,7 +20,7 @@ from stnb.files import write_atomic
 def _device():
     import torch
 
-    from stnb.launch import rank_context
+    from stnb.processes import rank_context
 
     ctx = rank_context()
     local = ctx.local_rank if ctx is not None else int(os.environ.get("LOCAL_RANK", "0"))

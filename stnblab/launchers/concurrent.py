@@ -33,7 +33,7 @@ class Concurrent(Launcher):
         plan.model_path = resolve_model(config.model)
 
     def start(self, plan: Plan) -> list:
-        from stnb.launch import launch
+        from stnb.processes import launch
 
         config = plan.config
         plan.t0 = time.time()

@@ -7,7 +7,7 @@ import contextlib
 import os
 import sys
 
-from stnb.launch.supervise import children_now, kill_tree
+from stnb.processes.supervise import children_now, kill_tree
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ class RawNotebookLauncher(Launcher):
         self.timeout = timeout
 
     def check(self, plan: Plan) -> None:
-        from stnb.launch import check_fork_safe
+        from stnb.processes import check_fork_safe
         from stnb.models import resolve_model
 
         plan.config.validate()
@@ -37,7 +37,7 @@ class RawNotebookLauncher(Launcher):
     def start(self, plan: Plan) -> list:
         from accelerate import notebook_launcher
 
-        from stnb.launch import free_port
+        from stnb.processes import free_port
 
         ws = plan.config.world_size()
         outdir = tempfile.mkdtemp(prefix="stnb-bench-raw-")

@@ -27,7 +27,7 @@ TAIL = 4000  # characters of a failed run's output in the error
 def launch_oversubscribed(fn, *args, num_processes: int, timeout: float = 600, **_ignored) -> list:
     """``fn(*args)`` in ``num_processes`` CPU gloo ranks whatever the core count; their results by rank.
     (Keyword arguments of ``stnb.launch`` such as ``device`` or ``echo`` are accepted and have no effect.)"""
-    from stnb.launch import free_port
+    from stnb.processes import free_port
 
     with tempfile.TemporaryDirectory(prefix="stnb-oversubscribed-") as work:
         with open(os.path.join(work, "call.pkl"), "wb") as f:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from stnb.errors import ConfigError, VerificationError
 from stnb.hardware import capacity_problem
-from stnb.launch import launch
+from stnb.processes import launch
 from stnb.models import resolve_model
 from .oversubscribe import launch_oversubscribed
 from .plans import check_pp, check_tp, layer_plan, model_shape, split_layers

@@ -36,9 +36,8 @@ The package, along the way one launch goes:
     diagnose   one function per failure kind: which rank failed, and how
     peerfail   which errors are a peer's failure seen from another rank (gloo / NCCL)
 
-Note: ``stnb.launch`` (the attribute of the ``stnb`` package) is the ``launch`` function; this
-package is ``sys.modules["stnb.launch"]``, reachable as ``from stnb.launch import ...`` or
-``importlib.import_module("stnb.launch")``.
+``stnb.launch`` is the ``launch`` function, exported from this package (``stnb.processes``: the processes
+a launch starts and stops), whose name no longer hides a package of the same name.
 """
 
 from __future__ import annotations
