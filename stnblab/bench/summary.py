@@ -1,6 +1,6 @@
 """Summary: what a bench's rows say, as numbers and as plain-text tables (no I/O).
 
-``summarize`` takes the plan's items and the latest row of each and gives, per section, the medians
+``summarize`` takes the plan's items and the latest row of each and gives, per section, the medians (pandas)
 per variant, the launcher ratios and knob efficiencies (medians of per-repeat ratios), the verdict
 on each performance target (``TARGETS``) and notes. ``format_summary`` prints it; ``knobs_frame``
 gives the knob comparison as a DataFrame.
@@ -8,8 +8,7 @@ gives the knob comparison as a DataFrame.
 
 from __future__ import annotations
 
-import math
-import statistics
+import pandas as pd
 
 from stnb.errors import ConfigError
 from .load import NOISY
@@ -25,21 +24,28 @@ TARGETS = {
 }
 
 
+#: what a variant's row gives as the median over its repeats (``DataFrame.median``)
+MEDIANS = ["samples_per_second", "time_to_first_step_s", "step_s", "mfu", "tokens_per_sample", "other_load"]
+
+
 def bench_tag(row) -> dict:
     """The bench's bookkeeping of a result row (``config.extra['bench']``: section, name, key...)."""
     return ((row.get("config") or {}).get("extra") or {}).get("bench") or {}
 
 
 def _median(xs):
-    xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
-    return statistics.median(xs) if xs else None
+    """The median of the numbers in ``xs`` (None and NaN left out); None when there are none."""
+    return _number(pd.Series([x if isinstance(x, (int, float)) else None for x in xs], dtype=float).median())
+
+
+def _number(v):
+    return None if pd.isna(v) else float(v)
 
 
 def _steady_step_s(row) -> float | None:
     st = row.get("step_times") or []
     warm = (row.get("config") or {}).get("warmup_steps_excluded", 0)
-    st = st[warm:]
-    return statistics.median(st) if st else None
+    return _median(st[warm:])
 
 
 def summarize(items, latest: dict, opts: BenchOptions) -> dict:
@@ -58,18 +64,19 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
     def variant_stats(section, name):
         reps = by.get((section, name), {})
         good = [r for r in reps.values() if ok(r)]
-        sps = [r["samples_per_second"] for r in good]
+        measured = pd.DataFrame(
+            [{"samples_per_second": r["samples_per_second"], "time_to_first_step_s": r.get("time_to_first_step_s"),
+              "step_s": _steady_step_s(r), "mfu": (r.get("mfu") or {}).get("mfu"),
+              "tokens_per_sample": (r.get("mfu") or {}).get("tokens_per_sample"),
+              "other_load": bench_tag(r).get("foreign_cpu_share")} for r in good],
+            columns=MEDIANS, dtype=float)
         st = {"variant": name, "runs": len(reps), "ok": len(good),
-              "samples_per_second": _median(sps), "min": min(sps) if sps else None, "max": max(sps) if sps else None,
-              "time_to_first_step_s": _median([r.get("time_to_first_step_s") for r in good]),
-              "step_s": _median([_steady_step_s(r) for r in good]),
-              "mfu": _median([(r.get("mfu") or {}).get("mfu") for r in good]),
-              "tokens_per_sample": _median([(r.get("mfu") or {}).get("tokens_per_sample") for r in good]),
+              **{k: _number(v) for k, v in measured.median().items()},  # each column's median over the repeats
+              "min": _number(measured["samples_per_second"].min()), "max": _number(measured["samples_per_second"].max()),
               "global_batch_size": good[0]["global_batch_size"] if good else None,
               "world_size": good[0]["world_size"] if good else None,
               "launcher": good[0].get("launcher") if good else None,
               "verified": all(r.get("verified") for r in good) if good else None,
-              "other_load": _median([bench_tag(r).get("foreign_cpu_share") for r in good]),
               "status": "ok" if good else next((r.get("status") for r in reps.values()), "missing"),
               "reason": "" if good else next((r.get("reason", "") for r in reps.values()), "")}
         return st
