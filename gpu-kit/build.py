@@ -40,9 +40,11 @@ def download(reqs: list, dest: str, python: str, platforms, pip_args=()) -> None
 
 
 def build_stnb(dest: str) -> str:
-    """stnb's own wheel, built from a copy of the tracked tree (the checkout keeps no build/ from it)."""
+    """stnb's own wheel (the core, stnb, and the lab, stnblab: gpu-check is the lab's), built from a copy of the
+    tracked tree (the checkout keeps no build/ from it)."""
     with tempfile.TemporaryDirectory(prefix="stnb-kit-") as tmp:
-        files = subprocess.run(["git", "ls-files", "-z", "pyproject.toml", "README.md", "stnb"], cwd=ROOT,
+        files = subprocess.run(["git", "ls-files", "-z", "pyproject.toml", "README.md", "stnb", "stnblab"],
+                               cwd=ROOT,
                                check=True, capture_output=True, text=True).stdout.split("\0")
         for f in filter(None, files):
             os.makedirs(os.path.join(tmp, os.path.dirname(f)), exist_ok=True)

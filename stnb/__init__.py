@@ -6,14 +6,14 @@ from .errors import (BuildError, ConfigError, LaunchError, ResultsFileError, Stn
 from . import hardware
 from .hardware import report as hardware_report
 from .profiles import current_profile, setup
-from .launch import heartbeat, last_launch, launch, rank_context, report_progress
+from .processes import heartbeat, last_launch, launch, rank_context, report_progress
 from .results import RunResult, append_result, load_results, results_frame
 from .runner import run
 from .parity import Parity, parity
 from .launchers.ray import Ray
 from .launchers.slurm import Slurm
 from .export import export_script
-from .launch.forksafe import watch_cuda_start
+from .processes.forksafe import watch_cuda_start
 
 watch_cuda_start()  # only when torch is already imported; stnb.setup() does it otherwise
 
@@ -22,11 +22,16 @@ def predict(result, devices=(2, 4, 8), link="loopback", **options):
     """Predict before you buy: samples/s of ``devices`` devices on ``link`` from one measured run.
 
     Returns a Prediction (``.table`` with each row's interval: ``low``, ``samples_per_second`` (the mid),
-    ``high``, ``dominant``, ``suspect``; ``.figure``, ``.assumptions``); ``stnb.plots.predict.predict``
-    documents the options, ``stnb.scaling`` the model and the link presets."""
-    from .plots.predict import predict as with_figure
+    ``high``, ``dominant``, ``suspect``; ``.figure``, ``.assumptions``); in a notebook it shows all three.
+    ``stnb.scaling.predict`` (the computation, no plot) documents the options, ``stnb.scaling`` the model and
+    the link presets. Refuses an unknown strategy or link (with the list) and a run of fewer than 3 steady
+    steps (with the minimum)."""
+    from .plots.predict import figure
+    from .scaling import predict as compute
 
-    return with_figure(result, devices=devices, link=link, **options)
+    pred = compute(result, devices=devices, link=link, **options)
+    pred.figure = figure(pred)
+    return pred
 
 __version__ = "0.1.0"
 
@@ -39,7 +44,7 @@ __all__ = [
 ]
 
 
-_LAZY = ("bench", "examples", "export", "memory", "parallel", "plots", "scaleout", "scaling", "timesplit", "widgets")
+_LAZY = ("examples", "export", "memory", "plots", "scaleout", "scaling", "timesplit", "widgets")
 
 
 def __getattr__(name):

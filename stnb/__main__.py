@@ -1,4 +1,5 @@
-"""Command line: python -m stnb {run,hardware,bench,export,gpu-check} ..."""
+"""Command line: python -m stnb {run,hardware,export} ..., and the subcommands other packages register
+through the ``stnb.cli`` entry point group (stnb's lab: bench, gpu-check, predict, split)."""
 
 from __future__ import annotations
 
@@ -46,12 +47,38 @@ def cmd_hardware(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    from . import bench, export, gpucheck
-    from . import splitbench
-    from .scaling import cli as predict_cli
+GROUP = "stnb.cli"
+
+
+def extensions() -> list:
+    """The ``add_cli(subparsers)`` functions of the ``stnb.cli`` entry point group. Installed metadata first;
+    a source checkout whose installed metadata predates the group (run through PYTHONPATH) declares it in
+    the pyproject.toml beside the package, read here. The core names no package that extends it."""
+    from importlib.metadata import EntryPoint, entry_points
+    from pathlib import Path
+
+    found = list(entry_points(group=GROUP))
+    if not found:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        if pyproject.is_file():
+            import tomllib
+
+            declared = tomllib.loads(pyproject.read_text()).get("project", {}).get("entry-points", {})
+            found = [EntryPoint(name, value, GROUP) for name, value in declared.get(GROUP, {}).items()]
+    adders = []
+    for ep in sorted(found, key=lambda ep: ep.name):
+        try:
+            adders.append(ep.load())
+        except ImportError as e:  # the core's own subcommands still work; say what is missing and why
+            print(f"stnb: the subcommands of {ep.value} ({GROUP} entry point {ep.name!r}) are unavailable: {e}; "
+                  "reinstall stnb (make install, or pip install -e .)", file=sys.stderr)
+    return adders
+
+
+def parser() -> argparse.ArgumentParser:
+    """``python -m stnb``'s parser: the core's subcommands and those of the ``stnb.cli`` entry points."""
+    from . import export
     from .cli_options import add_run_options
-    from .errors import StnbError
 
     parser = argparse.ArgumentParser(prog="python -m stnb", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -61,9 +88,16 @@ def main(argv=None) -> int:
     p_hw = sub.add_parser("hardware", help="what this machine has and which strategies run here")
     p_hw.add_argument("--json", action="store_true")
     p_hw.set_defaults(func=cmd_hardware)
-    for command in (bench, export, gpucheck, predict_cli, splitbench):  # each registers its own sub-command
-        command.add_cli(sub)
-    a = parser.parse_args(argv)
+    export.add_cli(sub)
+    for add_cli in extensions():  # each registers its own sub-commands
+        add_cli(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .errors import StnbError
+
+    a = parser().parse_args(argv)
     try:
         return a.func(a)
     except StnbError as e:

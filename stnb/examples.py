@@ -18,7 +18,7 @@ def _rank_world_device():
     import torch
     import torch.distributed as dist
 
-    from .launch import rank_context
+    from .processes import rank_context
 
     ctx = rank_context()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -32,7 +32,7 @@ def hello() -> dict:
     """Who am I? Every rank prints one line and returns what it knows about the launch."""
     import torch.distributed as dist
 
-    from .launch import rank_context
+    from .processes import rank_context
 
     ctx = rank_context()
     rank, world, device = _rank_world_device()

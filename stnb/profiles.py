@@ -92,7 +92,7 @@ def setup(seed: int = 0, show: bool = True) -> Profile:
         pass
     import torch
 
-    from .launch.forksafe import watch_cuda_start
+    from .processes.forksafe import watch_cuda_start
 
     watch_cuda_start()  # a launch refused because this kernel started CUDA names the cell that did it
     torch.manual_seed(seed)  # CPU generator only: never initialises CUDA in the kernel

@@ -179,6 +179,22 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
     )
 
 
+def side_by_side(runs: list) -> RunResult:
+    """N independent runs at once (each ``merge``d alone, one report each) as one RunResult: their samples/s
+    and global batches summed, one world (no communication), verified only when every run is."""
+    from dataclasses import replace
+
+    bad = [f"run {i}: {r.reason or 'not verified'}" for i, r in enumerate(runs) if not r.verified]
+    return replace(
+        runs[0], world_size=1, samples_per_second=sum(r.samples_per_second or 0.0 for r in runs),
+        global_batch_size=sum(r.global_batch_size for r in runs),
+        verification={"independent_runs": [r.samples_per_second for r in runs],
+                      "ranks": [r.verification.get("ranks", [{}])[0] for r in runs]},
+        verified=not bad, reason="; ".join(bad),
+        peak_memory_bytes=[r.peak_memory_bytes[0] for r in runs],
+        peak_memory_run_bytes=[r.peak_memory_run_bytes[0] for r in runs])
+
+
 def _own_config(config, build: str, training: dict) -> dict:
     """A user's run's config: the launch fields it was given, and what its trainer trains with."""
     from .config import LAUNCH_FIELDS

@@ -14,7 +14,7 @@ from __future__ import annotations
 from .config import TrainConfig
 from .errors import ConfigError
 from .launchers.bars import StepBars  # noqa: F401  (the default progress display, kept importable here)
-from .launchers.local import preimport_training_stack  # noqa: F401  (stnb.bench pre-imports with it)
+from .launchers.local import preimport_training_stack  # noqa: F401  (stnblab.bench pre-imports with it)
 
 
 def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, cluster=None, **overrides):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from . import checks, prepare, strategies
 from .config import TrainConfig
-from .launch import rank_context, wait_for_all
+from .processes import rank_context, wait_for_all
 from .model_types import load_like
 from .rankreport import RankReport
 from .recipe import RecipeBuild

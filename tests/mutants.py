@@ -57,7 +57,7 @@ MODULES = (
     # checked by the slow tests and tests/mutations.py: several processes racing, a process killed)
     Module("results", "stnb/results.py", ("x_merge", "x_cross_rank_checks", "x__own_config", "xǁRunResultǁto_row",
                                           "xǁRunResultǁunavailable", "x_results_frame")),
-    Module("launch/channel", "stnb/launch/channel.py"),
+    Module("processes/channel", "stnb/processes/channel.py"),
     Module("export", "stnb/export.py"),
     Module("buildsource", "stnb/buildsource.py"),
     Module("checks", "stnb/checks.py"),
@@ -90,7 +90,7 @@ RANK_TESTS = {
     "stnb.strategies.x_verify": _FSDP_RANKS, "stnb.strategies.x_verify_prepared": _FSDP_RANKS,
     "stnb.strategies.tensors.x_param_counts": _FSDP_RANKS, "stnb.strategies.tensors.x_local_numel": _FSDP_RANKS,
     "stnb.strategies.tensors.x_shard_problems": _FSDP_RANKS,
-    **{f"stnb.launch.channel.xǁChannelǁ{m}": _LAUNCH_RANKS
+    **{f"stnb.processes.channel.xǁChannelǁ{m}": _LAUNCH_RANKS
        for m in ("check_in", "set_state", "bump", "report", "write_result", "write_error", "mark_progress")},
 }
 RANK_TEST_TIMEOUT_S = 300

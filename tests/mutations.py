@@ -107,7 +107,7 @@ MUTATIONS = [
     Mutation(
         "cleanup-descendants-only",
         "the launcher finds only processes still below a living rank (no child subreaper)",
-        (("stnb/launch/supervise.py", "    was_subreaper = child_subreaper(True)",
+        (("stnb/processes/supervise.py", "    was_subreaper = child_subreaper(True)",
           "    was_subreaper = None  # MUTATION"),),
         ("tests/test_faults.py::test_2c_rank_with_child_and_daemon_sigkilled",)),
     Mutation(
@@ -133,7 +133,7 @@ MUTATIONS = [
     Mutation(
         "launch-on-port-29500",
         "the launcher uses torch's default port 29500 instead of a free one",
-        (("stnb/launch/launcher.py", "    port = master_port or free_port(master_addr)\n", "    port = master_port or 29500\n"),),
+        (("stnb/processes/launcher.py", "    port = master_port or free_port(master_addr)\n", "    port = master_port or 29500\n"),),
         ("tests/test_launch.py::test_busy_port_29500_does_not_matter",)),
     Mutation(
         "ranks-see-the-same-data",
@@ -144,13 +144,13 @@ MUTATIONS = [
     Mutation(
         "spawn-by-reference",
         "spawned ranks get the launched function by reference (plain pickle), as multiprocessing sends it",
-        (("stnb/launch/byvalue.py", "        return cloudpickle.dumps((fn, args, kwargs))\n",
+        (("stnb/processes/byvalue.py", "        return cloudpickle.dumps((fn, args, kwargs))\n",
           "        return pickle.dumps((fn, args, kwargs))  # MUTATION\n"),),
         ("tests/test_spawn.py::test_cell_function_runs_in_spawned_ranks",)),
     Mutation(
         "spawn-asked-fork-used",
         "the ranks are forked whatever start method the launch asked for",
-        (("stnb/launch/start.py", "monitor_interval=0.1, start_method=opts.start_method,",
+        (("stnb/processes/start.py", "monitor_interval=0.1, start_method=opts.start_method,",
           'monitor_interval=0.1, start_method="fork",'),),
         ("tests/test_spawn.py::test_own_training_under_spawn_verified",)),
     Mutation(
@@ -183,7 +183,7 @@ MUTATIONS = [
     Mutation(
         "progress-shows-rank-0-step",
         "the per-rank progress shows rank 0's step for every rank",
-        (("stnb/launch/channel.py", "step=int(self._get(r, _STEP))", "step=int(self._get(0, _STEP))"),),
+        (("stnb/processes/channel.py", "step=int(self._get(r, _STEP))", "step=int(self._get(0, _STEP))"),),
         ("tests/test_launch.py::test_progress_shows_each_rank_its_own_step",)),
     Mutation(
         "export-forces-ddp",
@@ -202,7 +202,7 @@ MUTATIONS = [
         "a user's trainer gets a DeepSpeed config for ZeRO stage 1 whatever stage was asked (only the engine's "
         "observed stage can tell: the refusals see no deepspeed=... in the user's arguments)",
         (("stnb/strategies/deepspeed.py", "                   json.dumps(ds_config(config)).encode()).decode()}",
-          '                   json.dumps(merge(ds_config(config), {"zero_optimization": {"stage": 1}})).encode()'
+          '                   json.dumps(overlay(ds_config(config), {"zero_optimization": {"stage": 1}})).encode()'
           ').decode()}'),),
         ("tests/test_deepspeed.py::test_a_users_trainer_gets_deepspeed_and_is_verified",)),
     Mutation(
@@ -289,7 +289,7 @@ def run_tests(root: str, tests, timeout: float = PER_TEST_TIMEOUT_S) -> tuple:
     a file, so a leftover process holding a pipe open cannot keep us waiting."""
     import psutil
 
-    from stnb.launch import child_subreaper
+    from stnb.processes import child_subreaper
 
     env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTEST_ADDOPTS", None)

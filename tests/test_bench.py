@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import stnb
-from stnb import bench
+from stnblab import bench
 from stnb.__main__ import main as cli
 
 TINY = ["--model", "tiny", "--steps", "3", "--warmup", "1", "--train-size", "64", "--batch-size", "4"]

@@ -9,9 +9,10 @@ import json
 import pytest
 
 import stnb
-from stnb import bench, reference
+from stnb import reference
+from stnblab import bench
 from stnb.__main__ import main as cli
-from stnb.bench import document
+from stnblab.bench import document
 
 TINY = ["--model", "tiny", "--steps", "3", "--warmup", "1", "--train-size", "64", "--batch-size", "4"]
 
@@ -177,3 +178,24 @@ def test_real_run_writes_its_own_numbers(tmp_path, monkeypatch, capsys):
     assert "0 to run" in capsys.readouterr().out
     again = (tmp_path / document.DEFAULT_DOC).read_text()
     assert tables(section(again, "default/cpu/sweep"))[0] == tables(block)[0]
+
+
+def test_summary_medians_are_over_the_repeats_and_leave_missing_values_out():
+    """A variant's numbers are the medians over its repeats (an even count: the mean of the middle two), its
+    range the repeats' min and max; a value a row does not have (no MFU on CPU) is left out, not a zero."""
+    opts = bench.BenchOptions.from_preset("quick", sections=("sweep",), sweep_repeats=4)
+    items = [it for it in bench.plan(opts) if not it.unavailable]
+    name = items[0].name
+    mine = [it for it in items if it.name == name]
+    assert len(mine) == 4, [it.name for it in items]
+    sps, first, mfu = (3.0, 1.0, 2.0, 10.0), (4.0, 8.0, 5.0, 6.0), (0.5, None, 0.1, None)
+    latest = {it.key: {"config": it.config.to_dict(), "status": "ok", "verified": True, "samples_per_second": s,
+                       "step_times": [9.0, 1.0, 3.0, 2.0], "time_to_first_step_s": f, "world_size": 1,
+                       "global_batch_size": 4, "mfu": {"mfu": m}}
+              for it, s, f, m in zip(mine, sps, first, mfu)}
+    [row] = [r for r in bench.summarize(items, latest, opts)["sections"]["sweep"] if r["variant"] == name]
+    assert (row["samples_per_second"], row["min"], row["max"]) == (2.5, 1.0, 10.0)
+    assert row["time_to_first_step_s"] == 5.5 and row["mfu"] == pytest.approx(0.3)
+    warm = mine[0].config.warmup_steps_excluded
+    assert warm in (1, 2) and row["step_s"] == {1: 2.0, 2: 2.5}[warm]  # the steady steps' median: [1, 3, 2] / [3, 2]
+    assert row["tokens_per_sample"] is None and row["ok"] == row["runs"] == 4

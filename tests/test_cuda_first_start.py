@@ -14,7 +14,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-from stnb.launch import forksafe  # noqa: E402
+from stnb.processes import forksafe  # noqa: E402
 
 CELLS = [
     # [1] the simulated driver: started by the first device count
@@ -29,7 +29,7 @@ CELLS = [
     # [2]
     """
     import stnb
-    from stnb.launch import forksafe
+    from stnb.processes import forksafe
     forksafe.cuda_driver_initialised = lambda: bool(started)
     stnb.setup(show=False)
     print("WATCHED", forksafe.first_cuda_start())

@@ -76,7 +76,7 @@ def test_2_rank_sigkilled_seen_late_still_names_it(tmp, monkeypatch):
     /proc) and SIGTERMs rank 0, and the watchdog sees both ended in the same poll. Made deterministic
     here: the watchdog is shown no rank as ended until every rank has. Elastic's own record (rank 1
     failed with -9) must decide, not the order the ranks were looked at."""
-    from stnb.launch import watchdog
+    from stnb.processes import watchdog
 
     real, seen = watchdog.process_ended, {}
 

@@ -136,7 +136,7 @@ def test_no_stnb_call_in_the_notebook_reaches_the_driver(gpu_box, tmp_path, caps
         cfg = prof.config(strategy=strategy, mixed_precision="bf16").validate()
         assert cfg.resolved_device() == "cuda"
     assert prof.config(strategy="ddp").world_size() == 2
-    from stnb import bench
+    from stnblab import bench
 
     items = bench.plan(bench.BenchOptions.from_preset("quick"))
     assert items and all(it.config.device == "cuda" for it in items)
@@ -246,7 +246,7 @@ def test_arch_compatibility_rules():
 def test_bench_on_one_gpu_compares_on_cpu_ranks(gpu_box):
     """Notebook 05 / bench with device auto on 1 GPU: DDP needs 2 ranks, so the plan runs on CPU ranks
     (as notebooks 00/03/04/06 do) and every DDP variant is runnable; device='cuda' marks them not runnable."""
-    from stnb import bench
+    from stnblab import bench
 
     gpu_box([T4])
     opts = bench.BenchOptions.from_preset("quick", sections=("knobs",))
@@ -282,7 +282,7 @@ def test_check_fork_safe_sees_a_driver_started_by_is_available(tmp_path):
     script = textwrap.dedent(f"""
         import ctypes, json, torch
         import stnb
-        from stnb.launch import forksafe
+        from stnb.processes import forksafe
         out = {{"before_load": forksafe.cuda_driver_initialised()}}
         def cuda_get_device_count():  # what torch's cudaGetDeviceCount does: load the driver, cuInit
             driver = ctypes.CDLL({str(lib)!r})
@@ -534,7 +534,7 @@ def test_diagnosis_treats_an_nccl_watchdog_timeout_as_a_consequence():
     "Connection closed by remote peer 127.0.0.1:29500",
 ])
 def test_nccl_messages_are_secondary(message):
-    from stnb.launch import peerfail
+    from stnb.processes import peerfail
 
     assert peerfail.is_secondary({"type": "RuntimeError", "message": message})
     assert not peerfail.is_secondary({"type": "ValueError", "message": "bad batch"})
@@ -561,7 +561,7 @@ def test_failing_rank_never_calls_a_blocking_destroy_process_group(monkeypatch):
 
 
 def test_nccl_ranks_get_a_bounded_timeout_and_async_error_handling(monkeypatch):
-    from stnb.launch import peerfail
+    from stnb.processes import peerfail
 
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     assert peerfail.nccl_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
@@ -591,8 +591,8 @@ def test_st_docs_on_one_gpu_runs_its_single_row_on_the_gpu(gpu_box, tmp_path):
     """bench --preset st-docs measures GPUs: on 1 GPU with device auto its single row runs there (dp / ddp /
     fsdp are listed as not runnable, with the reason); it used to run everything on CPU ranks. The gpu-check's
     st-docs row plans the same way."""
-    from stnb import bench
-    from stnb.gpucheck import checks, planning
+    from stnblab import bench
+    from stnblab.gpucheck import checks, planning
 
     box = gpu_box([H100])
     items = bench.plan(bench.BenchOptions.from_preset("st-docs"))
@@ -611,7 +611,7 @@ def test_plain_baseline_and_stnb_single_use_the_same_gpu(gpu_box, monkeypatch):
     """The gpu-check's ratio: with CUDA_VISIBLE_DEVICES=3 the plain script used to be pinned to visible
     ordinal 0 (physical GPU 0, an H100 here) while stnb.run(strategy='single') ran on physical GPU 3 (the
     A100). Each environment is applied and the GPU it leaves visible is read back."""
-    from stnb.gpucheck import checks
+    from stnblab.gpucheck import checks
 
     box = gpu_box([H100, H100, H100, A100])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
@@ -705,7 +705,7 @@ def _rank0_busy_then_barrier(how: str):
 
     import torch.distributed as dist
 
-    from stnb.launch import wait_for_all
+    from stnb.processes import wait_for_all
 
     if dist.get_rank() == 0:
         for _ in range(40):
@@ -726,7 +726,7 @@ def test_waiting_for_rank0s_save_outlives_the_collective_timeout(monkeypatch, ho
     it too): a plain barrier is cut short, stnb's wait_for_all (what training uses) is not."""
     import datetime
 
-    from stnb.launch import rank as rank_module
+    from stnb.processes import rank as rank_module
 
     monkeypatch.setattr(rank_module, "collective_timeout", lambda stall: datetime.timedelta(seconds=1.5))
     out = stnb.launch(_rank0_busy_then_barrier, how, num_processes=2, device="cpu", echo=False, stall_timeout=60)
@@ -737,8 +737,8 @@ def _predicted_failures(machine, plan, tmp) -> list:
     """Why a planned row that runs would fail on this (simulated) machine by construction, asked of the
     code the row itself goes through: TrainConfig.validate, the launch's capacity check, the precision
     check, bench's plan, and accelerate's DDP rule (more than one process)."""
-    from stnb import bench
-    from stnb.gpucheck import checks, planning
+    from stnblab import bench
+    from stnblab.gpucheck import checks, planning
 
     why = []
     for c in plan:
@@ -774,7 +774,7 @@ def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, label, box, tmp_path, 
     lists the rows that will run, and none of them is bound to fail on that machine. docs/gpu.md's
     table gives the same count of rows that run."""
     from stnb.__main__ import main
-    from stnb.gpucheck import planning
+    from stnblab.gpucheck import planning
 
     sim = gpu_box(box)
     machine = planning.detect()
@@ -838,11 +838,12 @@ step("stnb.setup()", stnb.setup)
 step("hardware_report", lambda: stnb.hardware_report().device == "cuda" or 1 / 0)
 for mod in ("sentence_transformers", "sentence_transformers.sentence_transformer.losses",
             "sentence_transformers.sentence_transformer.evaluation", "transformers.trainer", "accelerate",
-            "stnb.widgets", "stnb.bench", "stnb.gpucheck"):
+            "stnb.widgets", "stnblab.bench", "stnblab.gpucheck"):
     step(f"import {mod}", lambda mod=mod: importlib.import_module(mod))
 step("validate", lambda: stnb.TrainConfig(strategy="single", model="tiny", device="cuda",
                                           mixed_precision="bf16").validate())
-step("gpu-check plan", lambda: stnb.gpucheck.plan(stnb.gpucheck.detect()))
+gpucheck = lambda: importlib.import_module("stnblab.gpucheck")
+step("gpu-check plan", lambda: gpucheck().plan(gpucheck().detect()))
 step("run on CPU ranks", lambda: stnb.run(strategy="single", device="cpu", model="tiny", steps=2,
                                           warmup_steps_excluded=1, train_size=16, dev_size=4, evaluate=False,
                                           per_device_batch_size=4, echo=False).verified or 1 / 0)

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from stnb import gpucheck
-from stnb.gpucheck import checks, planning, report as reporting
-from stnb.gpucheck.planning import Machine
+from stnblab import gpucheck
+from stnblab.gpucheck import checks, planning, report as reporting
+from stnblab.gpucheck.planning import Machine
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2 ** 30, "compute_capability": [9, 0]}
 T4 = {"index": 0, "name": "Tesla T4", "memory_bytes": 15 * 2 ** 30, "compute_capability": [7, 5]}
@@ -152,7 +152,7 @@ def test_plan_covers_every_sharding_strategy_save_and_the_other_model_types():
 def test_plan_without_what_a_row_needs_says_so():
     """The GPU image: no bundled MiniLM (rows train the tiny model, the ratio row mpnet-base's shape), no
     nbclient, DeepSpeed missing and transformers too old for fsdp: those rows are listed as not run, with why."""
-    from stnb.gpucheck.builds import BUILDS
+    from stnblab.gpucheck.builds import BUILDS
 
     m = Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb", minilm=False,
                 missing={"nbclient": "nbclient is not installed", "strategy:deepspeed": "DeepSpeed is not installed",
@@ -298,7 +298,7 @@ def test_fault_checks_run_for_real_on_cpu(fault, kind):
 
 
 def test_fault_check_fails_when_the_fault_goes_unnoticed(monkeypatch):
-    from stnb.gpucheck import ranks
+    from stnblab.gpucheck import ranks
 
     monkeypatch.setitem(checks._FAULTS, "raise", (ranks.rank_pids, "raised"))  # a rank function that never faults
     check = gpucheck.Check("fault raise", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"}, gpus=2)

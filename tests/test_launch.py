@@ -29,7 +29,7 @@ import stnb
 from stnb.errors import ConfigError, LaunchError
 from stnb.hardware import cpu_cores
 
-stnb_launch = importlib.import_module("stnb.launch")  # the module (stnb.launch is the function)
+stnb_launch = importlib.import_module("stnb.processes")  # the package (stnb.launch is the function)
 cpu_launch = fc.cpu_launch  # stnb.launch(..., device="cpu"): gloo ranks, also where GPUs exist
 
 
@@ -81,7 +81,7 @@ def test_progress_shows_each_rank_its_own_step():
 
 def test_channel_rows_are_per_rank():
     """In one process: what rank r reports is what the parent reads for rank r, and nothing else."""
-    from stnb.launch.channel import Channel
+    from stnb.processes.channel import Channel
 
     with Channel(3) as ch:
         fresh = ch.states()
@@ -109,7 +109,7 @@ def test_channel_files_per_rank():
     nothing is silent; the folder goes with the channel."""
     import pickle
 
-    from stnb.launch.channel import Channel
+    from stnb.processes.channel import Channel
 
     with Channel(2) as ch:
         assert ch.is_silent(0) and ch.is_silent(1) and not ch.has_result(0)
@@ -339,30 +339,32 @@ def test_non_callable_refused(fn):
     assert "needs a callable" in msg and type(fn).__name__ in msg
 
 
-# ---- stnb.launch: the package and the function ------------------------------------------------
+# ---- stnb.launch: the function; stnb.processes: its package ------------------------------------------------
 
 PACKAGE_AND_FUNCTION = r"""
-import json
-import stnb.launch.supervise            # the package's submodules import before and after `import stnb`
-from stnb.launch import child_subreaper, free_port, last_launch, LaunchInfo, RankState
-from stnb.launch.supervise import kill_tree, children_now
+import json, pathlib
+import stnb.processes.supervise            # the package's submodules import before and after `import stnb`
+from stnb.processes import child_subreaper, free_port, last_launch, LaunchInfo, RankState
+from stnb.processes.supervise import kill_tree, children_now
 import stnb
 res = stnb.launch(lambda: 1, num_processes=1, device="cpu", echo=False)
 print(json.dumps({"callable": callable(stnb.launch), "defined_in": stnb.launch.__module__, "res": res,
-                  "info": isinstance(stnb.last_launch(), LaunchInfo), "same": last_launch is stnb.last_launch}))
+                  "info": isinstance(stnb.last_launch(), LaunchInfo), "same": last_launch is stnb.last_launch,
+                  "no_package_named_launch": not (pathlib.Path(stnb.__file__).parent / "launch" / "__init__.py").exists()}))
 """
 
 
 def test_stnb_launch_is_the_function_and_its_package_stays_importable():
-    """`stnb.launch` is the function (stnb/__init__ imports it over the package's name); the package's
-    public names and submodules stay importable with `from stnb.launch ... import`. Fresh interpreter."""
+    """`stnb.launch` is the function and nothing else (its package is `stnb.processes`, whose public names
+    and submodules import before and after `import stnb`). Fresh interpreter."""
     proc = subprocess.run([sys.executable, "-c", PACKAGE_AND_FUNCTION], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"callable": True, "defined_in": "stnb.launch.launcher", "res": [1], "info": True, "same": True}
+    assert out == {"callable": True, "defined_in": "stnb.processes.launcher", "res": [1], "info": True, "same": True,
+                   "no_package_named_launch": True}
 
 
 def test_no_private_name_of_launch_is_imported_elsewhere():
@@ -380,7 +382,7 @@ def test_no_private_name_of_launch_is_imported_elsewhere():
                 pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
                 base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
                 target = f"{base}.{node.module}" if node.level and node.module else (node.module or base)
-                if target == "stnb.launch" or target.startswith("stnb.launch."):
+                if target == "stnb.processes" or target.startswith("stnb.processes."):
                     bad += [f"{mod}: from {target} import {a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert bad == []

@@ -16,7 +16,7 @@ import pytest
 import stnb
 from stnb import hardware
 from stnb.errors import ConfigError
-from stnb.launch import start
+from stnb.processes import start
 
 
 def _gpu_each_rank_takes(monkeypatch, nodes: int, nproc: int, visible: str | None = None) -> dict:

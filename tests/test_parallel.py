@@ -1,7 +1,7 @@
-"""Tensor and pipeline parallelism (stnb.parallel) on 2 CPU gloo ranks, against one process.
+"""Tensor and pipeline parallelism (stnblab.parallel) on 2 CPU gloo ranks, against one process.
 
 The tiny random BERT (2 layers, 2 heads, hidden 64) keeps these fast; notebook 08 runs the same
-code on MiniLM. Tolerances are stnb.parallel.TOLERANCE (fp32: the measured differences are ~1e-7).
+code on MiniLM. Tolerances are stnblab.parallel.TOLERANCE (fp32: the measured differences are ~1e-7).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 import stnb
 from stnb.errors import ConfigError, VerificationError
-from stnb.parallel import TOLERANCE, pipeline_parallel, plans, tensor_parallel
-from stnb.parallel.single import load, make_batches, mnrl
+from stnblab.parallel import TOLERANCE, pipeline_parallel, plans, tensor_parallel
+from stnblab.parallel.single import load, make_batches, mnrl
 from stnb.models import resolve_model
 
 PAIRS, STEPS = 8, 3
@@ -162,7 +162,7 @@ def test_an_oversubscribed_rank_that_fails_is_reported_and_nothing_is_left(monke
 
     import rankfns
     from stnb.errors import LaunchError
-    from stnb.parallel.oversubscribe import launch_oversubscribed
+    from stnblab.parallel.oversubscribe import launch_oversubscribed
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     with pytest.raises(LaunchError, match=r"(?s)3 oversubscribed ranks failed.*deliberate failure in rank 1"):

@@ -20,7 +20,7 @@ import stnb
 from stnb import scaleout
 from stnb.config import TrainConfig
 from stnb.errors import ConfigError
-from stnb.launch import free_port
+from stnb.processes import free_port
 from stnb.results import RunResult, load_results, results_frame
 from stnb.strategies import is_distributed, names
 

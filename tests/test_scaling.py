@@ -10,7 +10,8 @@ import pytest
 import stnb
 from stnb.errors import ConfigError
 from stnb import strategies
-from stnb.scaling import MIN_STEADY_STEPS, LINKS, Measured, known, predict, seed
+from stnb.scaling import MIN_STEADY_STEPS, LINKS, Measured, known, predict
+from stnblab.scaling import seed
 from stnb.scaling.calibrate import fit, loopback
 from stnb.scaling.links import PRESETS, Fabric, custom
 from stnb.strategies.stepcost import pipeline
@@ -93,9 +94,9 @@ def test_loopback_fit_recovers_a_known_link():
 
 
 def test_published_check_rows_and_docs_are_what_the_command_prints():
-    """The table in docs/scaling.md and README.md is the output of ``python -m stnb.scaling.check``, not
+    """The table in docs/scaling.md and README.md is the output of ``python -m stnblab.scaling.check``, not
     typed: the committed block equals what the command prints now."""
-    from stnb.scaling import check, dle
+    from stnblab.scaling import check, dle
 
     rows, notes = check.rows()
     st = [r for r in rows if r["table"].startswith("sentence-transformers")]
@@ -111,16 +112,16 @@ def test_published_check_rows_and_docs_are_what_the_command_prints():
     block = lambda text: re.search(r"<!-- published-check -->\n(.*?)<!-- /published-check -->", text, re.S)
     doc = block((ROOT / "docs" / "scaling.md").read_text())
     assert doc and doc.group(1) == check.document(rows, notes), \
-        "docs/scaling.md's table is stale: python -m stnb.scaling.check --write-doc docs/scaling.md"
+        "docs/scaling.md's table is stale: python -m stnblab.scaling.check --write-doc docs/scaling.md"
     readme = block((ROOT / "README.md").read_text())
     assert readme and readme.group(1) == check.markdown(rows), \
-        "README's table is stale: python -m stnb.scaling.check --write-doc README.md"
+        "README's table is stale: python -m stnblab.scaling.check --write-doc README.md"
     assert "| ddp | 4 | 6,980 |" in readme.group(1)  # the seed row the issue asks about is in it
 
 
 def test_the_docs_table_follows_the_command_not_a_typed_copy(tmp_path):
     """refresh() rewrites a block whose numbers were typed over, and leaves a current one alone."""
-    from stnb.scaling import check
+    from stnblab.scaling import check
 
     doc = tmp_path / "x.md"
     doc.write_text(f"before\n{check.BEGIN}\n| typed | 1 |\n{check.END}\nafter\n")

@@ -13,9 +13,9 @@ import pytest
 
 import stnb
 from stnb import ConfigError, strategies
-from stnb.bench import BenchOptions, plan as bench_plan
-from stnb.gpucheck import plan as gpu_plan
-from stnb.gpucheck.planning import Machine
+from stnblab.bench import BenchOptions, plan as bench_plan
+from stnblab.gpucheck import plan as gpu_plan
+from stnblab.gpucheck.planning import Machine
 from stnb.strategies.ddp import DistributedDataParallel, ddp_step
 
 NAME = "half-ddp"

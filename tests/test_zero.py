@@ -179,8 +179,9 @@ def test_stage_table_puts_measured_fractions_beside_the_predicted_ones(runs):
 # where the string is not stnb's strategy, or is a published document's text. (file, name): why.
 NAMED_ELSEWHERE = {
     ("reference.py", "*"): "the sentence-transformers docs' published table, keyed by the rows they printed",
-    ("parallel/pp.py", "dp"): "the data-parallel dimension of a torch DeviceMesh ('dp', 'pp', 'tp'), not a strategy",
-    ("parallel/__init__.py", "single"): "the module stnb.parallel.single, listed in __all__",
+    ("stnblab/parallel/pp.py", "dp"): "the data-parallel dimension of a torch DeviceMesh ('dp', 'pp', 'tp'), not a "
+                                      "strategy",
+    ("stnblab/parallel/__init__.py", "single"): "the module stnblab.parallel.single, listed in __all__",
 }
 
 
@@ -236,14 +237,14 @@ def test_no_module_outside_strategies_names_a_strategy():
     """Everything asks the registry: a strategy's name compared (``strategy == "ddp"``, ``s in ("ddp",
     "fsdp")``), used as a key (``STEP_MODELS["single"]``, ``COLORS["ddp"]``) or listed (``DISTRIBUTED =
     ("ddp", "fsdp")``) outside stnb/strategies/ is a fact living in the wrong place (NAMED_ELSEWHERE: where
-    the string is something else)."""
+    the string is something else). The lab (stnblab/, its paths named with the package) is held to the same."""
     import pathlib
 
     names = set(strategies.names()) | {"zero3"}
     root = pathlib.Path(stnb.__file__).parent
     found = []
-    for f in sorted(root.rglob("*.py")):
-        rel = f.relative_to(root)
+    for f in sorted([*root.rglob("*.py"), *(root.parent / "stnblab").rglob("*.py")]):
+        rel = f.relative_to(root) if root in f.parents else f.relative_to(root.parent)
         if rel.parts[0] == "strategies":
             continue
         for line, name, how in strategy_names_used(f.read_text(), names):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from ..launch import report_progress
+from ..processes import report_progress
 from .base import Instrument
 
 

@@ -74,14 +74,21 @@ def execute(plan: Plan, launcher: Launcher):
 
 
 def finish(plan: Plan, reports: list, launcher: str, *, n_gpu: int | None = None, cluster: dict | None = None,
-           wall_time_s: float | None = None):
-    """Merge the ranks' reports into the RunResult (``results.merge``) and append it to the results file."""
-    from ..hardware import gpu_count
-    from ..results import append_result, merge
+           wall_time_s: float | None = None, independent: bool = False):
+    """Merge the ranks' reports into the RunResult (``results.merge``) and append it to the results file.
 
-    result = merge(plan.config, reports, device=plan.device, n_gpu=gpu_count() if n_gpu is None else n_gpu,
-                   wall_time_s=time.time() - plan.t0 if wall_time_s is None else wall_time_s, launcher=launcher,
-                   cluster=cluster)
+    independent: each report is a run of its own (N single-device runs side by side, no communication):
+    each is merged alone and the RunResult is their sum (``results.side_by_side``)."""
+    from ..hardware import gpu_count
+    from ..results import append_result, merge, side_by_side
+
+    how = dict(device=plan.device, n_gpu=gpu_count() if n_gpu is None else n_gpu,
+               wall_time_s=time.time() - plan.t0 if wall_time_s is None else wall_time_s, launcher=launcher,
+               cluster=cluster)
+    if independent:
+        result = side_by_side([merge(plan.config, [report], **how) for report in reports])
+    else:
+        result = merge(plan.config, reports, **how)
     if plan.results_file is not None:
         append_result(plan.results_file, result)
     return result

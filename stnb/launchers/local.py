@@ -37,7 +37,7 @@ class Local(Launcher):
         self.method = resolve_start_method(config.start_method)
 
     def start(self, plan: Plan) -> list:
-        from ..launch import launch
+        from ..processes import launch
         from ..training import train_rank
 
         config, device = plan.config, plan.device

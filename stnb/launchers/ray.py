@@ -202,7 +202,7 @@ def ray_worker(cfg: dict) -> None:
     import ray
     import ray.train
 
-    from ..launch.output import redirect_output
+    from ..processes.output import redirect_output
     from .rundir import train_in_rank
 
     ctx = ray.train.get_context()

@@ -94,7 +94,7 @@ class RunDir:
 
     def states(self, world: int) -> list:
         """Every rank's progress as ``stnb.launch``'s RankState (what ``on_progress`` receives)."""
-        from ..launch import RankState
+        from ..processes import RankState
 
         now, out = time.time(), []
         finished, failed = set(self.reports(world)), {e["rank"] for e in self.errors(world)}
@@ -162,7 +162,7 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
     peer's failure seen in a collective); a rank vanished (killed: neither report nor error); the
     rendezvous did not complete (which ranks arrived, which never did); a peer's failure alone.
     """
-    from ..launch.peerfail import is_secondary as peer_error, origin
+    from ..processes.peerfail import is_secondary as peer_error, origin
 
     def is_secondary(record):
         return peer_error(record) or any(m in (record.get("message") or "") for m in PEER_LOST)
@@ -224,7 +224,7 @@ def train_in_rank(rundir: RunDir, rank: int, world: int, config, model_path, bui
     """What every cluster rank runs: say it arrived, join the process group (``join()``, when the engine
     has not), train with stnb's own rank code (``training.train_rank``, the same verification as a local
     run), and leave the RankReport (or the error) in the run's folder."""
-    from ..launch.rank import set_progress_sink
+    from ..processes.rank import set_progress_sink
     from ..training import train_rank
 
     rundir.arrive(rank, **facts)

@@ -12,7 +12,7 @@ text gives the reason.
     memory(df)          peak memory per rank, and params / grads / optimizer state per rank
     loss_curves(df)     training loss per step, one line per run
     dashboard(df)       the four above in one figure
-    knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnb.bench`` summary
+    knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnblab.bench`` summary
     split_bars(results) where each step's time goes, a stacked bar per run (``plots.timesplit``)
     timeline(result)    per rank, compute and communication lanes of a few steps
     memory_split(results) where each rank's peak memory goes, a stacked bar per run (``plots.memsplit``)

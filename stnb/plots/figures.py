@@ -149,14 +149,14 @@ def dashboard(df, reference: bool = False):
 
 
 def knobs(summary, target: float | None = 0.95):
-    """DDP knob comparison from a bench summary (``stnb.bench.bench(...).summary``): scaling efficiency
+    """DDP knob comparison from a bench summary (``stnblab.bench.bench(...).summary``): scaling efficiency
     of every variant (samples/s over N x the matching single-device run), with the target and the ideal.
     Hover shows samples/s, the baseline it is compared with and how many repeats it is the median of."""
     import plotly.graph_objects as go
 
     section = summary.get("sections", {}).get("knobs") if isinstance(summary, dict) else None
     if not section:
-        raise ValueError("this bench summary has no 'knobs' section; run stnb.bench with sections=('knobs',)")
+        raise ValueError("this bench summary has no 'knobs' section; run stnblab.bench with sections=('knobs',)")
     rows = [r for r in section["variants"] if r.get("efficiency") is not None]
     hover = [f"samples/s: {r['samples_per_second']:,.1f} (median of {r['ok']} run(s))<br>"
              f"compared with: {esc(r['baseline'])}<br>vs DDP defaults: "

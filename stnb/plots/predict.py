@@ -1,4 +1,4 @@
-"""The scaling predictor with its figure: ``stnb.predict`` (``stnb.scaling.predict`` plus a plot).
+"""The scaling predictor's figure (``stnb.predict`` is ``stnb.scaling.predict`` plus this plot).
 
 ``figure(prediction)`` draws predicted samples/s against the device count (log axes), one line per
 strategy (the all-mid prediction) inside a filled band (its interval: every input's range, low to high),
@@ -9,19 +9,6 @@ under it.
 from __future__ import annotations
 
 from .traces import strategy_color
-
-
-def predict(result, devices=(2, 4, 8), link="loopback", **options):
-    """``stnb.scaling.predict(result, devices, link, ...)`` with its figure in ``.figure``.
-
-    Returns a Prediction: ``.table`` (one row per strategy and device count), ``.assumptions`` and
-    ``.figure``; in a notebook it shows all three. Refuses an unknown strategy or link (with the
-    list) and a run of fewer than 3 steady steps (with the minimum)."""
-    from .. import scaling
-
-    pred = scaling.predict(result, devices=devices, link=link, **options)
-    pred.figure = figure(pred)
-    return pred
 
 
 def figure(pred):

@@ -12,8 +12,9 @@ and the rest; its model shape gives the bytes; its step times the spread; its da
 calls per step. ``links`` holds the presets (bus bandwidth ranges with their sources) and the collective
 costs, ``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
 registry), ``interval`` the ranges' combinations and the suspect flags, ``calibrate`` measures this
-machine's loopback, ``check`` predicts two published tables (``seed``: the sentence-transformers docs' 4x
-V100; ``dle``: DeepLearningExamples' BERT-large on a DGX-1) from their 1-GPU rows.
+machine's loopback (the 'loopback' link). The predictor checked on two published tables from their 1-GPU
+rows (the sentence-transformers docs' 4x V100; DeepLearningExamples' BERT-large on a DGX-1) is the lab's:
+``stnblab.scaling``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network
         strategy's ``aka`` spells (e.g. 'zero3' for fsdp) is that strategy's model, shown under that name.
     result: a RunResult (or its dict) measured with stnb; its time split, model shape, step spread and
         text columns are the inputs. None with ``measured`` (a Measured, or an ``Uncertain`` whose inputs
-        carry ranges, e.g. ``seed.measured()``).
+        carry ranges, e.g. ``stnblab.scaling.seed.measured()``).
     link: a preset name (``stnb.scaling.LINKS``; 'loopback' is measured here) or a ``Link``.
     network: the link between nodes when devices exceed what one node holds on ``link``.
     host_fraction: DataParallel's single-process limit (see ``stnb.strategies.dp``): a share, a
@@ -333,6 +334,3 @@ def _check_devices(devices) -> list:
 def _ms(seconds):
     return None if seconds is None else seconds * 1e3
 
-
-def with_measured(m: Measured, **changes) -> Measured:
-    return replace(m, **changes)

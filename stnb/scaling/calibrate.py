@@ -38,7 +38,7 @@ def time_all_reduce(sizes=SIZES, repeats=REPEATS) -> dict:
 
 def measure_all_reduce(num_processes: int = 2, sizes=SIZES, repeats=REPEATS) -> dict:
     """{bytes: seconds} of an all-reduce on ``num_processes`` gloo ranks here (the slowest rank's)."""
-    from ..launch import launch
+    from ..processes import launch
 
     per_rank = launch(time_all_reduce, sizes, repeats, num_processes=num_processes, device="cpu",
                       threads_per_rank=1, echo=False, timeout=300)

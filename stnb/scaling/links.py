@@ -221,6 +221,3 @@ def fabric(link, network="100gbps") -> Fabric:
     inner = resolve(link)
     return Fabric(inner, resolve(network) if not isinstance(network, Link) else network)
 
-
-def with_overlap(link: Link, overlap: bool) -> Link:
-    return replace(link, overlap=overlap)

@@ -58,10 +58,10 @@ class Strategy(abc.ABC):
     #: (``stnb.strategies.stepcost``: m a ``stnb.scaling.Measured``, fab a ``stnb.scaling.Fabric``);
     #: None: the predictor has no model for this strategy and refuses it
     step_time = None
-    #: the term the published-reference check (``stnb.scaling.seed.would_match``) solves for to explain a
+    #: the term the published-reference check (``stnblab.scaling.seed.would_match``) solves for to explain a
     #: miss: 'bw' (the link's bandwidth) or 'host_fraction' (dp's single-process host share)
     miss_term: ClassVar[str] = "bw"
-    bench: ClassVar[bool] = False      # a row of the bench presets' strategy sweep (``stnb.bench``)
+    bench: ClassVar[bool] = False      # a row of the bench presets' strategy sweep (``stnblab.bench``)
     gpu_check: ClassVar[bool] = False  # trained by the GPU check (``python -m stnb gpu-check``), its own rows
 
     # ---- facts ------------------------------------------------------------------------------

@@ -59,13 +59,13 @@ def ds_config(config) -> dict:
            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "gradient_clipping": "auto",
            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "steps_per_print": 10**9}
-    return merge(out, config.deepspeed_config or {})
+    return overlay(out, config.deepspeed_config or {})
 
 
-def merge(base: dict, over: dict) -> dict:
+def overlay(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = overlay(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 

@@ -210,7 +210,7 @@ class Panel(W.VBox):
         self.error.value = (self.error.value + error_html(e)) if append else error_html(e)
 
     def show_log(self) -> None:
-        from ..launch import last_launch
+        from ..processes import last_launch
 
         info = last_launch()
         html = rank_logs(info.logs) if info is not None else ""

@@ -1,0 +1,407 @@
+"""RUN: one function per kind of check; each returns an ``Outcome`` and never raises.
+
+This process is the parent of every rank (like a notebook kernel): it never touches CUDA itself.
+GPU work happens in stnb.launch / stnb.run children, in a plain script subprocess, or in the
+Jupyter kernel that runs notebook 00. A check's ``params['device']`` (default 'cuda') lets the
+tests run the same functions with gloo ranks on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+from stnb.strategies import baseline_name, is_distributed
+from stnb.timesplit import problems as split_problems
+
+from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
+from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
+from .report import Outcome
+
+
+def _result_metrics(res, gpus: int) -> dict:
+    """The numbers the table shows, from a RunResult."""
+    mfu = res.mfu or {}
+    cfg = res.config or {}
+    return {"samples_per_second": res.samples_per_second, "mfu": mfu.get("mfu"),
+            "achieved_tflops": mfu.get("achieved_tflops"), "peak_tflops": mfu.get("peak_tflops"),
+            "peak_source": mfu.get("peak_source"), "tokens_per_sample": mfu.get("tokens_per_sample"),
+            "peak_memory_bytes": max(res.peak_memory_bytes) if res.peak_memory_bytes else None,
+            "wall_time_s": res.wall_time_s, "strategy": res.strategy, "gpus": gpus,
+            "precision": cfg.get("mixed_precision"), "device": res.device, "verified": res.verified,
+            "final_loss": res.losses[-1] if res.losses else None}
+
+
+def _dev(check) -> str:
+    return check.params.get("device", "cuda")
+
+
+def _judge_training(res, check) -> list:
+    """Why a finished training run does not count as a pass on the GPU (empty: it passes)."""
+    problems = []
+    device = _dev(check)
+    if res.status != "ok":
+        problems.append(f"status {res.status}: {res.reason}")
+    if not res.verified:
+        problems.append(f"not verified: {json.dumps(res.verification, default=str)[:300]}")
+    if res.device != device:
+        problems.append(f"ran on {res.device}, not on {device}")
+    if not res.samples_per_second:
+        problems.append("no measured samples/s")
+    if not res.losses or not all(math.isfinite(x) for x in res.losses):
+        problems.append(f"losses not finite: {res.losses[-3:] if res.losses else res.losses}")
+    if check.params.get("strategy") and is_distributed(check.params["strategy"]):
+        backends = {r.get("backend") for r in res.verification.get("ranks", [])}
+        want = "nccl" if device == "cuda" else "gloo"
+        if backends != {want}:
+            problems.append(f"process group backend {sorted(map(str, backends))}, expected {want}")
+    if device == "cuda" and res.status == "ok":  # the split on NCCL ranks: CUDA events that add up
+        methods = {(s or {}).get("method") for s in res.time_split or [None]}
+        if methods != {"CUDA events"}:
+            problems.append(f"time split measured by {sorted(map(str, methods))}, expected CUDA events")
+        problems.extend(f"time split: {p}" for p in split_problems(res))
+    return problems
+
+
+def train_config(params: dict):
+    """The TrainConfig a training row runs (device cuda unless the row says otherwise)."""
+    from stnb.config import TrainConfig
+
+    keep = {k: v for k, v in params.items() if k not in ("goal", "repeats", "build")}
+    keep.setdefault("device", "cuda")
+    return TrainConfig(**keep)
+
+
+def check_hardware(check, machine) -> Outcome:
+    import torch
+
+    from stnb.hardware import gpu_count, report
+
+    problems = []
+    if check.params.get("unsupported"):
+        problems.append(f"this torch build ({torch.__version__}, {' '.join(machine.arch_list)}) has no kernels for "
+                        f"{', '.join(check.params['unsupported'])}: install a torch build for it, or use another GPU")
+    n = gpu_count()
+    if n != len(machine.gpus):
+        problems.append(f"hardware.gpu_count() = {n} but {len(machine.gpus)} GPU(s) were listed")
+    rep = report()
+    if rep.device != "cuda" or rep.backend != "nccl":
+        problems.append(f"stnb.hardware_report() says device {rep.device}, backend {rep.backend}")
+    if torch.cuda.is_initialized():
+        problems.append("CUDA got initialised in this (parent) process: forked ranks would fail")
+    names = ", ".join(f"{g['name']} (cc {'.'.join(map(str, g['compute_capability'] or ['?']))})" for g in machine.gpus)
+    return Outcome(check.name, check.kind, "failed" if problems else "passed", detail=names,
+                   error="; ".join(problems))
+
+
+def check_allreduce(check, machine) -> Outcome:
+    from stnb import examples
+    from stnb.processes import last_launch, launch
+
+    n = check.params["nproc"]
+    sums = launch(examples.allreduce_check, num_processes=n, device=_dev(check), timeout=120, echo=False)
+    bad = [s for s in sums if s["sum"] != s["expected"]]
+    backend = last_launch().backend
+    ok = not bad and len(sums) == n and backend == ("nccl" if _dev(check) == "cuda" else "gloo")
+    return Outcome(check.name, check.kind, "passed" if ok else "failed",
+                   detail=f"{n} rank(s), backend {backend}, sum {sums[0]['sum']:g}",
+                   error="" if ok else f"unexpected: {sums}, backend {backend}")
+
+
+def check_train(check, machine) -> Outcome:
+    """One training row; ``save_to: True`` saves into a temporary folder (stnb's save check runs)."""
+    import dataclasses
+
+    from stnb.runner import run
+
+    cfg = train_config(check.params)
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-save-") as tmp:
+        if check.params.get("save_to") is True:
+            cfg = dataclasses.replace(cfg, save_to=os.path.join(tmp, "model"))
+        res = run(cfg, echo=False)
+        problems = _judge_training(res, check) + _save_problems(res, check)
+    gpus = check.gpus
+    return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, gpus),
+                   detail=f"{res.strategy} x{res.world_size}, {res.steps} steps, loss {res.losses[0]:.4f} -> "
+                          f"{res.losses[-1]:.4f}" if res.losses else "", error="; ".join(problems))
+
+
+def _save_problems(res, check) -> list:
+    if not check.params.get("save_to"):
+        return []
+    saved = (res.verification or {}).get("saved_model") or {}
+    if not saved.get("saved_to") or not os.path.isdir(saved["saved_to"]):
+        return [f"save_to: nothing saved ({json.dumps(saved, default=str)[:200]})"]
+    return []
+
+
+def check_train_build(check, machine) -> Outcome:
+    """A CrossEncoder / SparseEncoder row: stnb.run(build) with sentence-transformers' own trainer for it."""
+    import functools
+
+    from stnb.models import resolve_model
+    from stnb.runner import run
+    from .builds import BUILDS
+
+    p = check.params
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-build-") as tmp:
+        build = functools.partial(BUILDS[p["build"]], os.path.join(tmp, "out"), resolve_model(p["model"]), p)
+        res = run(build, strategy=p["strategy"], device=_dev(check), timeout=p["timeout"],
+                  stall_timeout=p["stall_timeout"], save_to=os.path.join(tmp, "model"), echo=False)
+        problems = _judge_training(res, check) + _save_problems(res, dict_check(check, save_to=True))
+    return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),
+                   detail=f"{p['build']}: {res.dev_metric} {res.dev_metric_before} -> {res.dev_metric_after}, saved and reloaded"
+                   if not problems else "", error="; ".join(problems))
+
+
+def dict_check(check, **params):
+    from .planning import Check
+
+    return Check(check.name, check.kind, dict(check.params, **params), check.gpus, check.skip)
+
+
+def check_train_direct(check, machine) -> Outcome:
+    """fsdp with ONE NCCL rank. TrainConfig.validate refuses it for users (a 1-rank fsdp "shards
+    nothing"; stnb.hardware lists ddp/fsdp as needing 2 ranks), so this runs what stnb.run would run
+    after validation, through the same pipeline (``stnb.launchers.execute``) with the ``Unchecked`` launcher:
+    stnb.launch(training.train_rank, ...) on 1 GPU with a process group, then ``finish``. It exercises NCCL
+    init, FSDP2's sharding and the trainer on CUDA. (The plan does not run 1-rank ddp: planning.ONE_RANK_DDP.)"""
+    from stnb.launchers import Plan, execute
+
+    from ..launchers import Unchecked
+
+    res = execute(Plan(train_config(check.params), echo=False), Unchecked())
+    problems = _judge_training(res, check)
+    wrapper = res.verification["ranks"][0].get("wrapper")
+    return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),
+                   detail=f"wrapper {wrapper}, backend {res.verification['ranks'][0].get('backend')}",
+                   error="; ".join(problems))
+
+
+_FAULTS = {"raise": (raise_after_collective, "raised"), "kill": (sigkill_after_collective, "killed"),
+           "stall": (stall_in_collective, "stalled")}
+
+
+def _descendants() -> set:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def check_fault(check, machine) -> Outcome:
+    """Provoke one fault in NCCL ranks; the error must name it within seconds and leave no process."""
+    import psutil
+
+    from stnb.errors import LaunchError
+    from stnb.processes import launch
+
+    fn, kind = _FAULTS[check.params["fault"]]
+    n = check.params["nproc"]
+    bad = min(1, n - 1)
+    limit = FAULT_STALL_S if kind == "stalled" else 0.0
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-") as tmp:
+        mark = os.path.join(tmp, "fault.mark")
+        before = _descendants()
+        t_call = time.time()
+        error = None
+        try:
+            launch(fn, mark, num_processes=n, device=_dev(check), echo=False, timeout=120,
+                   stall_timeout=FAULT_STALL_S if kind == "stalled" else 60.0)
+        except BaseException as e:  # noqa: BLE001 - the error is what is measured
+            error = e
+        t_err = time.time()
+        try:
+            with open(mark) as f:
+                t_fault = float(f.read())
+        except (OSError, ValueError):
+            t_fault = None
+        left = sorted(_descendants() - before)
+        pids = rank_pids(mark)
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    problems = []
+    if error is None:
+        problems.append("the launch returned normally: the fault went unnoticed")
+    elif not isinstance(error, LaunchError):
+        problems.append(f"raised {type(error).__name__} instead of LaunchError: {error}")
+    else:
+        if error.kind != kind:
+            problems.append(f"error kind {error.kind!r}, expected {kind!r}")
+        if kind != "stalled" and error.rank != bad:
+            problems.append(f"the error names rank {error.rank}, but rank {bad} faulted")
+    to_error = None if t_fault is None else round(t_err - t_fault - limit, 2)
+    if t_fault is None:
+        problems.append("the faulting rank never reached its fault (no mark)")
+    elif to_error > FAULT_TO_ERROR_S:
+        problems.append(f"the error came {to_error} s after the fault{' and the stall limit' if limit else ''} "
+                        f"(limit {FAULT_TO_ERROR_S:g} s)")
+    if left or alive:
+        problems.append(f"processes left behind: descendants {left}, rank pids alive {alive}")
+    if len(pids) != n:
+        problems.append(f"{len(pids)} of {n} rank(s) started")
+    first = str(error).splitlines()[0] if error is not None else ""
+    return Outcome(check.name, check.kind, "failed" if problems else "passed",
+                   metrics={"time_to_error_s": to_error, "processes_left": len(left) + len(alive),
+                            "launch_s": round(t_err - t_call, 2)},
+                   detail=f"{to_error} s fault -> error{' (after the stall limit)' if limit else ''}, "
+                          f"0 processes left: {first[:160]}" if not problems else first[:200],
+                   error="; ".join(problems))
+
+
+def check_notebook(check, machine) -> Outcome:
+    """Every cell of notebook 00 in a fresh Jupyter kernel (nbclient), as nbval runs it in the tests."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = check.params["path"]
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=180, kernel_name="python3",
+                            resources={"metadata": {"path": os.path.dirname(path)}})
+    client.execute()  # raises CellExecutionError naming the cell that failed
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    backend = "nccl" if any("nccl" in "".join(o.get("text", "")) for c in code for o in c.get("outputs", [])) else "?"
+    return Outcome(check.name, check.kind, "failed" if errors else "passed",
+                   detail=f"{len(code)} code cells ran (backend seen in outputs: {backend})",
+                   error="; ".join(f"{e['ename']}: {e['evalue']}" for e in errors))
+
+
+def plain_env(device: str) -> dict:
+    """The plain script's environment: pinned to the GPU stnb.run(strategy='single') uses
+    (``hardware.single_gpu_env``: the first entry of CUDA_VISIBLE_DEVICES as the user wrote it, not
+    the renumbered visible ordinal, which names another GPU when CUDA_VISIBLE_DEVICES=3)."""
+    from stnb.hardware import single_gpu_env
+
+    pin = single_gpu_env() if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
+
+
+def _plain_run(p: dict, model_path: str) -> dict:
+    """One run of the plain script (logging as often as stnb's recipe); its JSON line."""
+    from stnb.recipe import LOGGING_STEPS
+
+    device = p.get("device", "cuda")
+    env = plain_env(device)
+    cmd = [sys.executable, "-m", "stnblab.gpucheck.plain", "--model", model_path, "--batch-size",
+           str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
+           "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
+           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
+           "--logging-steps", str(LOGGING_STEPS)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if out.returncode != 0:
+        raise RuntimeError(f"the plain script exited {out.returncode}: {out.stderr[-1500:]}")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    if data["device"] != device:
+        raise RuntimeError(f"the plain script ran on {data['device']}, not {device}")
+    return data
+
+
+def check_ratio(check, machine) -> Outcome:
+    """Plain sentence-transformers and stnb.run(strategy='single'), same model, data, batch, precision
+    and logging (every step, as stnb's recipe logs), interleaved (plain, stnb, stnb, plain, ...). The
+    ratio is that of the median step times, pooled over the measured steps of every repeat (a median
+    is not moved by the odd slow step: a collection, a first-time kernel)."""
+    from stnb.models import resolve_model
+    from stnb.runner import run
+
+    p = check.params
+    cfg = train_config(p)
+    model_path = resolve_model(cfg.model)
+    warm = p["warmup_steps_excluded"]
+    plain, ours, plain_steps, our_steps, logged, last = [], [], [], [], {"plain": [], "stnb": []}, None
+    for i in range(p["repeats"]):
+        order = ("plain", "stnb") if i % 2 == 0 else ("stnb", "plain")
+        for who in order:
+            if who == "plain":
+                data = _plain_run(p, model_path)
+                plain.append(data["samples_per_second"])
+                plain_steps += data["step_times"]
+                logged["plain"].append(data["logged_steps"])
+            else:
+                last = run(cfg, echo=False)
+                problems = _judge_training(last, check)
+                if problems:
+                    return Outcome(check.name, check.kind, "failed", error="stnb run: " + "; ".join(problems))
+                ours.append(last.samples_per_second)
+                our_steps += last.step_times[warm:]
+                logged["stnb"].append(len(last.losses))
+    batch = p["per_device_batch_size"]
+    plain_sps, our_sps = batch / statistics.median(plain_steps), batch / statistics.median(our_steps)
+    ratio = our_sps / plain_sps
+    metrics = dict(_result_metrics(last, 1), samples_per_second=our_sps, ratio=ratio,
+                   plain_samples_per_second=plain_sps, stnb_runs=ours, plain_runs=plain,
+                   measured_steps={"plain": len(plain_steps), "stnb": len(our_steps)}, logged_steps=logged)
+    ok = ratio >= p["goal"]
+    return Outcome(check.name, check.kind, "passed" if ok else "failed", metrics=metrics,
+                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; median step of {len(our_steps)} / "
+                          f"{len(plain_steps)} measured steps: {our_sps:.1f} vs {plain_sps:.1f} samples/s)",
+                   error="" if ok else f"stnb / plain = {ratio:.3f} < {p['goal']}")
+
+
+def st_docs_options(check, folder: str):
+    """The bench options of the st-docs row: its single row, on the check's device (never 'auto': on
+    one GPU, bench's 'auto' compares on CPU ranks), results kept in ``folder``."""
+    from stnblab import bench
+
+    opts = bench.BenchOptions.from_preset("st-docs", strategies=(baseline_name(),), steps=check.params["steps"],
+                                          warmup=check.params["warmup"], device=_dev(check),
+                                          results=os.path.join(folder, "r.jsonl"),
+                                          report=os.path.join(folder, "r.html"))
+    opts.echo = False
+    return opts
+
+
+def check_st_docs(check, machine) -> Outcome:
+    """The sentence-transformers docs' benchmark setting, offline: bench --preset st-docs, single row."""
+    from stnblab import bench
+    from stnb.results import RunResult, load_results
+
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-st-docs-") as tmp:
+        rep = bench.bench(st_docs_options(check, tmp))
+        rows = [RunResult.from_dict(r) for r in load_results(rep.results_path, as_frame=False)]
+    if len(rows) != 1:
+        return Outcome(check.name, check.kind, "failed", error=f"{len(rows)} result rows, expected 1")
+    res = rows[0]
+    problems = _judge_training(res, check)
+    return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),
+                   detail=f"{res.model}, max_seq_length {res.config.get('max_seq_length')}, batch "
+                          f"{res.per_device_batch_size}, loss {res.config.get('loss')} on synthetic NLI + STS stand-ins "
+                          "(not MultiNLI / SNLI / STSB)", error="; ".join(problems))
+
+
+RUNNERS = {"hardware": check_hardware, "allreduce": check_allreduce, "train": check_train,
+           "train_direct": check_train_direct, "train_build": check_train_build, "fault": check_fault, "notebook": check_notebook,
+           "ratio": check_ratio, "st_docs": check_st_docs}
+
+
+def run_all(checks: list, machine, deadline: float, echo=print) -> list:
+    """Run the planned checks in order; a check not started before ``deadline`` fails as not started."""
+    outcomes = []
+    for i, check in enumerate(checks, 1):
+        t0 = time.time()
+        if check.skip:
+            out = Outcome(check.name, check.kind, "skipped", detail=check.skip)
+        elif t0 > deadline:
+            out = Outcome(check.name, check.kind, "failed", error="not started: the time budget was spent")
+        else:
+            try:
+                out = RUNNERS[check.kind](check, machine)
+            except BaseException as e:  # noqa: BLE001 - a crashed check is a failed row; Ctrl-C still stops
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                out = Outcome(check.name, check.kind, "failed",
+                              error=f"{type(e).__name__}: {e}".strip()[:3000],
+                              detail=traceback.format_exc()[-3000:])
+        out.seconds = round(time.time() - t0, 1)
+        outcomes.append(out)
+        if echo:
+            echo(f"[{i}/{len(checks)}] {check.name:<46} {out.status.upper():<8} {out.seconds:6.1f} s  "
+                 f"{(out.error or out.detail).splitlines()[0][:90] if (out.error or out.detail) else ''}")
+    return outcomes

@@ -1,0 +1,20 @@
+"""stnb's own ranks (``stnb.launch`` from this process) without ``TrainConfig.validate``: the GPU check runs
+what validate refuses users, fsdp with ONE NCCL rank (a 1-rank fsdp "shards nothing"), to exercise NCCL's
+start, FSDP2's sharding and the trainer on one GPU. Only the model and the device are resolved."""
+
+from __future__ import annotations
+
+from stnb.launchers import Plan
+from stnb.launchers.local import Local
+
+
+class Unchecked(Local):
+    """Local's start, with a check that resolves the model and the device and refuses nothing."""
+
+    def check(self, plan: Plan) -> None:
+        from stnb.hardware import start_method
+        from stnb.models import resolve_model
+
+        plan.model_path = resolve_model(plan.config.model)
+        plan.device = plan.config.resolved_device()
+        self.method = start_method(plan.config.start_method)

@@ -1,0 +1,7 @@
+"""The predictor (``stnb.scaling``) checked on published tables it was not built from, and its CLI.
+
+    seed    the sentence-transformers docs' 4x V100 rows, as the predictor's inputs with their ranges
+    dle     NVIDIA DeepLearningExamples' BERT-large fine-tuning on a DGX-1
+    check   both tables predicted row by row as intervals (``python -m stnblab.scaling.check``)
+    cli     ``python -m stnb predict``
+"""

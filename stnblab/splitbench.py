@@ -1,0 +1,139 @@
+"""``python -m stnb split``: the time split's benchmarks (numbers printed, never asserted).
+
+    python -m stnb split --comm-share     DDP with fp32 gradients, the fp16 hook, and small buckets:
+                                          communication's share of the step, and the bytes sent
+    python -m stnb split --overhead       throughput with the split on and off (STNB_TIME_SPLIT=off),
+                                          alternated, medians of repeats
+    python -m stnb split --fsdp           DDP, FSDP and FSDP without resharding after forward, side by side
+    python -m stnb split --show RESULTS   the split of every run in a results file
+
+Each run is a real 2-rank gloo run of stnb's recipe (``--model``, default the bundled MiniLM).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+STRATEGY = "ddp"  # what every run here is unless a variant says otherwise (the knobs below are its knobs)
+SHARE_VARIANTS = (("fp32 all-reduce", {}), ("fp16 hook", {"comm_hook": "fp16"}),
+                  ("fp32, 1 MiB buckets", {"bucket_cap_mb": 1}))
+
+
+def fsdp_variants() -> tuple:
+    """``--fsdp``: the DDP runs' baseline, then every strategy owning ``reshard_after_forward`` (fsdp), with
+    it on and off."""
+    from stnb import strategies
+
+    out = [(STRATEGY, {})]
+    for s in strategies.all_strategies():
+        if "reshard_after_forward" in s.knobs:
+            out += [(s.name, {"strategy": s.name}),
+                    (f"{s.name}, no reshard", {"strategy": s.name, "reshard_after_forward": False})]
+    return tuple(out)
+
+
+def summarize(result) -> dict:
+    """Medians over the steady steps of every rank: each phase in ms, and communication's shares."""
+    warm = int((result.config or {}).get("warmup_steps_excluded", 2))
+    steps = [st for r in result.time_split for st in r["steps"][warm:]]
+    keys = [k for k in ("step", "data", "forward", "backward_compute", "comm_exposed", "wait", "optimizer", "other",
+                        "comm_total", "comm_overlapped") if any(st.get(k) is not None for st in steps)]
+    out = {k: statistics.median(st[k] for st in steps if st.get(k) is not None) * 1e3 for k in keys}
+    if "comm_total" in out:
+        out["comm_share"] = out["comm_total"] / out["step"]
+        out["comm_exposed_share"] = (out["comm_exposed"] + out.get("wait", 0.0)) / out["step"]
+        sent = [st["comm_bytes"] for st in steps if st.get("comm_bytes") is not None]
+        if sent:
+            out["comm_mib_per_step"] = statistics.median(sent) / 2**20
+    out["samples_per_second"] = result.samples_per_second
+    return out
+
+
+def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 1,
+               variants=SHARE_VARIANTS) -> list:
+    """Each variant (DDP on 2 ranks, with the knobs given) ``repeats`` times, interleaved (the machine's
+    load drifts alike for all); per variant the medians over its runs of ``summarize``."""
+    from stnb.config import TrainConfig
+    from stnb.runner import run
+
+    seen = {label: [] for label, _ in variants}
+    for _ in range(repeats):
+        for label, knobs in variants:
+            r = run(TrainConfig(**{"strategy": STRATEGY, "num_processes": 2, "model": model, "steps": steps,
+                                   "per_device_batch_size": batch, "evaluate": False, "device": "cpu", **knobs}),
+                    echo=False)
+            seen[label].append(summarize(r))
+    return [{"variant": label, "runs": len(runs),
+             **{k: statistics.median(run[k] for run in runs) for k in runs[0]}} for label, runs in seen.items()]
+
+
+def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 3) -> dict:
+    from stnb.config import TrainConfig
+    from stnb.runner import run
+
+    cfg = TrainConfig(strategy=STRATEGY, num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
+                      evaluate=False, device="cpu")
+    from stnb.timesplit import own_cost
+
+    seen, steps, buckets = {"on": [], "off": []}, [], 1
+    before = os.environ.get("STNB_TIME_SPLIT")
+    try:
+        for _ in range(repeats):
+            for mode in ("off", "on"):  # alternated: the machine's load drifts alike for both
+                os.environ["STNB_TIME_SPLIT"] = mode
+                r = run(cfg, echo=False)
+                seen[mode].append(r.samples_per_second)
+                if mode == "on":
+                    steps.append(statistics.median(r.step_times[cfg.warmup_steps_excluded:]))
+                    buckets = max(st.get("buckets", 1) for st in r.time_split[0]["steps"])
+    finally:
+        os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
+    on, off = statistics.median(seen["on"]), statistics.median(seen["off"])
+    cost = own_cost(buckets=buckets)
+    return {"on": seen["on"], "off": seen["off"], "median_on": on, "median_off": off, "overhead": 1 - on / off,
+            "own_cost_s": cost, "buckets": buckets, "median_step_s": statistics.median(steps),
+            "own_share": cost / statistics.median(steps)}
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("split", help="the time split's benchmarks: communication share, overhead")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--comm-share", action="store_true")
+    what.add_argument("--overhead", action="store_true")
+    what.add_argument("--fsdp", action="store_true", help="DDP, FSDP and FSDP without resharding, split side by side")
+    what.add_argument("--show", metavar="RESULTS")
+    p.add_argument("--model", default="minilm")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_split)
+
+
+def cmd_split(a) -> int:
+    if a.comm_share:
+        for row in comm_share(a.model, a.steps, a.batch, a.repeats):
+            print(f"{row['variant']:>20} (median of {row['runs']}): step {row['step']:.0f} ms, comm in flight {row['comm_total']:.0f} ms "
+                  f"({row['comm_share']:.0%} of the step; exposed + wait {row['comm_exposed_share']:.0%}), "
+                  f"{row['comm_mib_per_step']:.1f} MiB sent per step, {row['samples_per_second']:.2f} samples/s")
+    elif a.fsdp:
+        for row in comm_share(a.model, a.steps, a.batch, a.repeats, fsdp_variants()):
+            parts = ", ".join(f"{k} {row[k]:.0f}" for k in ("forward", "backward_compute", "comm_exposed", "wait",
+                                                           "optimizer", "data") if row.get(k) is not None)
+            print(f"{row['variant']:>18} (median of {row['runs']}): {row['samples_per_second']:.2f} samples/s, "
+                  f"step {row['step']:.0f} ms = {parts} ms (+ other)")
+    elif a.overhead:
+        o = overhead(a.model, a.steps, a.batch, a.repeats)
+        print(f"samples/s with the split off: {', '.join(f'{x:.2f}' for x in o['off'])} (median {o['median_off']:.2f})")
+        print(f"samples/s with the split on:  {', '.join(f'{x:.2f}' for x in o['on'])} (median {o['median_on']:.2f})")
+        print(f"overhead by throughput: {o['overhead']:+.1%} (run-to-run noise on a shared machine included)")
+        print(f"the split's own code: {o['own_cost_s'] * 1e6:.0f} us per step ({o['buckets']} buckets), "
+              f"{o['own_share']:.4%} of the median step ({o['median_step_s'] * 1e3:.0f} ms)")
+    else:
+        from stnb.results import RunResult, load_results
+
+        for row in load_results(a.show, as_frame=False):
+            r = RunResult.from_dict(row)
+            if r.time_split:
+                print(r.strategy, r.world_size, {k: round(v, 3) for k, v in summarize(r).items()})
+    return 0
