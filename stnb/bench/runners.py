@@ -74,9 +74,10 @@ def _model_path(cfg) -> str:
 
 def _raw_rank(cfg, model_path: str, launch_time: float, outdir: str) -> None:
     """What a user writes for raw notebook_launcher: train, then leave the result in a file."""
+    from ..builds import RecipeBuild
     from ..training import train_rank
 
-    res = train_rank(cfg, model_path, launch_time)
+    res = train_rank(cfg, RecipeBuild(model_path), launch_time)
     rank = int(os.environ.get("RANK", "0"))
     write_atomic(os.path.join(outdir, f"rank-{rank}.pkl"), pickle.dumps(res))
 
@@ -228,13 +229,14 @@ def torchrun_worker(argv) -> int:
     from ..config import TrainConfig
     from ..hardware import gpu_count
     from ..results import merge
+    from ..builds import RecipeBuild
     from ..training import train_rank
 
     cfg_path, model_path, launch_time, out_path = argv
     with open(cfg_path) as f:
         config = TrainConfig.from_dict(json.load(f))
     launch_time = float(launch_time)
-    res = train_rank(config, model_path, launch_time)
+    res = train_rank(config, RecipeBuild(model_path), launch_time)
     gathered = [res]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
@@ -256,6 +258,7 @@ def _concurrent_rank(cfg, model_path: str, launch_time: float) -> dict:
     """One of N independent single-device runs started together (no process group while training)."""
     import torch.distributed as dist
 
+    from ..builds import RecipeBuild
     from ..training import train_rank
 
     if dist.is_initialized():
@@ -264,7 +267,7 @@ def _concurrent_rank(cfg, model_path: str, launch_time: float) -> dict:
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
               "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
-    return train_rank(cfg, model_path, launch_time)
+    return train_rank(cfg, RecipeBuild(model_path), launch_time)
 
 
 def _run_concurrent(cfg, timeout: float):

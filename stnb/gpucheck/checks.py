@@ -176,11 +176,12 @@ def check_train_direct(check, machine) -> Outcome:
     from ..launch import launch
     from ..models import resolve_model
     from ..results import merge
+    from ..builds import RecipeBuild
     from ..training import train_rank
 
     cfg = train_config(check.params)
     t0 = time.time()
-    parts = launch(train_rank, cfg, resolve_model(cfg.model), t0, num_processes=1, device=cfg.device,
+    parts = launch(train_rank, cfg, RecipeBuild(resolve_model(cfg.model)), t0, num_processes=1, device=cfg.device,
                    timeout=cfg.timeout, stall_timeout=cfg.stall_timeout, echo=False, distributed=True)
     from ..hardware import gpu_count
 
