@@ -53,7 +53,8 @@ class RecipeBuild:
         from .recipe import build_trainer
         from .strategies import freeze_unused_pooler
 
-        self.model_path = self.model_path or resolve_model(config.model)  # under an outer launcher: each rank
+        # resolved by the launcher's check (check_inputs); here only when train_rank was handed RecipeBuild()
+        self.model_path = self.model_path or resolve_model(config.model)
         trainer = build_trainer(config, self.model_path, device, device != "cpu", distributed)
         self.frozen = freeze_unused_pooler(trainer.model)
         return trainer
