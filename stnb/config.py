@@ -14,12 +14,11 @@ LOSSES = ("cosine", "mnrl", "softmax+cosine")  # softmax+cosine: stnb.seed_recip
 PRECISIONS = ("no", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
-# Every field of TrainConfig says in its declaration which of two kinds it is:
-# - a run option (``run_option``): applies to any training, stnb's recipe or a user's own trainer
-#   (``stnb.run(build, ...)``): where and how the ranks run, and the strategy's knobs;
-# - a recipe field (``recipe_field``): describes stnb's recipe; for a user's trainer it lives in the user's
-#   code, and the field says where (``stnb.run(build, ...)`` refuses it with that hint).
-# LAUNCH_FIELDS and RECIPE_FIELDS are read from the declarations (below TrainConfig).
+# A TrainConfig is two parts, each a type of its own (below): the ``Recipe`` (what stnb's recipe trains: model, data,
+# loss, steps, batch...; for a user's trainer it lives in the user's code, and each of its fields says where) and
+# the ``RunOptions`` (what every run takes, stnb's recipe or ``stnb.run(build, ...)``: where and how the ranks run,
+# and the strategy's knobs). TrainConfig keeps one flat constructor and takes each field's declaration from its
+# part; ``config.recipe`` and ``config.run_options`` are its two parts as values.
 
 # Training arguments of a user's trainer that ``override_args`` may replace in every rank (read when
 # train() starts, so setting them on the built trainer takes effect), and what each changes.
@@ -31,13 +30,95 @@ _KIND = "stnb_kind"
 
 
 def run_option(default=dataclasses.MISSING, **kw):
-    """A TrainConfig field every run takes (stnb's recipe and ``stnb.run(build, ...)``)."""
+    """A field of ``RunOptions``: every run takes it (stnb's recipe and ``stnb.run(build, ...)``)."""
     return field(default=default, metadata={_KIND: "run"}, **kw)
 
 
 def recipe_field(where: str, default=dataclasses.MISSING, **kw):
-    """A TrainConfig field of stnb's recipe only; ``where``: where it belongs in a user's own code."""
+    """A field of ``Recipe``; ``where``: where it belongs in a user's own code."""
     return field(default=default, metadata={_KIND: "recipe", "where": where}, **kw)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What stnb's recipe trains (``stnb.recipe``): the model, the data, the loss, the training arguments. A user's
+    own trainer (``stnb.run(build, ...)``) has all of it in the user's code: each field says where (``where``)."""
+
+    model: str = recipe_field("build your SentenceTransformer in the function", "minilm")
+    data: str = recipe_field("pass train_dataset=... (and eval_dataset=...) to your trainer", "synthetic")
+    columns: dict | None = recipe_field(
+        "give your datasets the columns your loss reads (dataset.rename_column / select_columns)", None)
+    loss: str = recipe_field("pass loss=... to your trainer", "cosine")
+    gather_across_devices: bool = recipe_field(
+        "pass it to your loss: MultipleNegativesRankingLoss(model, gather_across_devices=True)", False)
+    per_device_batch_size: int = recipe_field(f"per_device_train_batch_size in {_ARGS}", 16)
+    steps: int = recipe_field(f"max_steps in {_ARGS}", 20)
+    learning_rate: float = recipe_field(f"learning_rate in {_ARGS}", 2e-5)
+    max_seq_length: int | None = recipe_field("set model.max_seq_length in your function", 64)
+    seed: int = recipe_field(f"seed in {_ARGS}", 42)
+    train_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 2000)
+    dev_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 200)
+    warmup_steps_excluded: int = recipe_field("stnb leaves the first 2 steps out of the throughput of your trainer", 2)
+    evaluate: bool = recipe_field("pass evaluator=... to your trainer (or leave it out)", True)
+    mixed_precision: str = recipe_field(f"bf16=True or fp16=True in {_ARGS}", "no")
+    gradient_accumulation_steps: int = recipe_field(f"gradient_accumulation_steps in {_ARGS}", 1)
+    extra: dict = recipe_field("stnb's recipe only", default_factory=dict)
+
+    @classmethod
+    def where(cls, name: str) -> str:
+        """Where the field ``name`` belongs in a user's own code."""
+        return cls.__dataclass_fields__[name].metadata["where"]
+
+    def check_inputs(self) -> str:
+        """The model resolved (the local path the recipe trains from, returned) and the data checked."""
+        from .models import resolve_model
+        from .data import check_data
+        from . import seed_recipe
+
+        path = resolve_model(self.model)
+        if self.loss == seed_recipe.NAME:  # two datasets, one loss each
+            seed_recipe.check(self.data, self.columns)
+        else:
+            check_data(self.data, self.loss, self.columns)
+        return path
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every run takes, stnb's recipe or a user's own trainer (``stnb.run(build, ...)``): where and how the
+    ranks run, the strategy and its knobs, process control, and the arguments stnb replaces in a user's trainer."""
+
+    strategy: str = run_option("ddp")
+    num_processes: int | None = run_option(None)
+    save_to: str | None = run_option(None)
+    device: str = run_option("auto")
+    start_method: str = run_option("auto")
+    threads_per_rank: int | None = run_option(None)
+    reuse_freed_memory: bool = run_option(True)  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
+    # DDP knobs
+    bucket_cap_mb: float | None = run_option(None)
+    gradient_as_bucket_view: bool = run_option(False)
+    broadcast_buffers: bool = run_option(False)  # what sentence-transformers' arguments force; True applies it (ddp)
+    static_graph: bool = run_option(False)
+    comm_hook: str = run_option("none")
+    # FSDP knobs
+    reshard_after_forward: bool = run_option(True)
+    fsdp_layer_cls: str | None = run_option(None)
+    # DeepSpeed knobs (stnb.strategies.deepspeed)
+    stage: int | None = run_option(None)
+    deepspeed_config: dict | None = run_option(None)
+    # process control
+    timeout: float | None = run_option(None)
+    stall_timeout: float | None = run_option(60.0)
+    # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
+    override_args: dict | None = run_option(None)
+
+
+def part(of, name: str):
+    """TrainConfig's field ``name`` as its part ``of`` (Recipe or RunOptions) declares it: the same default and
+    kind, so each default lives in one place."""
+    f = of.__dataclass_fields__[name]
+    return field(default=f.default, default_factory=f.default_factory, metadata=f.metadata)
 
 
 @dataclass
@@ -82,49 +163,58 @@ class TrainConfig:
         (the Panel's batch widget sets it, "set in the Panel").
     """
 
-    strategy: str = run_option("ddp")
-    num_processes: int | None = run_option(None)
-    model: str = recipe_field("build your SentenceTransformer in the function", "minilm")
-    data: str = recipe_field("pass train_dataset=... (and eval_dataset=...) to your trainer", "synthetic")
-    columns: dict | None = recipe_field(
-        "give your datasets the columns your loss reads (dataset.rename_column / select_columns)", None)
-    loss: str = recipe_field("pass loss=... to your trainer", "cosine")
-    gather_across_devices: bool = recipe_field(
-        "pass it to your loss: MultipleNegativesRankingLoss(model, gather_across_devices=True)", False)
-    per_device_batch_size: int = recipe_field(f"per_device_train_batch_size in {_ARGS}", 16)
-    steps: int = recipe_field(f"max_steps in {_ARGS}", 20)
-    learning_rate: float = recipe_field(f"learning_rate in {_ARGS}", 2e-5)
-    max_seq_length: int | None = recipe_field("set model.max_seq_length in your function", 64)
-    seed: int = recipe_field(f"seed in {_ARGS}", 42)
-    train_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 2000)
-    dev_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 200)
-    warmup_steps_excluded: int = recipe_field("stnb leaves the first 2 steps out of the throughput of your trainer", 2)
-    evaluate: bool = recipe_field("pass evaluator=... to your trainer (or leave it out)", True)
-    save_to: str | None = run_option(None)
-    device: str = run_option("auto")
-    start_method: str = run_option("auto")
-    mixed_precision: str = recipe_field(f"bf16=True or fp16=True in {_ARGS}", "no")
-    threads_per_rank: int | None = run_option(None)
-    reuse_freed_memory: bool = run_option(True)  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
+    strategy: str = part(RunOptions, "strategy")
+    num_processes: int | None = part(RunOptions, "num_processes")
+    model: str = part(Recipe, "model")
+    data: str = part(Recipe, "data")
+    columns: dict | None = part(Recipe, "columns")
+    loss: str = part(Recipe, "loss")
+    gather_across_devices: bool = part(Recipe, "gather_across_devices")
+    per_device_batch_size: int = part(Recipe, "per_device_batch_size")
+    steps: int = part(Recipe, "steps")
+    learning_rate: float = part(Recipe, "learning_rate")
+    max_seq_length: int | None = part(Recipe, "max_seq_length")
+    seed: int = part(Recipe, "seed")
+    train_size: int = part(Recipe, "train_size")
+    dev_size: int = part(Recipe, "dev_size")
+    warmup_steps_excluded: int = part(Recipe, "warmup_steps_excluded")
+    evaluate: bool = part(Recipe, "evaluate")
+    save_to: str | None = part(RunOptions, "save_to")
+    device: str = part(RunOptions, "device")
+    start_method: str = part(RunOptions, "start_method")
+    mixed_precision: str = part(Recipe, "mixed_precision")
+    threads_per_rank: int | None = part(RunOptions, "threads_per_rank")
+    reuse_freed_memory: bool = part(RunOptions, "reuse_freed_memory")
     # DDP knobs
-    bucket_cap_mb: float | None = run_option(None)
-    gradient_as_bucket_view: bool = run_option(False)
-    broadcast_buffers: bool = run_option(False)  # what sentence-transformers' arguments force; True applies it (ddp)
-    static_graph: bool = run_option(False)
-    comm_hook: str = run_option("none")
-    gradient_accumulation_steps: int = recipe_field(f"gradient_accumulation_steps in {_ARGS}", 1)
+    bucket_cap_mb: float | None = part(RunOptions, "bucket_cap_mb")
+    gradient_as_bucket_view: bool = part(RunOptions, "gradient_as_bucket_view")
+    broadcast_buffers: bool = part(RunOptions, "broadcast_buffers")
+    static_graph: bool = part(RunOptions, "static_graph")
+    comm_hook: str = part(RunOptions, "comm_hook")
+    gradient_accumulation_steps: int = part(Recipe, "gradient_accumulation_steps")
     # FSDP knobs
-    reshard_after_forward: bool = run_option(True)
-    fsdp_layer_cls: str | None = run_option(None)
+    reshard_after_forward: bool = part(RunOptions, "reshard_after_forward")
+    fsdp_layer_cls: str | None = part(RunOptions, "fsdp_layer_cls")
     # DeepSpeed knobs (stnb.strategies.deepspeed)
-    stage: int | None = run_option(None)
-    deepspeed_config: dict | None = run_option(None)
+    stage: int | None = part(RunOptions, "stage")
+    deepspeed_config: dict | None = part(RunOptions, "deepspeed_config")
     # process control
-    timeout: float | None = run_option(None)
-    stall_timeout: float | None = run_option(60.0)
+    timeout: float | None = part(RunOptions, "timeout")
+    stall_timeout: float | None = part(RunOptions, "stall_timeout")
     # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
-    override_args: dict | None = run_option(None)
-    extra: dict = recipe_field("stnb's recipe only", default_factory=dict)
+    override_args: dict | None = part(RunOptions, "override_args")
+    extra: dict = part(Recipe, "extra")
+
+    # ---- its two parts ---------------------------------------------------------------
+    @property
+    def recipe(self) -> Recipe:
+        """What stnb's recipe trains (model, data, loss, steps, batch...), as a ``Recipe``."""
+        return Recipe(**{name: getattr(self, name) for name in Recipe.__dataclass_fields__})
+
+    @property
+    def run_options(self) -> RunOptions:
+        """What every run takes (strategy, processes, device, timeouts, knobs...), as ``RunOptions``."""
+        return RunOptions(**{name: getattr(self, name) for name in RunOptions.__dataclass_fields__})
 
     # ---- derived -----------------------------------------------------------------
     def resolved_device(self) -> str:
@@ -174,24 +264,25 @@ class TrainConfig:
 
     @classmethod
     def for_build(cls, **options) -> "TrainConfig":
-        """The TrainConfig of a user's own trainer (``stnb.run(build, **options)``): only LAUNCH_FIELDS.
-        A recipe field is refused naming where it belongs in the user's code; a misspelt one is
-        refused naming the closest field."""
-        misplaced = [k for k in options if k in RECIPE_FIELDS]
+        """The TrainConfig of a user's own trainer (``stnb.run(build, **options)``): only ``RunOptions``. A
+        ``Recipe`` field is refused naming where it belongs in the user's code; a misspelt one is refused
+        naming the closest field."""
+        takes = tuple(RunOptions.__dataclass_fields__)
+        misplaced = [k for k in options if k in Recipe.__dataclass_fields__]
         if misplaced:
             raise ConfigError(
                 "stnb.run(build, ...) trains the trainer your function returns, so these options would not "
-                "apply to it: " + "; ".join(f"{k}: {RECIPE_FIELDS[k]}" for k in misplaced)
-                + f". stnb.run(build, ...) takes {', '.join(LAUNCH_FIELDS)}")
-        unknown = sorted(k for k in options if k not in LAUNCH_FIELDS)
+                "apply to it: " + "; ".join(f"{k}: {Recipe.where(k)}" for k in misplaced)
+                + f". stnb.run(build, ...) takes {', '.join(takes)}")
+        unknown = sorted(k for k in options if k not in takes)
         if unknown:
             import difflib
 
             hints = [f"{u!r} -> {m[0]!r}" for u in unknown
-                     for m in [difflib.get_close_matches(u, LAUNCH_FIELDS, n=1)] if m]
+                     for m in [difflib.get_close_matches(u, takes, n=1)] if m]
             raise ConfigError(f"unknown option(s) {unknown} for stnb.run(build, ...)"
                               + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-                              + f"; it takes {', '.join(LAUNCH_FIELDS)}")
+                              + f"; it takes {', '.join(takes)}")
         return cls(**options)
 
     def arg_overrides(self) -> dict:
@@ -294,16 +385,7 @@ class TrainConfig:
 
     def check_inputs(self) -> str:
         """stnb's recipe: its model resolved (the local path it trains from, returned) and its data checked."""
-        from .models import resolve_model
-        from .data import check_data
-        from . import seed_recipe
-
-        path = resolve_model(self.model)
-        if self.loss == seed_recipe.NAME:  # two datasets, one loss each
-            seed_recipe.check(self.data, self.columns)
-        else:
-            check_data(self.data, self.loss, self.columns)
-        return path
+        return self.recipe.check_inputs()
 
     def check_device(self, device: str) -> None:
         """What only a GPU does, refused for ranks on ``device`` 'cpu' (ConfigError)."""
@@ -337,19 +419,24 @@ class TrainConfig:
             raise ConfigError(f"{self.strategy} needs at least {need} ranks to shard over; use num_processes >= {need}")
 
 
-def _fields_of(cls, kind: str) -> list:
-    """The fields of ``cls`` declared as ``kind`` ('run' or 'recipe'); TypeError naming a field declared as neither."""
-    unsorted = [f.name for f in dataclasses.fields(cls) if f.metadata.get(_KIND) not in ("run", "recipe")]
-    if unsorted:
-        raise TypeError(f"{cls.__name__} fields {unsorted} are neither run_option(...) nor recipe_field(...): "
-                        "declare which, so that stnb.run(build, ...) knows whether it applies to a user's trainer")
-    return [f for f in dataclasses.fields(cls) if f.metadata[_KIND] == kind]
+def check_parts(cls=TrainConfig) -> None:
+    """TypeError unless every field of ``cls`` is declared by exactly one of its parts (``part(Recipe, ...)`` or
+    ``part(RunOptions, ...)``, the same name) and every field of the parts is one of its fields: nothing a part
+    declares is dropped from the flat constructor, and ``stnb.run(build, ...)`` knows whether each applies."""
+    parts = {**{n: "run" for n in RunOptions.__dataclass_fields__}, **{n: "recipe" for n in Recipe.__dataclass_fields__}}
+    mine = {f.name: f.metadata.get(_KIND) for f in dataclasses.fields(cls)}
+    wrong = sorted(n for n in set(mine) | set(parts) if mine.get(n) is None or mine.get(n) != parts.get(n))
+    if wrong or len(parts) != len(RunOptions.__dataclass_fields__) + len(Recipe.__dataclass_fields__):
+        raise TypeError(f"{cls.__name__} fields {wrong} are not declared as part(Recipe, name) or "
+                        "part(RunOptions, name) of the part that holds them (or a part's field is missing): "
+                        "declare each once, so that stnb.run(build, ...) knows whether it applies to a user's trainer")
 
 
-#: the run options, in TrainConfig's order: what ``stnb.run(build, ...)`` takes
-LAUNCH_FIELDS = tuple(f.name for f in _fields_of(TrainConfig, "run"))
-#: the recipe's fields, each with where it belongs in a user's own code
-RECIPE_FIELDS = {f.name: f.metadata["where"] for f in _fields_of(TrainConfig, "recipe")}
+check_parts()
+#: the run options, in their declaration's order: what ``stnb.run(build, ...)`` takes (``RunOptions``)
+LAUNCH_FIELDS = tuple(RunOptions.__dataclass_fields__)
+#: the recipe's fields, each with where it belongs in a user's own code (``Recipe.where``)
+RECIPE_FIELDS = {name: Recipe.where(name) for name in Recipe.__dataclass_fields__}
 
 
 def _check_choice(name, value, choices):

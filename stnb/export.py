@@ -28,7 +28,6 @@ the same comparison table and plots.
 from __future__ import annotations
 
 import os
-import pprint
 import shlex
 from dataclasses import dataclass, field
 
@@ -126,87 +125,27 @@ as a notebook run: stnb.RunResult.from_dict(json.loads(line)).
 """
 '''
 
-_RECIPE_NEEDS = """\
-Needs stnb installed where it runs (pip install stnb, or pip install -e <stnb checkout>):
-main() calls stnb's runner, which builds the model, data, loss and sentence-transformers
-trainer exactly as the notebook did, verifies the strategy and measures the run."""
-
-_BUILD_NEEDS = """\
-Needs stnb, and every package {name}() imports, installed where it runs. Every rank calls
-{name}() and stnb applies the strategy to the SentenceTransformerTrainer it returns, verifies
-it and measures the run, exactly as stnb.run({name}, ...) did in the notebook."""
-
-_RECIPE_BODY = """
-import json
-
-CONFIG = {config}
-
-# a JSONL file rank 0 appends the RunResult to (stnb.load_results reads it), or None
-RESULTS_FILE = {results_file!r}
-
-
-def main():
-    import stnb
-    from stnb.scaleout import is_main_process
-
-    result = stnb.run(stnb.TrainConfig.from_dict(CONFIG), results_file=RESULTS_FILE)
-    if is_main_process():
-        print(json.dumps(result.to_dict()), flush=True)
-
-
-if __name__ == "__main__":
-    main()
-"""
-
-_BUILD_MAIN = """
-
-# the options given to stnb.run({name}, ...) in the notebook
-STNB_OPTIONS = {options}
-
-# a JSONL file rank 0 appends the RunResult to (stnb.load_results reads it), or None
-STNB_RESULTS_FILE = {results_file!r}
-
-
-def main():
-    import json
-
-    import stnb
-    from stnb.scaleout import is_main_process
-
-    result = stnb.run({name}, results_file=STNB_RESULTS_FILE, **STNB_OPTIONS)
-    if is_main_process():
-        print(json.dumps(result.to_dict()), flush=True)
-
-
-if __name__ == "__main__":
-    main()
-"""
-
 
 def render_script(config, *, script_name: str = "train.py", results_file=None,
                   nproc_per_node: int | None = None, num_nodes: int = 2, master_addr: str = "$MASTER_ADDR",
                   master_port: int = 29500, **options) -> tuple[str, dict, dict, int]:
     """(script text, one-node commands, multi-node commands, nproc per node) for ``config`` (a
     TrainConfig, a dict of its fields, or a build function with ``stnb.run``'s options); writes nothing."""
+    from .builds import RecipeBuild, UserBuild, check_build
     from .hardware import versions
 
-    build = None
     if callable(config) and not isinstance(config, (TrainConfig, dict)):
-        from .buildsource import build_source
-        from .runner import check_build, check_build_for
-
-        fn = check_build(config)
-        build = build_source(fn)  # ConfigError naming what stays in this kernel
+        build = UserBuild(check_build(config))
         config = TrainConfig.for_build(**options)
-        check_build_for(fn, config)
     else:
+        build = RecipeBuild()
         if isinstance(config, dict):
             config = TrainConfig.from_dict(config)
         if not isinstance(config, TrainConfig):
             raise ConfigError(f"export_script needs a TrainConfig, a dict of its fields or a build function, "
                               f"got {type(config).__name__}")
         config = config.replace(**options) if options else config
-        config.check_recipe_options()
+    build.check(config)  # the options its kind of training takes
     # the script may run on another machine: check the config itself, not this machine's hardware
     config.validate(check_resources=False)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
@@ -230,25 +169,11 @@ def render_script(config, *, script_name: str = "train.py", results_file=None,
     else:
         multi_text = f"strategy {config.strategy!r} runs in one process: export strategy 'ddp' or 'fsdp' for several nodes."
     results_file = None if results_file is None else os.fspath(results_file)
-    header = _HEADER.format(
-        version=versions()["stnb"],
-        source="a notebook configuration" if build is None else f"the build function {build.name}() of a notebook",
-        needs=_RECIPE_NEEDS if build is None else _BUILD_NEEDS.format(name=build.name),
-        one_node="\n".join(f"    {c}" for c in one.values()),
-        multi_node=multi_text,
-    )
-    if build is None:
-        text = header + _RECIPE_BODY.format(config=_dict_literal(config.to_dict()), results_file=results_file)
-    else:  # the user's source goes in as it is (never through str.format: it has braces of its own)
-        text = (header + "\nfrom __future__ import annotations\n\n" + build.text
-                + _BUILD_MAIN.format(name=build.name, options=_dict_literal(options) if options else "{}",
-                                     results_file=results_file))
+    script = build.script(config, options, results_file)  # how the script describes and embeds what it trains
+    header = _HEADER.format(version=versions()["stnb"], source=script["source"], needs=script["needs"],
+                            one_node="\n".join(f"    {c}" for c in one.values()), multi_node=multi_text)
+    text = header + script["body"]
     return text, one, multi, nproc
-
-
-def _dict_literal(d: dict) -> str:
-    """A readable Python literal, one field per line (ast.literal_eval gives ``d`` back)."""
-    return "{\n" + "".join(f"    {k!r}: {pprint.pformat(v, width=90)},\n" for k, v in d.items()) + "}"
 
 
 def export_script(config, path, *, results_file=None, nproc_per_node: int | None = None,

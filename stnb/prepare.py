@@ -1,8 +1,8 @@
 """A built SentenceTransformerTrainer made ready for stnb, inside a rank (the strategy itself is applied
 by its own object, ``stnb.strategies``: ``Strategy.prepare``).
 
-The trainer comes from stnb's recipe (``stnb.recipe``) or from a user's build function
-(``stnb.run(build, strategy=...)``). Either way ``stnb.training.train_rank`` hands it here before
+The trainer comes from the run's build object (``stnb.builds``: stnb's recipe or a user's build function,
+``stnb.run(build, strategy=...)``). Either way ``stnb.training.train_rank`` hands it here before
 training. What stnb owns, and nothing else, is changed; every change is recorded as
 ``{argument: {"from", "to", "why"}}`` (``RunResult.overridden_args``); a strategy's own changes
 (DDP's knobs: ``stnb.strategies.ddp.apply_ddp``) are recorded the same way:
@@ -46,38 +46,21 @@ def describe(obj) -> str:
     return f"{module}.{name}" if module and module not in ("__main__", "builtins") else name
 
 
-class UserBuild:
-    """A user's build function as the build a rank trains (stnb's own recipe is a ``recipe.RecipeBuild``):
-    ``UserBuild(build)()`` calls it (``call_build``: checked, or BuildError naming the fix)."""
-
-    initial_path = None  # the untrained model: saved by the rank where it is needed (train_rank)
-    frozen: list = []    # stnb freezes nothing in a user's model
-
-    def __init__(self, build):
-        self.build = build
-
-    def __call__(self):
-        return call_build(self.build)
-
-    def clean_up(self, trainer) -> None:
-        pass  # the trainer's folders are the user's
-
-    def facts(self, trainer) -> dict:
-        """RankReport's ``build`` (the function's name) and ``training``: what the user's trainer trains
-        with, for the result's config (its TrainConfig fields do not apply)."""
-        args, model = trainer.args, trainer.model
-        loss = trainer.loss
-        name = (getattr(model.model_card_data, "base_model", None)
-                or getattr(getattr(model[0], "auto_model", None), "name_or_path", None) or type(model).__name__)
-        return {"build": describe(self.build), "training": {
-            "model": str(name),
-            "loss": ", ".join(sorted({type(v).__name__ for v in loss.values()})) if isinstance(loss, dict)
-            else type(loss).__name__,
-            "per_device_batch_size": args.per_device_train_batch_size, "steps": args.max_steps,
-            "learning_rate": args.learning_rate, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "seed": args.seed, "mixed_precision": mixed_precision(args), "max_seq_length": model.max_seq_length,
-            "evaluator": describe(type(trainer.evaluator)) if trainer.evaluator is not None else None,
-            "train_size": _rows(trainer.train_dataset)}}
+def training_facts(trainer) -> dict:
+    """What a user's trainer trains with, for the result's config (its TrainConfig recipe fields do not apply)."""
+    args, model = trainer.args, trainer.model
+    loss = trainer.loss
+    name = (getattr(model.model_card_data, "base_model", None)
+            or getattr(getattr(model[0], "auto_model", None), "name_or_path", None) or type(model).__name__)
+    return {
+        "model": str(name),
+        "loss": ", ".join(sorted({type(v).__name__ for v in loss.values()})) if isinstance(loss, dict)
+        else type(loss).__name__,
+        "per_device_batch_size": args.per_device_train_batch_size, "steps": args.max_steps,
+        "learning_rate": args.learning_rate, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "seed": args.seed, "mixed_precision": mixed_precision(args), "max_seq_length": model.max_seq_length,
+        "evaluator": describe(type(trainer.evaluator)) if trainer.evaluator is not None else None,
+        "train_size": _rows(trainer.train_dataset)}
 
 
 def _rows(dataset):

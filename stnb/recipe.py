@@ -3,15 +3,14 @@
 The model (a bundled name, a path or a hub id), the data (synthetic, a file or a hub dataset, holding exactly
 the columns the loss reads), the loss ('cosine', 'mnrl', or 'softmax+cosine': the seed's NLI + STS multi-dataset recipe,
 ``stnb.seed_recipe``), the dev evaluator and the training
-arguments. ``RecipeBuild`` is the recipe as the build function a rank trains: ``stnb.training.train_rank``
-asks it what it asks a user's function (``prepare.UserBuild``), and applies the strategy to its trainer
+arguments. ``stnb.builds.RecipeBuild`` is the recipe as the build function a rank trains: ``stnb.training.train_rank``
+asks it what it asks a user's function (``builds.UserBuild``), and applies the strategy to its trainer
 exactly as to the trainer a user's own build function returns.
 """
 
 from __future__ import annotations
 
 import functools
-import shutil
 import tempfile
 
 from .config import TrainConfig
@@ -19,33 +18,6 @@ from .config import TrainConfig
 #: the trainer logs every step: RunResult.losses holds each step's loss (one .item() per step). A
 #: baseline that stnb's speed is held to logs as often (gpucheck's plain script is given this)
 LOGGING_STEPS = 1
-
-
-class RecipeBuild:
-    """stnb's recipe as the build function a rank trains: ``RecipeBuild(config, model_path, ...)()`` returns the
-    recipe's trainer, its model's unused pooler frozen (``strategies.freeze_unused_pooler``: it never gets a
-    gradient, so DDP need not search the graph). A user's function is a ``prepare.UserBuild``; a rank asks
-    either the same things."""
-
-    def __init__(self, config: TrainConfig, model_path: str, device: str, distributed: bool):
-        self.config, self.device, self.distributed = config, device, distributed
-        self.initial_path = model_path  # the untrained model, to rebuild an unsharded copy and check a save
-        self.frozen: list = []
-
-    def __call__(self):
-        from .strategies import freeze_unused_pooler
-
-        use_cuda = self.device != "cpu"  # "cuda" or "cuda:<local rank>"
-        trainer = build_trainer(self.config, self.initial_path, self.device, use_cuda, self.distributed)
-        self.frozen = freeze_unused_pooler(trainer.model)
-        return trainer
-
-    def clean_up(self, trainer) -> None:
-        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder
-
-    def facts(self, trainer) -> dict:
-        """RankReport's ``build`` and ``training``: None for stnb's recipe (its TrainConfig says it all)."""
-        return {"build": None, "training": None}
 
 
 def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: bool, distributed: bool):

@@ -85,37 +85,35 @@ class RunResult:
         return d
 
     @classmethod
-    def unavailable(cls, config, reason: str, build: str | None = None) -> "RunResult":
+    def unavailable(cls, config, reason: str, build=None) -> "RunResult":
         """A 'not runnable here' row: the comparison shows it with its reason.
 
-        build: the name of a user's build function (``stnb.prepare.describe(build)``) when the run
-        was ``stnb.run(build, ...)``: the row names it instead of the recipe's model, and its batch is
-        the override's when one was given (else unknown, 0)."""
+        build: what the run would have trained (``stnb.builds``; default stnb's recipe): its batch, model and
+        config in the row (``unavailable_row``: a user's build function is named instead of the recipe's model,
+        and its batch is the override's when one was given, else unknown, 0)."""
+        from .builds import RecipeBuild
         from .hardware import versions
 
-        batch, gbs, model, cfg = config.per_device_batch_size, config.global_batch_size(), config.model, \
-            config.to_dict()
-        if build is not None:
-            batch = config.arg_overrides().get("per_device_train_batch_size", (0, ""))[0]
-            gbs, model, cfg = batch * config.world_size(), build, _own_config(config, build, {})
-        return cls(strategy=config.strategy, world_size=config.world_size(),
-                   per_device_batch_size=batch,
-                   global_batch_size=gbs, steps=0, samples_per_second=None,
+        row = (build or RecipeBuild()).unavailable_row(config)
+        return cls(strategy=config.strategy, world_size=config.world_size(), steps=0, samples_per_second=None,
                    step_times=[], losses=[], peak_memory_bytes=[], local_param_count=[],
-                   total_param_count=0, verified=False, verification={}, model=model,
+                   total_param_count=0, verified=False, verification={},
                    device=config.resolved_device(), versions=versions(), status="not runnable here",
-                   reason=reason, config=cfg, build=build)
+                   reason=reason, **row)
 
 
 # ---- merging the ranks' measurements -----------------------------------------------------
 
-def merge(config, rank_results: list, device: str, n_gpu: int = 0,
-          wall_time_s: float | None = None, launcher: str = "stnb", cluster: dict | None = None) -> RunResult:
+def merge(config, rank_results: list, device: str, n_gpu: int = 0, wall_time_s: float | None = None,
+          launcher: str = "stnb", cluster: dict | None = None, build=None) -> RunResult:
     """Combine every rank's measurements (``stnb.training.train_rank``'s RankReports) into one RunResult.
 
-    config: the run's TrainConfig. cluster: what a cluster launcher saw (job id, nodes, ranks, logs)."""
+    config: the run's TrainConfig. cluster: what a cluster launcher saw (job id, nodes, ranks, logs).
+    build: what the ranks trained (``stnb.builds``; default stnb's recipe): it says what the result's ``config``
+    holds (``result_config``)."""
     import uuid
 
+    from .builds import RecipeBuild
     from .hardware import versions
 
     rank_results = check_reports(rank_results)
@@ -174,7 +172,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0,
         saved_to=(r0.saved_model or {}).get("saved_to"),
         build=r0.build,
         overridden_args=r0.overridden_args or {},
-        config=config.to_dict() if r0.build is None else _own_config(config, r0.build, training),
+        config=(build or RecipeBuild()).result_config(config, training),
         run_id=uuid.uuid4().hex[:12],
     )
 
@@ -193,13 +191,6 @@ def side_by_side(runs: list) -> RunResult:
         verified=not bad, reason="; ".join(bad),
         peak_memory_bytes=[r.peak_memory_bytes[0] for r in runs],
         peak_memory_run_bytes=[r.peak_memory_run_bytes[0] for r in runs])
-
-
-def _own_config(config, build: str, training: dict) -> dict:
-    """A user's run's config: the launch fields it was given, and what its trainer trains with."""
-    from .config import LAUNCH_FIELDS
-
-    return {**{k: v for k, v in config.to_dict().items() if k in LAUNCH_FIELDS}, **training, "build": build}
 
 
 def cross_rank_checks(config, rank_results: list, device: str | None = None) -> tuple:

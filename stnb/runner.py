@@ -11,8 +11,8 @@ the same with the SentenceTransformerTrainer your function ``build()`` returns i
 
 from __future__ import annotations
 
+from .builds import check_build  # noqa: F401  (stnb.run's check of a build function, kept importable here)
 from .config import TrainConfig
-from .errors import ConfigError
 from .launchers.bars import StepBars  # noqa: F401  (the default progress display, kept importable here)
 from .launchers.local import preimport_training_stack  # noqa: F401  (stnblab.bench pre-imports with it)
 
@@ -24,7 +24,7 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         ``run(strategy="ddp", steps=5)``), or your function that builds and returns a
         SentenceTransformerTrainer (``run(build, strategy="fsdp", num_processes=2)``). stnb calls it
         with no arguments in every rank, applies the strategy to the trainer and trains it. With a
-        function, only the options in ``config.LAUNCH_FIELDS`` apply (strategy, num_processes,
+        function, only the ``config.RunOptions`` apply (strategy, num_processes,
         device, timeout, stall_timeout, threads_per_rank, save_to, the DDP / FSDP knobs,
         override_args); the recipe's (model, data, loss, steps, batch size...) belong in your
         function and are refused, naming where they go. RunResult.overridden_args lists the training
@@ -36,61 +36,14 @@ def run(config=None, *, results_file=None, on_progress=None, echo: bool = True, 
         torchrun / accelerate launch this process is a rank of); ``stnb.Slurm(...)`` / ``stnb.Ray(...)``
         a cluster's tasks / workers (docs/cluster.md).
     """
+    from .builds import RecipeBuild, UserBuild
     from .launchers import Plan, choose, execute
 
-    build = None
-    if config is not None and not isinstance(config, TrainConfig):
-        build = check_build(config)
+    if config is not None and not isinstance(config, TrainConfig):  # the user's function, wrapped
+        build = UserBuild(check_build(config))
         config = TrainConfig.for_build(**overrides)
-        check_build_for(build, config)
     else:
+        build = RecipeBuild()
         config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
     launcher = choose(cluster)
     return execute(Plan(config, build, results_file, on_progress, echo), launcher)
-
-
-def check_build(build):
-    """``build`` is a function stnb can call with no arguments in every rank (ConfigError otherwise)."""
-    import inspect
-
-    try:
-        from transformers import Trainer
-
-        if isinstance(build, Trainer):
-            raise ConfigError("stnb.run got a trainer built in this process; pass the function that builds it "
-                              "instead (stnb.run(build, ...), not stnb.run(build())): each rank builds its own "
-                              "trainer, and a trainer made here holds state forked ranks cannot use")
-    except ImportError:  # pragma: no cover
-        pass
-    if not callable(build):
-        raise ConfigError(f"stnb.run takes a TrainConfig or a function returning a SentenceTransformerTrainer; "
-                          f"got {type(build).__name__}")
-    if inspect.iscoroutinefunction(build) or inspect.isgeneratorfunction(build):
-        raise ConfigError("the build function must return the trainer (not be async or a generator)")
-    try:
-        sig = inspect.signature(build)
-    except (TypeError, ValueError):
-        return build
-    required = [p.name for p in sig.parameters.values() if p.default is p.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if required:
-        raise ConfigError(f"stnb calls your build function with no arguments, but {getattr(build, '__name__', build)}"
-                          f"() requires {', '.join(required)}; give them defaults, or bind them with "
-                          f"functools.partial(build, {required[0]}=...)")
-    from .buildsource import global_objects
-    from .model_types import trainer_problem
-
-    problem = trainer_problem(global_objects(build))
-    if problem:
-        raise ConfigError(problem)
-    return build
-
-
-def check_build_for(build, config) -> None:
-    """ConfigError when ``config``'s strategy cannot train what ``build`` reads (seen before any process
-    starts: ``Strategy.build_refusal``)."""
-    from .buildsource import read_objects
-
-    problem = config.strategy_object().build_refusal(read_objects(build))
-    if problem:
-        raise ConfigError(f"strategy {config.strategy!r}: {problem}")

@@ -2,9 +2,9 @@
 
 Every rank of a run executes ``train_rank``: started by ``stnb.run`` through ``stnb.launch``
 (notebook side, ``stnb.runner``), or by torchrun / accelerate launch (``stnb.launchers.external``).
-The trainer comes from stnb's recipe (``stnb.recipe``, from the TrainConfig) or from the user's
-build function; ``stnb.prepare`` makes it ready and the strategy object applies itself to it the same
-way in both cases. What the rank measures and checks while it trains are its instruments
+The trainer comes from the run's build object (``stnb.builds``): stnb's recipe (``stnb.recipe``, from the
+TrainConfig's ``Recipe``) or the user's build function, asked the same things; ``stnb.prepare`` makes it
+ready and the strategy object applies itself to it the same way in both cases. What the rank measures and checks while it trains are its instruments
 (``stnb.instruments``: TrainerCallbacks, each reporting its own part); the rank returns one
 ``RankReport`` (``stnb.rankreport``), which ``stnb.results.merge`` combines with the other ranks' into
 one RunResult.
@@ -23,19 +23,18 @@ from .config import TrainConfig
 from .processes import rank_context, wait_for_all
 from .model_types import load_like
 from .rankreport import RankReport
-from .recipe import RecipeBuild
 from .saving import save_checked
 
 
-def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: float | None = None,
-               world_size: int | None = None, build=None) -> RankReport:
+def train_rank(config: TrainConfig, build, launch_time: float | None = None,
+               world_size: int | None = None) -> RankReport:
     """Runs in every rank: build, apply the strategy, attach the instruments, train, report (its RankReport).
 
-    model_path: the model of stnb's recipe (``models.resolve_model(config.model)``); None with ``build``.
+    build: what the rank trains (``stnb.builds``): stnb's recipe for ``config`` (``RecipeBuild(model_path)``) or
+        a user's function returning a SentenceTransformerTrainer (``UserBuild(fn)``); the rank asks either the
+        same things.
     world_size: the world size the caller requested (default: the config's); verification
         compares it with the process group this rank is in.
-    build: a user's function returning a SentenceTransformerTrainer (``stnb.run(build, ...)``);
-        None trains stnb's recipe for ``config``.
     """
     import torch
 
@@ -47,14 +46,12 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
     memory = ins.MemoryUse(here.cuda, strategy)  # the peak is growth from here on
     torch.manual_seed(config.seed)
     # build: stnb's recipe or the user's function, checked and made ready (stnb's display, the overrides)
-    source = RecipeBuild(config, model_path, here.device, here.distributed) if build is None \
-        else prepare.UserBuild(build)
-    trainer = source()
+    trainer = build.build(config, here.device, here.distributed)
     prepare.refusals(trainer, config, here.cuda)
     memory.built(trainer)
     overridden, callbacks = prepare.own_display(trainer)  # {"kept": the trainer's callbacks, "removed": ...}
     overridden.update(prepare.apply_overrides(trainer, config))
-    outcome = Outcome.before_training(trainer, config, strategy, source.initial_path, here)  # rank 0
+    outcome = Outcome.before_training(trainer, config, strategy, build.initial_path, here)  # rank 0
     flops = ins.Flops(trainer.model, here.device)  # its hook counts the training forwards' tokens
     # apply the strategy, and keep the loss's own parameters equal on every rank (a collective)
     trainer.stnb_config = config
@@ -78,14 +75,14 @@ def train_rank(config: TrainConfig, model_path: str | None = None, launch_time: 
         outcome.after_training(trainer, config, strategy, here)  # rank 0 evaluates and saves
     finally:
         outcome.clean_up()
-        source.clean_up(trainer)
+        build.clean_up(trainer)
     # report: each instrument its own part, the verification record composed from them
     callbacks["added"] = [type(c).__name__ for c in trainer.callback_handler.callbacks[len(callbacks["kept"]):]]
-    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": source.frozen},
+    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": build.frozen},
                                  attached)
     return RankReport(**here.report(), global_batch_size=here.global_batch(trainer.args, strategy),
                       verification=verification, weight_digests=digests, overridden_args=overridden,
-                      **outcome.report(), **ins.reports(attached), **source.facts(trainer))
+                      **outcome.report(), **ins.reports(attached), **build.facts(trainer))
 
 
 @dataclass(frozen=True)

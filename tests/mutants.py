@@ -55,8 +55,12 @@ class Module:
 MODULES = (
     # merge and throughput: what a run's result says (the JSONL file's locking and atomic writes are
     # checked by the slow tests and tests/mutations.py: several processes racing, a process killed)
-    Module("results", "stnb/results.py", ("x_merge", "x_cross_rank_checks", "x__own_config", "xǁRunResultǁto_row",
+    Module("results", "stnb/results.py", ("x_merge", "x_cross_rank_checks", "xǁRunResultǁto_row",
                                           "xǁRunResultǁunavailable", "x_results_frame")),
+    # what a result's config and an exported script say of what was trained (stnb's recipe, a user's function)
+    Module("builds", "stnb/builds.py", ("xǁRecipeBuildǁresult_config", "xǁRecipeBuildǁunavailable_row",
+                                        "xǁRecipeBuildǁscript", "xǁUserBuildǁresult_config",
+                                        "xǁUserBuildǁunavailable_row", "xǁUserBuildǁscript", "x_dict_literal")),
     Module("processes/channel", "stnb/processes/channel.py"),
     Module("export", "stnb/export.py"),
     Module("buildsource", "stnb/buildsource.py"),

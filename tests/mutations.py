@@ -188,8 +188,8 @@ MUTATIONS = [
     Mutation(
         "export-forces-ddp",
         "the exported script's config says strategy 'ddp' whatever was asked",
-        (("stnb/export.py", "_RECIPE_BODY.format(config=_dict_literal(config.to_dict())",
-          '_RECIPE_BODY.format(config=_dict_literal({**config.to_dict(), "strategy": "ddp"})'),),
+        (("stnb/builds.py", "_RECIPE_BODY.format(config=dict_literal(config.to_dict())",
+          '_RECIPE_BODY.format(config=dict_literal({**config.to_dict(), "strategy": "ddp"})'),),
         ("tests/test_scaleout.py::test_exported_script_trains_the_strategy_asked[fsdp]",)),
     Mutation(
         "fsdp-shards-unchecked",

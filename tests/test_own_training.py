@@ -284,37 +284,46 @@ def test_a_build_that_returns_no_trainer_is_refused_and_the_kernel_stays_usable(
     assert stnb.launch(os.getpid, num_processes=2, device="cpu", echo=False, timeout=120)
 
 
-def test_every_config_field_declares_whether_it_applies_to_a_users_trainer():
-    """TrainConfig's fields say in their declarations (``run_option`` / ``recipe_field``) whether they apply to a
-    user's own trainer: every field is exactly one of the two (today's split), each recipe field says where it
-    belongs in the user's code, ``for_build`` takes every run option and refuses every recipe field with its
-    hint, and a class with a field declared as neither is refused when its fields are read."""
+def test_every_config_field_is_a_field_of_its_recipe_or_of_its_run_options():
+    """TrainConfig is two types: ``Recipe`` (stnb's recipe only; each field says where it belongs in a user's code)
+    and ``RunOptions`` (every run). Every TrainConfig field is declared by exactly one of them, with its default;
+    ``config.recipe`` / ``config.run_options`` are those parts as values; ``for_build`` takes every run option
+    and refuses every recipe field with its hint; a class with a field declared by neither is refused."""
     import dataclasses
     import re
 
     from stnb import config as c
 
     names = [f.name for f in dataclasses.fields(c.TrainConfig)]
-    assert sorted(c.LAUNCH_FIELDS + tuple(c.RECIPE_FIELDS)) == sorted(names)
-    assert set(c.LAUNCH_FIELDS) == {
+    recipe = [f.name for f in dataclasses.fields(c.Recipe)]
+    run = [f.name for f in dataclasses.fields(c.RunOptions)]
+    assert sorted(recipe + run) == sorted(names) and not set(recipe) & set(run)
+    assert set(run) == {
         "strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout", "threads_per_rank",
         "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
         "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "stage", "deepspeed_config",
         "override_args"}
-    assert all(isinstance(w, str) and w for w in c.RECIPE_FIELDS.values())
+    assert c.LAUNCH_FIELDS == tuple(n for n in names if n in run)  # in the constructor's order
+    assert all(isinstance(c.Recipe.where(n), str) and c.Recipe.where(n) for n in recipe)
+    cfg = c.TrainConfig(strategy="zero1", steps=7, model="tiny", stall_timeout=9.0, columns={"a": "anchor"})
+    assert cfg.recipe == c.Recipe(steps=7, model="tiny", columns={"a": "anchor"})
+    assert cfg.run_options == c.RunOptions(strategy="zero1", stall_timeout=9.0)
+    assert {**dataclasses.asdict(cfg.recipe), **dataclasses.asdict(cfg.run_options)} == cfg.to_dict()
+    assert c.TrainConfig() == c.TrainConfig(**dataclasses.asdict(c.Recipe()), **dataclasses.asdict(c.RunOptions()))
     defaults = c.TrainConfig()
-    assert c.TrainConfig.for_build(**{k: getattr(defaults, k) for k in c.LAUNCH_FIELDS}) == defaults
-    for name, where in c.RECIPE_FIELDS.items():
-        with pytest.raises(stnb.ConfigError, match=re.escape(f"{name}: {where}")):
+    assert c.TrainConfig.for_build(**dataclasses.asdict(defaults.run_options)) == defaults
+    for name in recipe:
+        with pytest.raises(stnb.ConfigError, match=re.escape(f"{name}: {c.Recipe.where(name)}")):
             c.TrainConfig.for_build(**{name: getattr(defaults, name)})
 
     @dataclasses.dataclass
     class Undeclared:
-        a: int = c.run_option(1)
+        strategy: str = c.part(c.RunOptions, "strategy")
         b: int = 2
 
-    with pytest.raises(TypeError, match=r"fields \['b'\] are neither run_option"):
-        c._fields_of(Undeclared, "run")
+    with pytest.raises(TypeError, match=r"fields \[.*'b'.*\] are not declared as part\(Recipe, name\)"):
+        c.check_parts(Undeclared)
+    c.check_parts(c.TrainConfig)  # TrainConfig itself passes (checked at import too)
 
 
 def test_options_that_belong_in_the_users_code_are_refused_before_anything_starts():

@@ -47,10 +47,11 @@ def test_merge_refuses_what_is_not_a_rank_report():
 def test_train_rank_reports_across_a_spawned_launch():
     """A spawned rank (a fresh interpreter) sends its RankReport back pickled; it arrives as a RankReport
     whose record merges as verified, with the start method the rank itself observed."""
+    from stnb.builds import RecipeBuild
     from stnb.training import train_rank
 
     cfg = _cfg()
-    reports = stnb.launch(train_rank, cfg, tiny_path(), None, 1, num_processes=1, device="cpu", start_method="spawn",
+    reports = stnb.launch(train_rank, cfg, RecipeBuild(tiny_path()), None, 1, num_processes=1, device="cpu", start_method="spawn",
                           distributed=False,
                           timeout=300, echo=False)
     assert [type(r) for r in reports] == [RankReport]

@@ -13,6 +13,7 @@ import pandas as pd
 
 import stnb
 from stnb import RunResult, TrainConfig
+from stnb.builds import UserBuild
 from stnb.config import LAUNCH_FIELDS
 
 # the config fields a row shows as columns of its own (the knobs the comparison table and plots group by)
@@ -95,18 +96,24 @@ def test_an_unrunnable_recipe_config_is_a_row_with_its_reason_and_the_batch_it_w
     assert (back.status, back.reason) == (NOT_RUNNABLE, reason)
 
 
+def my_build():  # never called: the row is made before any rank runs
+    raise AssertionError("not called")
+
+
 def test_an_unrunnable_build_function_is_named_with_its_launch_options_and_the_batch_it_overrides():
     cfg = TrainConfig.for_build(strategy="ddp", num_processes=2, device="cpu", timeout=90.0,
                                 override_args={"per_device_train_batch_size": 3})
-    r = RunResult.unavailable(cfg, "no gloo here", build="my_build")
-    assert (r.model, r.build, r.reason, r.status) == ("my_build", "my_build", "no gloo here", NOT_RUNNABLE)
+    build = UserBuild(my_build)
+    assert build.name == f"{__name__}.my_build"  # prepare.describe: the function's module and name
+    r = RunResult.unavailable(cfg, "no gloo here", build=build)
+    assert (r.model, r.build, r.reason, r.status) == (build.name, build.name, "no gloo here", NOT_RUNNABLE)
     assert (r.world_size, r.per_device_batch_size, r.global_batch_size) == (2, 3, 6)
     # the row's config: the launch options given (not the recipe's fields, which a build does not use)
-    assert r.config == {**{k: getattr(cfg, k) for k in LAUNCH_FIELDS}, "build": "my_build"}
+    assert r.config == {**{k: getattr(cfg, k) for k in LAUNCH_FIELDS}, "build": build.name}
     assert "model" not in r.config and "learning_rate" not in r.config and r.config["timeout"] == 90.0
     # without an override the batch is the user's trainer's, unknown before it runs
     plain = RunResult.unavailable(TrainConfig.for_build(strategy="ddp", num_processes=2, device="cpu"), "why",
-                                  build="my_build")
+                                  build=build)
     assert (plain.per_device_batch_size, plain.global_batch_size) == (0, 0)
 
 

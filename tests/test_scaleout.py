@@ -105,12 +105,13 @@ def two_node_rank(config: stnb.TrainConfig, model_path: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from stnb.builds import RecipeBuild
     from stnb.training import train_rank
 
     print(f"hello from global rank {dist.get_rank()}", flush=True)
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    trained = train_rank(config, model_path)
+    trained = train_rank(config, RecipeBuild(model_path))
     ctx = stnb.rank_context()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "allreduce": t.item(),
             "ctx_rank": ctx.rank, "ctx_world": ctx.world_size, "pid": os.getpid(),

@@ -210,11 +210,12 @@ def test_launch_refuses_a_world_other_than_the_one_requested():
 
 def test_train_rank_compares_the_requested_world_with_its_process_group():
     """A DDP config for 2 ranks trained in a world of 1: verification names the mismatch."""
+    from stnb.builds import RecipeBuild
     from stnb.training import train_rank
 
     cfg = _cfg(per_device_batch_size=4, train_size=32, dev_size=8, evaluate=False)
     with pytest.raises(stnb.LaunchError, match="world size 2 was requested, but the process group has 1"):
-        stnb.launch(train_rank, cfg, tiny_path(), None, 2, num_processes=1, device="cpu", timeout=180, echo=False)
+        stnb.launch(train_rank, cfg, RecipeBuild(tiny_path()), None, 2, num_processes=1, device="cpu", timeout=180, echo=False)
 
 
 def test_merge_counts_the_ranks_against_the_requested_world():

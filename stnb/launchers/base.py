@@ -27,11 +27,10 @@ class Plan:
     """One run, as the launcher receives it: the user's input, and what the checks resolved."""
 
     config: object                  # a TrainConfig
-    build: object = None            # the user's build function; None: stnb's recipe
+    build: object                   # what the ranks train (stnb.builds): RecipeBuild() or UserBuild(fn)
     results_file: object = None     # a JSONL file the RunResult is appended to
     on_progress: object = None      # callback receiving per-rank progress (a list of RankState)
     echo: bool = True               # print the ranks' output and default progress bars
-    model_path: str | None = None   # the recipe's model (models.resolve_model), set by the launcher's check
     device: str | None = None       # 'cpu' / 'cuda', set by the launcher's check
     t0: float = field(default_factory=time.time)  # the run's start (its wall time counts from here)
 
@@ -44,7 +43,7 @@ class Launcher:
 
     def check(self, plan: Plan) -> None:
         """Refuse the plan (ConfigError, StrategyUnavailable, ResultsFileError) before anything starts,
-        naming the cause and the fix; complete what the plan leaves open for this launcher (device, model)."""
+        naming the cause and the fix; complete what the plan leaves open for this launcher (device, the build's model)."""
         raise NotImplementedError
 
     def start(self, plan: Plan):
@@ -84,7 +83,7 @@ def finish(plan: Plan, reports: list, launcher: str, *, n_gpu: int | None = None
 
     how = dict(device=plan.device, n_gpu=gpu_count() if n_gpu is None else n_gpu,
                wall_time_s=time.time() - plan.t0 if wall_time_s is None else wall_time_s, launcher=launcher,
-               cluster=cluster)
+               cluster=cluster, build=plan.build)
     if independent:
         result = side_by_side([merge(plan.config, [report], **how) for report in reports])
     else:

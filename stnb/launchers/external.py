@@ -44,9 +44,9 @@ class External(Launcher):
         if config.strategy_object().distributed:
             config = config.replace(num_processes=self.world)
         config = plan.config = config.replace(threads_per_rank=_threads(config, env))
-        if plan.build is None:
-            config.check_recipe_options()
-        check_here(config, self.world, local_world, self.name, recipe=plan.build is None)
+        plan.build.check(config)  # the options its kind of training takes (stnb's recipe, or a build function)
+        check_here(config, self.world, local_world, self.name)
+        plan.build.check_inputs(config)  # stnb's recipe: its model resolved in this rank, its data checked
         if plan.results_file is not None and self.rank == 0:
             check_writable(plan.results_file)
         if self.rank == 0:
@@ -56,7 +56,6 @@ class External(Launcher):
     def start(self, plan: Plan) -> list:
         import torch.distributed as dist
 
-        from ..models import resolve_model
         from ..training import train_rank
 
         config, env = plan.config, self.env
@@ -78,10 +77,9 @@ class External(Launcher):
             # variables in place, accelerate would wrap the model in a 1-rank DDP)
             for k in _LAUNCH_VARS:
                 env.pop(k, None)
-        plan.model_path = resolve_model(config.model) if plan.build is None else None
         self.had_group = dist.is_available() and dist.is_initialized()
         try:
-            mine = train_rank(config, plan.model_path, plan.t0, build=plan.build)
+            mine = train_rank(config, plan.build, plan.t0)
             self.grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             if self.grouped:
                 gathered = [None] * dist.get_world_size()
@@ -133,7 +131,7 @@ def _world(env) -> tuple[int, int, int]:
     return world, rank, local_world
 
 
-def check_here(config, world: int, local_world: int, launcher: str, recipe: bool = True) -> None:
+def check_here(config, world: int, local_world: int, launcher: str) -> None:
     """Validation for ranks started from outside: the world comes from the launcher, and the
     hardware check is per node (this node's ranks on this node's cores or GPUs)."""
     from ..hardware import capacity_problem
@@ -158,13 +156,6 @@ def check_here(config, world: int, local_world: int, launcher: str, recipe: bool
     problem = capacity_problem(device, local_world, option="--nproc_per_node")
     if problem:  # per node: this node's ranks on this node's cores or GPUs
         raise ConfigError(f"{launcher} started {local_world} processes on this node: {problem}")
-    if not recipe:  # a user's build function: its model and data are its own
-        return
-    from ..data import check_data
-    from ..models import resolve_model
-
-    resolve_model(config.model)
-    check_data(config.data)
 
 
 def _threads(config, env) -> int | None:

@@ -23,13 +23,10 @@ class Local(Launcher):
         from ..saving import check_target
 
         config = plan.config
-        if plan.build is None:
-            config.check_recipe_options()
+        plan.build.check(config)  # the options its kind of training takes (stnb's recipe, or a build function)
         config.validate(check_resources=False)
         config.check_hardware()
-        # stnb's recipe: its model resolved once, here ('tiny' is built here), and its data checked; a build
-        # function's model and data are its own
-        plan.model_path = config.check_inputs() if plan.build is None else None
+        plan.build.check_inputs(config)  # stnb's recipe: its model resolved once, here, and its data checked
         if plan.results_file is not None:
             check_writable(plan.results_file)
         check_target(config.save_to)
@@ -59,7 +56,7 @@ class Local(Launcher):
             on_progress = bars.update
         try:
             # the requested world size travels as an argument, apart from the environment the launcher sets
-            return launch(train_rank, config, plan.model_path, plan.t0, ws, plan.build, num_processes=ws,
+            return launch(train_rank, config, plan.build, plan.t0, ws, num_processes=ws,
                           timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                           threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=plan.echo,
                           distributed=strategy.distributed, env=env, start_method=self.method)

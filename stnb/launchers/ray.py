@@ -151,8 +151,7 @@ class Ray(Launcher):
         resources = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
         trainer = TorchTrainer(
             ray_worker,
-            train_loop_config={"folder": run.path, "config": plan.config, "model_path": plan.model_path,
-                               "build": plan.build, "t0": plan.t0},
+            train_loop_config={"folder": run.path, "config": plan.config, "build": plan.build, "t0": plan.t0},
             scaling_config=ScalingConfig(num_workers=self.num_workers, use_gpu=self.use_gpu,
                                          resources_per_worker=resources),
             run_config=RunConfig(name=name, storage_path=self.storage,
@@ -219,7 +218,7 @@ def ray_worker(cfg: dict) -> None:
     os.environ.update(strategy.rank_env(config, device))
     if local_rank == 0:
         strategy.before_launch(config, device)
-    train_in_rank(run, rank, world, config, cfg["model_path"], cfg["build"], cfg["t0"],
+    train_in_rank(run, rank, world, config, cfg["build"], cfg["t0"],
                   node_id=ray.get_runtime_context().get_node_id(), ip=_node_ip(), local_rank=local_rank)
 
 

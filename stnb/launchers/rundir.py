@@ -219,7 +219,7 @@ def _ranks(ranks, node) -> str:
     return ", ".join(f"{r} ({node[r]})" for r in ranks)
 
 
-def train_in_rank(rundir: RunDir, rank: int, world: int, config, model_path, build, t0: float, join=None,
+def train_in_rank(rundir: RunDir, rank: int, world: int, config, build, t0: float, join=None,
                   **facts) -> None:
     """What every cluster rank runs: say it arrived, join the process group (``join()``, when the engine
     has not), train with stnb's own rank code (``training.train_rank``, the same verification as a local
@@ -232,7 +232,7 @@ def train_in_rank(rundir: RunDir, rank: int, world: int, config, model_path, bui
     try:
         if join is not None:
             join()
-        report = train_rank(config, model_path, t0, world, build)
+        report = train_rank(config, build, t0, world)
         rundir.write_report(rank, report)
     except BaseException as e:
         rundir.write_error(rank, e)
@@ -274,7 +274,7 @@ def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, 
     can span processes, the world is the job's, the device is the job's, the options and (stnb's recipe)
     the model and data are fine, the results file and the save target too. ``option`` names how the
     user sets the world (e.g. 'nodes * tasks_per_node'); ``cpus_per_rank``, each CPU rank's torch threads unless
-    ``threads_per_rank`` says otherwise. Completes ``plan.config``/``device``/``model_path``."""
+    ``threads_per_rank`` says otherwise. Completes ``plan.config``/``device`` and the build's model (``check_inputs``)."""
     from .. import strategies
     from ..errors import ConfigError
     from ..results import check_writable
@@ -297,12 +297,10 @@ def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, 
         raise ConfigError(f"{config.strategy} needs at least {strategy.min_ranks} ranks to shard over; "
                           f"the {engine} job has {world} ({option})")
     config = plan.config = config.replace(num_processes=world, device=device)
-    if plan.build is None:
-        config.check_recipe_options()
+    plan.build.check(config)  # the options its kind of training takes
     config.validate(check_resources=False)  # the hardware is the cluster's, checked by the launcher
     config.check_device(device)
-    if plan.build is None:
-        plan.model_path = config.check_inputs()
+    plan.build.check_inputs(config)  # stnb's recipe: its model resolved, its data checked
     if plan.results_file is not None:
         check_writable(plan.results_file)
     check_target(config.save_to)

@@ -151,8 +151,8 @@ class Slurm(Launcher):
         run = RunDir(os.path.join(self.root, time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]))
         os.makedirs(run.path)
         plan.t0 = time.time()
-        job = self._executor(run.path).submit(slurm_task, run.path, plan.config, plan.model_path, plan.build, plan.t0,
-                                   self.rendezvous_timeout_s)
+        job = self._executor(run.path).submit(slurm_task, run.path, plan.config, plan.build, plan.t0,
+                                                    self.rendezvous_timeout_s)
         on_progress, bars = plan.on_progress, None
         if on_progress is None and plan.echo:
             bars = StepBars(f"{plan.config.strategy} (SLURM {job.job_id})")
@@ -289,7 +289,7 @@ class SlurmJob:
         return self._result
 
 
-def slurm_task(folder: str, config, model_path, build, t0: float, rendezvous_timeout_s: float) -> None:
+def slurm_task(folder: str, config, build, t0: float, rendezvous_timeout_s: float) -> None:
     """What every task of the job runs (submitit calls it there): torch's rendezvous from SLURM's
     variables, then stnb's rank code. The report goes to the run's folder, not through submitit."""
     import datetime
@@ -318,7 +318,7 @@ def slurm_task(folder: str, config, model_path, build, t0: float, rendezvous_tim
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
 
     try:
-        train_in_rank(RunDir(folder), env.rank, env.world_size, config, model_path, build, t0, join=join,
+        train_in_rank(RunDir(folder), env.rank, env.world_size, config, build, t0, join=join,
                       node=socket.gethostname(), local_rank=env.local_rank, master=f"{env.master_addr}:{env.master_port}",
                       job_id=os.environ.get("SLURM_JOB_ID"))
     finally:

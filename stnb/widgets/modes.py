@@ -1,6 +1,7 @@
 """The Panel's two ways to train, kept apart: stnb's recipe, or a user's build function.
 
-Both build the same controls (model, steps, per-device batch, the batch's "override" box) and answer
+The run's build object picks one (``stnb.builds``: ``panel_mode(MODES, ...)``). Both build the same controls
+(model, steps, per-device batch, the batch's "override" box) and answer
 the same questions: which controls a run locks, the TrainConfig they describe, the line saying what
 will run, the progress bars' length until the ranks report theirs, and how to start the run.
 
@@ -12,7 +13,9 @@ will run, the progress bars' length until the ranks report theirs, and how to st
 
 from __future__ import annotations
 
-from ..config import LAUNCH_FIELDS, TrainConfig
+from types import SimpleNamespace
+
+from ..config import TrainConfig
 from .controls import batch_controls, recipe_controls
 from .view import build_info, build_ready, recipe_ready
 
@@ -60,11 +63,8 @@ class BuildMode:
     """A user's build function: the launch fields and the strategies' knobs apply; the batch only when
     overridden; the recipe's model and steps are hidden and disabled."""
 
-    def __init__(self, build, profile, overrides: dict):
-        from ..prepare import describe
-        from ..runner import check_build
-
-        self.build, self.build_name = check_build(build), describe(build)
+    def __init__(self, source, profile, overrides: dict):
+        self.build, self.build_name = source.fn, source.name  # a builds.UserBuild: the function, checked
         self.base = TrainConfig.for_build(**overrides)
         self.info = build_info(self.build_name)
         self.model, self.steps = recipe_controls(self.base)
@@ -103,4 +103,8 @@ class BuildMode:
     def start(self, config, **kw):
         from ..runner import run
 
-        return run(self.build, **kw, **{k: getattr(config, k) for k in LAUNCH_FIELDS})
+        return run(self.build, **kw, **vars(config.run_options))
+
+
+#: the Panel's modes, for the build object to pick from (``builds.RecipeBuild.panel_mode`` / ``UserBuild.panel_mode``)
+MODES = SimpleNamespace(recipe=RecipeMode, build=BuildMode)

@@ -18,7 +18,8 @@ from .controls import (html_output, knob_controls, processes_box, progress_rows,
                        show_knobs, strategy_picker, with_class)
 from .view import (EMPTY_TABLE, done_html, error_html, has_time_split, header_html, problem_html, progress_text,
                    rank_logs, results_table, running_html, strategy_help, time_split_html)
-from .modes import BuildMode, RecipeMode
+from ..builds import build_of
+from .modes import MODES
 
 
 class Panel(W.VBox):
@@ -28,15 +29,15 @@ class Panel(W.VBox):
     profile: a stnb Profile (default: ``stnb.current_profile()``) giving the default sizes.
     plot: the stnb.plots function shown under the table ('dashboard', 'throughput', 'speedup', ...).
     build: your function returning a SentenceTransformerTrainer: Run trains it (``stnb.run(build, ...)``)
-        instead of stnb's recipe; config_overrides then take only ``config.LAUNCH_FIELDS``.
+        instead of stnb's recipe; config_overrides then take only the ``config.RunOptions``.
     config_overrides: TrainConfig fields for every run of this panel (e.g. train_size=200); a strategy's
         knob sets its widget's first value.
     """
 
     def __init__(self, results_file=None, profile=None, plot: str = "dashboard", build=None, **config_overrides):
         self.profile = profile or current_profile()
-        self.mode = (BuildMode(build, self.profile, config_overrides) if build is not None else
-                     RecipeMode(self.profile, config_overrides))
+        self.source = build_of(build)  # what Run trains: stnb's recipe, or the function (checked)
+        self.mode = self.source.panel_mode(MODES, self.profile, config_overrides)
         self.base_config = self.mode.base
         self.build, self.build_name = self.mode.build, self.mode.build_name
         self.results_file = results_file
@@ -130,7 +131,7 @@ class Panel(W.VBox):
             self.status.value = done_html(result, time.time() - t0)
         except StrategyUnavailable as e:
             self.show_error(e)
-            result = RunResult.unavailable(config, e.reason, build=self.build_name)  # the comparison keeps it
+            result = RunResult.unavailable(config, e.reason, build=self.source)  # the comparison keeps it
             self.append_unavailable(result)
             self.status.value = "<i>not runnable here</i>"
         except KeyboardInterrupt:

@@ -22,6 +22,7 @@ import time
 
 from stnb.errors import ConfigError, ResultsFileError, StrategyUnavailable
 from stnb.files import write_atomic
+from stnb.builds import RecipeBuild
 from stnb.launchers import Plan
 from stnb.launchers import execute as run_plan
 
@@ -44,11 +45,11 @@ def execute(item: Item, opts: BenchOptions):
 
             res = run(cfg, echo=False)
         elif item.launcher == "notebook_launcher":
-            res = run_plan(Plan(cfg, echo=False), RawNotebookLauncher(opts.run_timeout))
+            res = run_plan(Plan(cfg, RecipeBuild(), echo=False), RawNotebookLauncher(opts.run_timeout))
         elif item.launcher == "torchrun":
             res = _run_torchrun(cfg, opts.run_timeout)
         elif item.launcher == "concurrent":
-            res = run_plan(Plan(cfg, echo=False), Concurrent(opts.run_timeout))
+            res = run_plan(Plan(cfg, RecipeBuild(), echo=False), Concurrent(opts.run_timeout))
         else:  # pragma: no cover - plan() only makes the four above
             raise ConfigError(f"unknown launcher {item.launcher!r}")
     except StrategyUnavailable as e:
@@ -128,7 +129,7 @@ def torchrun_worker(argv) -> int:
     cfg_path, launch_time, out_path = argv
     with open(cfg_path) as f:
         config = TrainConfig.from_dict(json.load(f))
-    result = run_plan(Plan(config, echo=False), TorchrunRank(float(launch_time)))
+    result = run_plan(Plan(config, RecipeBuild(), echo=False), TorchrunRank(float(launch_time)))
     if int(os.environ.get("RANK", "0")) == 0:
         data = json.dumps(result.to_dict())
         write_atomic(out_path, data)

@@ -173,11 +173,12 @@ def check_train_direct(check, machine) -> Outcome:
     after validation, through the same pipeline (``stnb.launchers.execute``) with the ``Unchecked`` launcher:
     stnb.launch(training.train_rank, ...) on 1 GPU with a process group, then ``finish``. It exercises NCCL
     init, FSDP2's sharding and the trainer on CUDA. (The plan does not run 1-rank ddp: planning.ONE_RANK_DDP.)"""
+    from stnb.builds import RecipeBuild
     from stnb.launchers import Plan, execute
 
     from ..launchers import Unchecked
 
-    res = execute(Plan(train_config(check.params), echo=False), Unchecked())
+    res = execute(Plan(train_config(check.params), RecipeBuild(), echo=False), Unchecked())
     problems = _judge_training(res, check)
     wrapper = res.verification["ranks"][0].get("wrapper")
     return Outcome(check.name, check.kind, "failed" if problems else "passed", metrics=_result_metrics(res, 1),

@@ -24,20 +24,19 @@ class Concurrent(Launcher):
 
     def check(self, plan: Plan) -> None:
         from stnb.hardware import cpu_cores, gpu_count
-        from stnb.models import resolve_model
 
         config = plan.config
         config.validate()
         plan.device = config.resolved_device()
         self.runs = int(config.extra.get("concurrent_runs") or (cpu_cores() if plan.device == "cpu" else gpu_count()))
-        plan.model_path = resolve_model(config.model)
+        plan.build.check_inputs(config)  # stnb's recipe: its model resolved once, here, and its data checked
 
     def start(self, plan: Plan) -> list:
         from stnb.processes import launch
 
         config = plan.config
         plan.t0 = time.time()
-        return launch(independent_rank, config, plan.model_path, plan.t0, num_processes=self.runs,
+        return launch(independent_rank, config, plan.build, plan.t0, num_processes=self.runs,
                       timeout=self.timeout, stall_timeout=config.stall_timeout, device=plan.device,
                       threads_per_rank=config.threads_per_rank, echo=False)
 
@@ -45,7 +44,7 @@ class Concurrent(Launcher):
         return finish(plan, reports, self.name, independent=True)
 
 
-def independent_rank(cfg, model_path: str, launch_time: float):
+def independent_rank(cfg, build, launch_time: float):
     """One of N independent single-device runs started together (no process group while training)."""
     import torch.distributed as dist
 
@@ -56,4 +55,4 @@ def independent_rank(cfg, model_path: str, launch_time: float):
         dist.destroy_process_group()
     for k in _RANK_VARS:
         os.environ.pop(k, None)
-    return train_rank(cfg, model_path, launch_time)
+    return train_rank(cfg, build, launch_time)

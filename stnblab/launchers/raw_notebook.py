@@ -27,11 +27,10 @@ class RawNotebookLauncher(Launcher):
 
     def check(self, plan: Plan) -> None:
         from stnb.processes import check_fork_safe
-        from stnb.models import resolve_model
 
         plan.config.validate()
         check_fork_safe()
-        plan.model_path = resolve_model(plan.config.model)
+        plan.build.check_inputs(plan.config)  # stnb's recipe: its model resolved once, its data checked
         plan.device = plan.config.resolved_device()
 
     def start(self, plan: Plan) -> list:
@@ -49,7 +48,7 @@ class RawNotebookLauncher(Launcher):
             plan.t0 = time.time()
             timer.start()
             with output_to(log):
-                notebook_launcher(raw_rank, args=(plan.config, plan.model_path, plan.t0, outdir), num_processes=ws,
+                notebook_launcher(raw_rank, args=(plan.config, plan.build, plan.t0, outdir), num_processes=ws,
                                   use_port=str(free_port()))
             reports = []
             for r in range(ws):
@@ -71,10 +70,10 @@ class RawNotebookLauncher(Launcher):
             shutil.rmtree(outdir, ignore_errors=True)
 
 
-def raw_rank(cfg, model_path: str, launch_time: float, outdir: str) -> None:
+def raw_rank(cfg, build, launch_time: float, outdir: str) -> None:
     """What a user writes for raw notebook_launcher: train, then leave the result in a file."""
     from stnb.training import train_rank
 
-    res = train_rank(cfg, model_path, launch_time)
+    res = train_rank(cfg, build, launch_time)
     rank = int(os.environ.get("RANK", "0"))
     write_atomic(os.path.join(outdir, f"rank-{rank}.pkl"), pickle.dumps(res))

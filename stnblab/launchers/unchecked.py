@@ -13,8 +13,7 @@ class Unchecked(Local):
 
     def check(self, plan: Plan) -> None:
         from stnb.hardware import start_method
-        from stnb.models import resolve_model
 
-        plan.model_path = resolve_model(plan.config.model)
+        plan.build.check_inputs(plan.config)  # the recipe's model resolved (and its data checked)
         plan.device = plan.config.resolved_device()
         self.method = start_method(plan.config.start_method)
