@@ -105,6 +105,9 @@ class StepTimer:
         self.comm_note = None
         self.comm = None            # what the comm fields measure
         self._prev_end = None
+        self._prev_host = self._fwd_host = self._opt_host = None  # perf_counter readings beside the marks
+        self._data_wait = None      # host seconds the trainer waited for this step's batches (get_batch_samples)
+        self.groups = []            # gradient groups: {"name", "params", "numel"} (``grad_ready`` per step)
         self._pending = []          # steps whose marks are not all resolved into seconds yet (CUDA)
         self._reset()
 
@@ -112,6 +115,10 @@ class StepTimer:
         self._fwd_start = None      # first forward of the current micro-batch
         self._marks = {"forward": [], "backward": [], "first_forward": None, "bwd_end": None,
                        "opt_start": None, "opt_end": None}
+        self._host = {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0}  # perf_counter spans (CUDA)
+        self._calls = 0             # forwards of the module that trains in this step (a loss: one per column)
+        self._ready = {}            # gradient group -> mark of its last gradient accumulated (latest backward)
+        self._bwd_start = None      # the latest backward's start mark
         self._buckets = []          # [handed over, completed, bytes]
         self._gathers = []          # FSDP forward all-gathers: (start, end)
         self._gather_from = None
@@ -142,15 +149,30 @@ class StepTimer:
         backward = trainer.accelerator.backward
 
         def timed_backward(loss, **kw):
-            start = self.clock.mark()
+            h0 = time.perf_counter()
+            self._bwd_start = start = self.clock.mark(h0)
             if self._fwd_start is not None:
                 self._marks["forward"].append((self._fwd_start, start))
+                self._host["forward"] += h0 - self._fwd_host
                 self._fwd_start = None
             backward(loss, **kw)
-            self._marks["bwd_end"] = end = self.clock.mark()
+            h1 = time.perf_counter()
+            self._marks["bwd_end"] = end = self.clock.mark(h1)
+            self._host["backward"] += h1 - h0
             self._marks["backward"].append((start, end))
 
         trainer.accelerator.backward = timed_backward
+        fetch = trainer.get_batch_samples
+
+        def timed_fetch(*args, **kw):  # the batches of the next step: loading and collation (host clock)
+            h0 = time.perf_counter()
+            try:
+                return fetch(*args, **kw)
+            finally:
+                self._data_wait = (self._data_wait or 0.0) + time.perf_counter() - h0
+
+        trainer.get_batch_samples = timed_fetch
+        self._hook_gradients(trainer.model)
         if is_ddp:
             self.hook, self.comm = comm_hook, "DDP bucket hooks"
             hook = builtin_hook(comm_hook)
@@ -191,9 +213,28 @@ class StepTimer:
 
         return timed_hook
 
+    def _hook_gradients(self, model) -> None:
+        """A post-accumulate-grad hook on every trainable parameter: the mark of each group's last gradient
+        (groups: the embeddings, each layer, the rest), the order DDP's buckets fill in."""
+        groups: dict = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                key = grad_group(name)
+                g = groups.setdefault(key, {"name": key, "params": 0, "numel": 0})
+                g["params"] += 1
+                g["numel"] += p.numel()
+                p.register_post_accumulate_grad_hook(lambda _p, key=key: self._grad_ready(key))
+        self.groups = list(groups.values())
+
+    def _grad_ready(self, key) -> None:
+        self._ready[key] = self.clock.mark()
+
     def _forward_pre(self, module, args):
+        if module.training:
+            self._calls += 1
         if module.training and self._fwd_start is None:  # evaluation's forwards are not a training step's
-            self._fwd_start = self.clock.mark()
+            self._fwd_host = time.perf_counter()
+            self._fwd_start = self.clock.mark(self._fwd_host)
             if self._marks["first_forward"] is None:
                 self._marks["first_forward"] = self._fwd_start
 
@@ -213,25 +254,32 @@ class StepTimer:
         the previous one ended."""
         if self._prev_end is None:
             self._prev_end = self.clock.mark(start)
+            self._prev_host = start
 
     def on_pre_optimizer_step(self) -> None:
-        self._marks["opt_start"] = self.clock.mark()
+        self._opt_host = time.perf_counter()
+        self._marks["opt_start"] = self.clock.mark(self._opt_host)
 
     def on_optimizer_step(self) -> None:
-        self._marks["opt_end"] = self.clock.mark()
+        now = time.perf_counter()
+        self._marks["opt_end"] = self.clock.mark(now)
+        self._host["optimizer_step"] += now - self._opt_host
 
     def on_step_end(self, now: float) -> None:
         end = self.clock.mark(now)  # CPU: stnb's own step clock, so the split adds up to its step times
         if self.origin is None:
-            self._prev_end = end
+            self._prev_end, self._prev_host = end, now
             return
-        self._pending.append((self._prev_end, end, self._marks, self._buckets, self._gathers))
-        self._prev_end = end
+        counts = {"forward_calls": self._calls, "data_wait": self._data_wait,
+                  "host": dict(self._host, step=now - self._prev_host) if self._prev_host is not None else None,
+                  "ready": (self._bwd_start, dict(self._ready))}
+        self._pending.append((self._prev_end, end, self._marks, self._buckets, self._gathers, counts))
+        self._prev_end, self._prev_host, self._data_wait = end, now, None
         self._reset()
         while self._pending and self.clock.done(self._pending[0][1]):  # CUDA: steps the GPU has finished
             self.steps.append(self._split(*self._pending.pop(0)))
 
-    def _split(self, begin, end, m, buckets, gathers) -> dict:
+    def _split(self, begin, end, m, buckets, gathers, counts=None) -> dict:
         """One step's marks turned into seconds (from ``origin``, the clock every rank shares)."""
         def sec(mark):
             return self.clock.seconds(mark, self.origin) if mark is not None else None
@@ -249,6 +297,20 @@ class StepTimer:
                "backward_compute": backward - exposed, "comm_exposed": exposed, "optimizer": opt}
         rec["other"] = step - sum(rec[p] for p in PHASES if p != "other")
         rec["start"] = begin
+        if m["opt_start"] is not None and m["opt_end"] is not None:  # measured: optimizer.step alone
+            rec["optimizer_step"] = sec(m["opt_end"]) - sec(m["opt_start"])
+            rec["clip"] = rec["optimizer"] - rec["optimizer_step"]  # backward's end to the step: clipping, norms
+        rec["backward"] = backward
+        if counts is not None:
+            rec["forward_calls"], rec["backward_calls"] = counts["forward_calls"], len(m["backward"])
+            rec["data_wait"] = counts["data_wait"]
+            if not isinstance(self.clock, HostClock) and counts["host"] is not None:
+                rec["host"] = counts["host"]  # CUDA: what Python took to issue them (device time above)
+            start, ready = counts["ready"]
+            if ready and start is not None and bwd_end is not None and bwd_end > sec(start):
+                b0, length = sec(start), bwd_end - sec(start)
+                rec["grad_ready"] = [None if g["name"] not in ready else
+                                     min(1.0, max(0.0, (sec(ready[g["name"]]) - b0) / length)) for g in self.groups]
         if self.comm is not None and self.hook is None:  # FSDP: its forward all-gathers (blocking on CPU)
             spans = [(sec(b), sec(e)) for b, e in gathers]
             gathered = sum(e - b for b, e in spans)
@@ -273,7 +335,19 @@ class StepTimer:
             self.steps.extend(self._split(*p) for p in self._pending)
             self._pending = []
         return {"method": self.method, "comm_hook": self.hook, "units": self.units, "steps": self.steps,
-                "comm": self.comm, "note": self.comm_note}
+                "comm": self.comm, "note": self.comm_note, "grad_groups": self.groups,
+                "host_clock": "the same clock (CPU)" if isinstance(self.clock, HostClock) else
+                "host seconds (time.perf_counter) beside the device's CUDA events: steps' 'host'"}
+
+
+def grad_group(name: str) -> str:
+    """A parameter's gradient group: 'layer <i>' for a transformer block's, 'embeddings', or 'other'."""
+    import re
+
+    hit = re.search(r"\.(?:layer|layers|h|block|blocks)\.(\d+)\.", f".{name}")
+    if hit:
+        return f"layer {int(hit.group(1))}"
+    return "embeddings" if "embed" in name else "other"
 
 
 def fsdp_units(model) -> list:
