@@ -446,12 +446,13 @@ def problems(result, tolerance: float = 0.05, warmup: int | None = None) -> list
 
 def table(result, warmup: int | None = None):
     """A pandas DataFrame, one row per rank: each part's mean over the steady steps, in ms (the parts
-    that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured)."""
+    that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured, then the
+    measured parts inside them: ``optimizer_step``, ``clip`` and ``data_wait``)."""
     import pandas as pd
 
     r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
     warm = int((r.get("config") or {}).get("warmup_steps_excluded", 2)) if warmup is None else warmup
-    cols = ("step", *PHASES, "wait", "comm_total", "comm_overlapped")
+    cols = ("step", *PHASES, "wait", "comm_total", "comm_overlapped", "optimizer_step", "clip", "data_wait")
     rows = []
     for rank, split in enumerate(r.get("time_split") or []):
         steps = (split or {}).get("steps", [])[warm:]

@@ -111,3 +111,22 @@ def test_collectives_are_put_back_after_training(cached):
     assert hasattr(dist.all_reduce, "__stnb_counted__") and hasattr(dist.all_gather_into_tensor, "__stnb_counted__")
     c.stop()
     assert not hasattr(dist.all_reduce, "__stnb_counted__")
+
+
+def test_fsdp_sends_its_gathers_and_reduce_scatters():
+    """FSDP2 (``fully_shard``, torch 2.13: ``dist.all_gather_single`` / ``reduce_scatter_single``), 2 ranks, the
+    recipe's CosineSimilarityLoss (two model calls a step): per step and rank, every unit gathered for the
+    first call, the layers again for the second (the root stays gathered) and again in backward (resharded
+    after forward); one reduce-scatter per unit, every gradient once; the gradient norm's all-reduce."""
+    run = stnb.run(stnb.TrainConfig(strategy="fsdp", num_processes=2, model="tiny", steps=5, train_size=128,
+                                    dev_size=16, evaluate=False), echo=False)
+    assert run.verified, run.reason
+    layers = run.verification["ranks"][0]["wrapped_layers"]
+    trainable = run.verification["model_shape"]["trainable_param_count"]
+    for rank in range(2):
+        for st, sent in list(zip(run.time_split[rank]["steps"], run.collectives[rank]["steps"]))[1:]:
+            calls = st["forward_calls"]
+            assert calls == 2
+            assert sent["all_gather_into_tensor"]["count"] == (layers + 1) + layers * (calls - 1) + layers
+            assert sent["reduce_scatter_tensor"] == {"count": layers + 1, "bytes": 4 * trainable}
+            assert sent["all_reduce"]["count"] == 1  # clip_grad_norm_'s total norm over the shards
