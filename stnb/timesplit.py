@@ -23,6 +23,15 @@ flight), ``comm_overlapped``, ``comm_bytes`` (what the hook sends: 2-byte elemen
 exposed communication: a rank that handed its last bucket over before the slowest rank waited for
 it (readings are relative to a barrier all ranks left together).
 
+Measured beside the phases, per step: ``forward_calls`` and ``backward_calls`` (a loss calls the model once
+per text column; a cached loss twice per mini-batch), ``backward`` (in full), ``optimizer_step``
+(``optimizer.step()`` alone, between the trainer's pre- and post-step callbacks) and ``clip`` (backward's
+end to it: clipping, gradient norms; the two make ``optimizer``), ``data_wait`` (host seconds in the
+trainer's ``get_batch_samples``: loading and collating the step's batches), ``grad_ready`` (per group of
+``grad_groups``, ``stnb.modelparts.grad_group``: when its last gradient was accumulated, a fraction of the
+step's last backward; post-accumulate-grad hooks) and, on CUDA, ``host`` (host seconds of forward,
+backward, ``optimizer.step`` and the step beside the device's events; ``host_clock`` says which).
+
 FSDP (``fully_shard``) all-gathers a unit's parameters in its own forward pre-hook: two more pre-hooks
 around it (one before, one after FSDP's) time each unit's forward all-gather, blocking on CPU, so it
 counts as exposed communication. Backward's all-gathers and reduce-scatters run in autograd hooks
@@ -40,6 +49,8 @@ from __future__ import annotations
 
 import os
 import time
+
+from .modelparts import fsdp_units, grad_group, model_units  # noqa: F401 (stnb.timesplit's names before)
 
 PHASES = ("data", "forward", "backward_compute", "comm_exposed", "optimizer", "other")
 WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "embedding_rows": None}  # element size on the wire
@@ -340,23 +351,6 @@ class StepTimer:
                 "host seconds (time.perf_counter) beside the device's CUDA events: steps' 'host'"}
 
 
-def grad_group(name: str) -> str:
-    """A parameter's gradient group: 'layer <i>' for a transformer block's, 'embeddings', or 'other'."""
-    import re
-
-    hit = re.search(r"\.(?:layer|layers|h|block|blocks)\.(\d+)\.", f".{name}")
-    if hit:
-        return f"layer {int(hit.group(1))}"
-    return "embeddings" if "embed" in name else "other"
-
-
-def fsdp_units(model) -> list:
-    """The modules FSDP2's ``fully_shard`` made units of (each all-gathers its parameters before its forward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 def builtin_hook(name: str):
     """torch's DDP hook for stnb's ``comm_hook`` name ('none' is the all-reduce DDP does by default);
     None for stnb's own hooks (they register themselves)."""
@@ -365,25 +359,6 @@ def builtin_hook(name: str):
     hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
              "bf16": default_hooks.bf16_compress_hook}
     return hooks.get(name)
-
-
-def model_units(model) -> dict | None:
-    """The FSDP units the predictor needs: transformer layers, and the share of parameters outside them."""
-    from .errors import ConfigError
-    from .models import layer_classes
-
-    sharded = [m for m in fsdp_units(model) if m is not model]
-    if sharded:  # FSDP's own units (the model is the root)
-        layers = sharded
-    else:
-        try:
-            classes = tuple(layer_classes(model))
-        except (ConfigError, AttributeError, TypeError):
-            return None
-        layers = [m for m in model.modules() if isinstance(m, classes)]
-    total = sum(p.numel() for p in model.parameters())
-    inside = sum(p.numel() for m in layers for p in m.parameters())
-    return {"layers": len(layers), "root_fraction": 1 - inside / total if total else None}
 
 
 def _union(spans) -> float:
