@@ -65,6 +65,8 @@ class RankReport:
     start_method: str | None = None      # how this rank was started, observed in it (None: another launcher)
     start_method_requested: str | None = None
     training: dict | None = None         # what a user's trainer trains with (None: stnb's recipe)
+    collectives: dict | None = None      # collective calls per step: kind -> count, bytes (``instruments.collectives``)
+    outside_steps: dict | None = None    # the step spread; evaluation / saves between steps (``instruments.outside``)
 
     def __post_init__(self):
         if not isinstance(self.verification, dict):

@@ -48,6 +48,8 @@ class RunResult:
     start_method: str | None = None    # how stnb started the ranks, as they observed it: fork | spawn
     mfu: dict | None = None            # model FLOPs utilisation and its inputs (stnb.mfu.summarize)
     time_split: list = field(default_factory=list)  # per rank: where each step's time went (stnb.timesplit)
+    collectives: list = field(default_factory=list)  # per rank: collective calls per step, by kind (count, bytes)
+    outside_steps: list = field(default_factory=list)  # per rank: step spread; evaluation / saves between steps
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
     saved_to: str | None = None
@@ -169,6 +171,8 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0, wall_time_s: 
         start_method=verification.get("start_method", {}).get("seen"),
         mfu=mfu,
         time_split=combine_time_split([r.time_split for r in rank_results]),
+        collectives=[r.collectives for r in rank_results],
+        outside_steps=[r.outside_steps for r in rank_results],
         saved_to=(r0.saved_model or {}).get("saved_to"),
         build=r0.build,
         overridden_args=r0.overridden_args or {},

@@ -23,6 +23,15 @@ flight), ``comm_overlapped``, ``comm_bytes`` (what the hook sends: 2-byte elemen
 exposed communication: a rank that handed its last bucket over before the slowest rank waited for
 it (readings are relative to a barrier all ranks left together).
 
+Measured beside the phases, per step: ``forward_calls`` and ``backward_calls`` (a loss calls the model once
+per text column; a cached loss twice per mini-batch), ``backward`` (in full), ``optimizer_step``
+(``optimizer.step()`` alone, between the trainer's pre- and post-step callbacks) and ``clip`` (backward's
+end to it: clipping, gradient norms; the two make ``optimizer``), ``data_wait`` (host seconds in the
+trainer's ``get_batch_samples``: loading and collating the step's batches), ``grad_ready`` (per group of
+``grad_groups``, ``stnb.modelparts.grad_group``: when its last gradient was accumulated, a fraction of the
+step's last backward; post-accumulate-grad hooks) and, on CUDA, ``host`` (host seconds of forward,
+backward, ``optimizer.step`` and the step beside the device's events; ``host_clock`` says which).
+
 FSDP (``fully_shard``) all-gathers a unit's parameters in its own forward pre-hook: two more pre-hooks
 around it (one before, one after FSDP's) time each unit's forward all-gather, blocking on CPU, so it
 counts as exposed communication. Backward's all-gathers and reduce-scatters run in autograd hooks
@@ -40,6 +49,8 @@ from __future__ import annotations
 
 import os
 import time
+
+from .modelparts import fsdp_units, grad_group, model_units  # noqa: F401 (stnb.timesplit's names before)
 
 PHASES = ("data", "forward", "backward_compute", "comm_exposed", "optimizer", "other")
 WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "embedding_rows": None}  # element size on the wire
@@ -105,6 +116,9 @@ class StepTimer:
         self.comm_note = None
         self.comm = None            # what the comm fields measure
         self._prev_end = None
+        self._prev_host = self._fwd_host = self._opt_host = None  # perf_counter readings beside the marks
+        self._data_wait = None      # host seconds the trainer waited for this step's batches (get_batch_samples)
+        self.groups = []            # gradient groups: {"name", "params", "numel"} (``grad_ready`` per step)
         self._pending = []          # steps whose marks are not all resolved into seconds yet (CUDA)
         self._reset()
 
@@ -112,6 +126,10 @@ class StepTimer:
         self._fwd_start = None      # first forward of the current micro-batch
         self._marks = {"forward": [], "backward": [], "first_forward": None, "bwd_end": None,
                        "opt_start": None, "opt_end": None}
+        self._host = {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0}  # perf_counter spans (CUDA)
+        self._calls = 0             # forwards of the module that trains in this step (a loss: one per column)
+        self._ready = {}            # gradient group -> mark of its last gradient accumulated (latest backward)
+        self._bwd_start = None      # the latest backward's start mark
         self._buckets = []          # [handed over, completed, bytes]
         self._gathers = []          # FSDP forward all-gathers: (start, end)
         self._gather_from = None
@@ -142,15 +160,30 @@ class StepTimer:
         backward = trainer.accelerator.backward
 
         def timed_backward(loss, **kw):
-            start = self.clock.mark()
+            h0 = time.perf_counter()
+            self._bwd_start = start = self.clock.mark(h0)
             if self._fwd_start is not None:
                 self._marks["forward"].append((self._fwd_start, start))
+                self._host["forward"] += h0 - self._fwd_host
                 self._fwd_start = None
             backward(loss, **kw)
-            self._marks["bwd_end"] = end = self.clock.mark()
+            h1 = time.perf_counter()
+            self._marks["bwd_end"] = end = self.clock.mark(h1)
+            self._host["backward"] += h1 - h0
             self._marks["backward"].append((start, end))
 
         trainer.accelerator.backward = timed_backward
+        fetch = trainer.get_batch_samples
+
+        def timed_fetch(*args, **kw):  # the batches of the next step: loading and collation (host clock)
+            h0 = time.perf_counter()
+            try:
+                return fetch(*args, **kw)
+            finally:
+                self._data_wait = (self._data_wait or 0.0) + time.perf_counter() - h0
+
+        trainer.get_batch_samples = timed_fetch
+        self._hook_gradients(trainer.model)
         if is_ddp:
             self.hook, self.comm = comm_hook, "DDP bucket hooks"
             hook = builtin_hook(comm_hook)
@@ -191,9 +224,28 @@ class StepTimer:
 
         return timed_hook
 
+    def _hook_gradients(self, model) -> None:
+        """A post-accumulate-grad hook on every trainable parameter: the mark of each group's last gradient
+        (groups: the embeddings, each layer, the rest), the order DDP's buckets fill in."""
+        groups: dict = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                key = grad_group(name)
+                g = groups.setdefault(key, {"name": key, "params": 0, "numel": 0})
+                g["params"] += 1
+                g["numel"] += p.numel()
+                p.register_post_accumulate_grad_hook(lambda _p, key=key: self._grad_ready(key))
+        self.groups = list(groups.values())
+
+    def _grad_ready(self, key) -> None:
+        self._ready[key] = self.clock.mark()
+
     def _forward_pre(self, module, args):
+        if module.training:
+            self._calls += 1
         if module.training and self._fwd_start is None:  # evaluation's forwards are not a training step's
-            self._fwd_start = self.clock.mark()
+            self._fwd_host = time.perf_counter()
+            self._fwd_start = self.clock.mark(self._fwd_host)
             if self._marks["first_forward"] is None:
                 self._marks["first_forward"] = self._fwd_start
 
@@ -213,25 +265,32 @@ class StepTimer:
         the previous one ended."""
         if self._prev_end is None:
             self._prev_end = self.clock.mark(start)
+            self._prev_host = start
 
     def on_pre_optimizer_step(self) -> None:
-        self._marks["opt_start"] = self.clock.mark()
+        self._opt_host = time.perf_counter()
+        self._marks["opt_start"] = self.clock.mark(self._opt_host)
 
     def on_optimizer_step(self) -> None:
-        self._marks["opt_end"] = self.clock.mark()
+        now = time.perf_counter()
+        self._marks["opt_end"] = self.clock.mark(now)
+        self._host["optimizer_step"] += now - self._opt_host
 
     def on_step_end(self, now: float) -> None:
         end = self.clock.mark(now)  # CPU: stnb's own step clock, so the split adds up to its step times
         if self.origin is None:
-            self._prev_end = end
+            self._prev_end, self._prev_host = end, now
             return
-        self._pending.append((self._prev_end, end, self._marks, self._buckets, self._gathers))
-        self._prev_end = end
+        counts = {"forward_calls": self._calls, "data_wait": self._data_wait,
+                  "host": dict(self._host, step=now - self._prev_host) if self._prev_host is not None else None,
+                  "ready": (self._bwd_start, dict(self._ready))}
+        self._pending.append((self._prev_end, end, self._marks, self._buckets, self._gathers, counts))
+        self._prev_end, self._prev_host, self._data_wait = end, now, None
         self._reset()
         while self._pending and self.clock.done(self._pending[0][1]):  # CUDA: steps the GPU has finished
             self.steps.append(self._split(*self._pending.pop(0)))
 
-    def _split(self, begin, end, m, buckets, gathers) -> dict:
+    def _split(self, begin, end, m, buckets, gathers, counts=None) -> dict:
         """One step's marks turned into seconds (from ``origin``, the clock every rank shares)."""
         def sec(mark):
             return self.clock.seconds(mark, self.origin) if mark is not None else None
@@ -249,6 +308,20 @@ class StepTimer:
                "backward_compute": backward - exposed, "comm_exposed": exposed, "optimizer": opt}
         rec["other"] = step - sum(rec[p] for p in PHASES if p != "other")
         rec["start"] = begin
+        if m["opt_start"] is not None and m["opt_end"] is not None:  # measured: optimizer.step alone
+            rec["optimizer_step"] = sec(m["opt_end"]) - sec(m["opt_start"])
+            rec["clip"] = rec["optimizer"] - rec["optimizer_step"]  # backward's end to the step: clipping, norms
+        rec["backward"] = backward
+        if counts is not None:
+            rec["forward_calls"], rec["backward_calls"] = counts["forward_calls"], len(m["backward"])
+            rec["data_wait"] = counts["data_wait"]
+            if not isinstance(self.clock, HostClock) and counts["host"] is not None:
+                rec["host"] = counts["host"]  # CUDA: what Python took to issue them (device time above)
+            start, ready = counts["ready"]
+            if ready and start is not None and bwd_end is not None and bwd_end > sec(start):
+                b0, length = sec(start), bwd_end - sec(start)
+                rec["grad_ready"] = [None if g["name"] not in ready else
+                                     min(1.0, max(0.0, (sec(ready[g["name"]]) - b0) / length)) for g in self.groups]
         if self.comm is not None and self.hook is None:  # FSDP: its forward all-gathers (blocking on CPU)
             spans = [(sec(b), sec(e)) for b, e in gathers]
             gathered = sum(e - b for b, e in spans)
@@ -273,14 +346,9 @@ class StepTimer:
             self.steps.extend(self._split(*p) for p in self._pending)
             self._pending = []
         return {"method": self.method, "comm_hook": self.hook, "units": self.units, "steps": self.steps,
-                "comm": self.comm, "note": self.comm_note}
-
-
-def fsdp_units(model) -> list:
-    """The modules FSDP2's ``fully_shard`` made units of (each all-gathers its parameters before its forward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+                "comm": self.comm, "note": self.comm_note, "grad_groups": self.groups,
+                "host_clock": "the same clock (CPU)" if isinstance(self.clock, HostClock) else
+                "host seconds (time.perf_counter) beside the device's CUDA events: steps' 'host'"}
 
 
 def builtin_hook(name: str):
@@ -291,25 +359,6 @@ def builtin_hook(name: str):
     hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
              "bf16": default_hooks.bf16_compress_hook}
     return hooks.get(name)
-
-
-def model_units(model) -> dict | None:
-    """The FSDP units the predictor needs: transformer layers, and the share of parameters outside them."""
-    from .errors import ConfigError
-    from .models import layer_classes
-
-    sharded = [m for m in fsdp_units(model) if m is not model]
-    if sharded:  # FSDP's own units (the model is the root)
-        layers = sharded
-    else:
-        try:
-            classes = tuple(layer_classes(model))
-        except (ConfigError, AttributeError, TypeError):
-            return None
-        layers = [m for m in model.modules() if isinstance(m, classes)]
-    total = sum(p.numel() for p in model.parameters())
-    inside = sum(p.numel() for m in layers for p in m.parameters())
-    return {"layers": len(layers), "root_fraction": 1 - inside / total if total else None}
 
 
 def _union(spans) -> float:
@@ -372,12 +421,13 @@ def problems(result, tolerance: float = 0.05, warmup: int | None = None) -> list
 
 def table(result, warmup: int | None = None):
     """A pandas DataFrame, one row per rank: each part's mean over the steady steps, in ms (the parts
-    that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured)."""
+    that add up to ``step`` first, then ``comm_total`` and ``comm_overlapped`` where measured, then the
+    measured parts inside them: ``optimizer_step``, ``clip`` and ``data_wait``)."""
     import pandas as pd
 
     r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
     warm = int((r.get("config") or {}).get("warmup_steps_excluded", 2)) if warmup is None else warmup
-    cols = ("step", *PHASES, "wait", "comm_total", "comm_overlapped")
+    cols = ("step", *PHASES, "wait", "comm_total", "comm_overlapped", "optimizer_step", "clip", "data_wait")
     rows = []
     for rank, split in enumerate(r.get("time_split") or []):
         steps = (split or {}).get("steps", [])[warm:]

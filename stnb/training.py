@@ -65,8 +65,8 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
     time_split = ins.TimeSplit(trainer, steps, config.comm_hook)
     verify = ins.FirstStepChecks(trainer, strategy, config, here.requested, here.world, loss_sync, time_split.timed)
     batch = overridden.get("per_device_train_batch_size")  # asked: the loss's first batch is checked against it
-    attached = ins.attach(trainer, [flops, steps, time_split, memory, verify, allocator,
-                                    ins.LossInputs(trainer, batch and batch["to"])])
+    attached = ins.attach(trainer, [flops, steps, time_split, memory, verify, allocator, ins.Collectives(),
+                                    ins.OutsideSteps(trainer, steps), ins.LossInputs(trainer, batch and batch["to"])])
     try:
         with memory.training_steps():
             trainer.train()

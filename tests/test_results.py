@@ -56,6 +56,29 @@ def test_append_one_line_per_run(tmp_path):
     assert _leftovers(path.parent, path.name) == []
 
 
+def test_a_line_of_an_older_stnb_loads_without_the_step_parts(tmp_path):
+    """Results files stay readable across versions: a line written before a run had collectives and the
+    step spread loads with them empty, and a new line keeps them through the file."""
+    from stnb import stepparts
+
+    path = tmp_path / "results.jsonl"
+    old = _result(0).to_dict()
+    for field in ("collectives", "outside_steps"):
+        old.pop(field)
+    path.write_text(json.dumps(old) + "\n")
+    new = _result(1)
+    new.collectives = [{"steps": [{"all_reduce": {"count": 2, "bytes": 8}}] * 3, "outside_steps": {}}]
+    new.outside_steps = [{"spread": {"steps": 1, "mean": 0.2, "std": 0.01, "p50": 0.2, "p90": 0.2}, "work": {}}]
+    stnb.append_result(path, new)
+    rows = [RunResult.from_dict(r) for r in stnb.load_results(path, as_frame=False)]
+    assert rows[0].collectives == [] and rows[0].outside_steps == []
+    assert stepparts.collectives(rows[0]) == [] and stepparts.parts(rows[0])["spread"] is None
+    assert rows[1].collectives == new.collectives
+    assert stepparts.collectives(rows[1]) == [{"all_reduce": {"count": 2.0, "bytes": 8.0}}]
+    assert stepparts.parts(rows[1])["spread"]["std"] == 0.01
+    assert len(stnb.load_results(path)) == 2
+
+
 def test_append_keeps_earlier_runs_byte_for_byte(tmp_path):
     path = tmp_path / "results.jsonl"
     stnb.append_result(path, _result(0))

@@ -18,6 +18,9 @@ instrument              module             what it reports (RankReport fields; e
 ``AllocatorRelease``    ``allocator``      verification: ``reuse_freed_memory``, ``released_each_step``
                                            (``stnb.cpualloc``)
 ``LossInputs``          ``loss_inputs``    ``loss_inputs``, ``data_columns``; verification: ``batch_override``
+``Collectives``         ``collectives``    ``collectives``: every collective call per step, its kind and bytes
+``OutsideSteps``        ``outside``        ``outside_steps``: the step times' spread; evaluation and checkpoint
+                                           saves between steps, timed, with their frequency
 ======================  =================  ========================================================================
 
 Each instrument's ``report()`` returns its RankReport fields and ``verification()`` its entries of the
@@ -28,21 +31,25 @@ Callbacks run in the order they were added: ``attach`` adds them to the trainer 
 from __future__ import annotations
 
 __all__ = ["Instrument", "attach", "reports", "Flops", "StepLog", "TimeSplit", "MemoryUse", "FirstStepChecks",
-           "AllocatorRelease", "LossInputs", "ORDER"]
+           "AllocatorRelease", "LossInputs", "Collectives", "OutsideSteps", "ORDER"]
 
 from .base import Instrument, reports
 from .allocator import AllocatorRelease
 from .checks import FirstStepChecks
+from .collectives import Collectives
 from .flops import Flops
 from .loss_inputs import LossInputs
 from .memsplit import MemoryUse
+from .outside import OutsideSteps
 from .steps import StepLog
 from .timesplit import TimeSplit
 
 #: the order train_rank attaches them (callbacks run in this order at every event): the FLOP count starts
 #: first; the step clock reads the time before the time split uses it; at the first optimizer step the
-#: time split marks the step's end, then the memory is measured, then the strategy's step check runs
-ORDER = (Flops, StepLog, TimeSplit, MemoryUse, FirstStepChecks, AllocatorRelease, LossInputs)
+#: time split marks the step's end, then the memory is measured, then the strategy's step check runs; the
+#: collectives of a step are counted after the first step's verification and the time split's barrier
+ORDER = (Flops, StepLog, TimeSplit, MemoryUse, FirstStepChecks, AllocatorRelease, Collectives, OutsideSteps,
+         LossInputs)
 
 
 def attach(trainer, instruments) -> list:

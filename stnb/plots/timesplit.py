@@ -7,6 +7,9 @@
                             wait for the slowest rank visible; a sentence under it
     advice(result)          that sentence: what dominates and what to change (the knobs named are the
                             ones the run's strategy owns: ``knob_hints``)
+    sends(result)           the next: the collectives a step sends per rank (count and kind), the model
+                            calls and the optimizer step, the step spread, evaluation and saves between
+                            steps (``stnb.stepparts``)
 
 Each reads ``RunResult.time_split`` (``stnb.timesplit``); means over the steady steps of every rank.
 """
@@ -87,6 +90,25 @@ def advice(result) -> str:
             "more devices add throughput.")
 
 
+def sends(result) -> str:
+    """What a step sends per rank (``stnb.stepparts.sentence``), and the parts measured beside the phases."""
+    from .. import stepparts
+
+    p = stepparts.parts(result)
+    said = [stepparts.sentence(result)]
+    if p.get("forward_calls") is not None:
+        said.append(f"{p['forward_calls']:g} model call(s) and {p['backward_calls']:g} backward(s) a step")
+    if p.get("optimizer_step") is not None:
+        said.append(f"optimizer.step {1e3 * p['optimizer_step']:.1f} ms, clipping {1e3 * p['clip']:.1f} ms")
+    if p.get("spread"):
+        said.append(f"step spread: std {1e3 * p['spread']['std']:.1f} ms, p90 {1e3 * p['spread']['p90']:.1f} ms")
+    for kind, w in (p.get("outside_steps") or {}).items():
+        every = f" every {w['every_steps']} steps" if w.get("every_steps") else ""
+        said.append(f"{kind} between steps: {w['calls']} call(s){every}, {w['seconds']:.2f} s each")
+    said = [s for s in said if s]
+    return (". ".join(said) + ".") if said else ""
+
+
 def split_bars(results, names=None):
     """A stacked bar per run (ms per step) with the overlapped communication as a marker."""
     import plotly.graph_objects as go
@@ -106,7 +128,7 @@ def split_bars(results, names=None):
         fig.add_trace(go.Scatter(x=names, y=over, mode="markers", name="communication overlapped with backward",
                                  marker={"symbol": "line-ew-open", "size": 30, "color": "#e45756", "line": {"width": 3}},
                                  hovertemplate="overlapped with backward: %{y:.1f} ms<extra>%{x}</extra>"))
-    lines = [line for n, r in zip(names, rows) for line in _wrap(f"{n}: {advice(r)}")]
+    lines = [line for n, r in zip(names, rows) for line in _wrap(f"{n}: {advice(r)} {sends(r)}".strip())]
     fig.update_layout(barmode="stack", title="Where each step's time goes (mean of the steady steps, every rank)",
                       yaxis_title="ms per step", height=420 + 18 * len(lines), margin={"b": 60 + 18 * len(lines)},
                       annotations=[_under("<br>".join(lines), len(lines))])

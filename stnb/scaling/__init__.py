@@ -8,13 +8,15 @@
 
 ``stnb.scaling.predict`` is the pure computation (no plot); ``stnb.predict`` adds the figure.
 The run's measured time split (``RunResult.time_split``) gives forward, backward compute, optimizer
-and the rest; its model shape gives the bytes; its step times the spread; its data's columns the model
-calls per step. ``links`` holds the presets (bus bandwidth ranges with their sources) and the collective
-costs, ``model`` what a step model takes (each strategy has its own, ``Strategy.step_time``, asked of the
-registry), ``interval`` the ranges' combinations and the suspect flags, ``calibrate`` measures this
-machine's loopback (the 'loopback' link). The predictor checked on two published tables from their 1-GPU
-rows (the sentence-transformers docs' 4x V100; DeepLearningExamples' BERT-large on a DGX-1) is the lab's:
-``stnblab.scaling``.
+(``optimizer.step`` and clipping, each measured) and the rest; its model shape gives the bytes; each rank's
+step spread (``RunResult.outside_steps``) the slowest-of-n wait; the forwards it counted the model calls
+per step; each gradient group's ready time the order DDP's buckets fill (``stnb.stepparts`` reads them
+back; ``Prediction.assumptions`` says which inputs were measured and which assumed). ``links`` holds the
+presets (bus bandwidth ranges with their sources) and the collective costs, ``model`` what a step model
+takes (each strategy has its own, ``Strategy.step_time``, asked of the registry), ``interval`` the ranges'
+combinations and the suspect flags, ``calibrate`` measures this machine's loopback (the 'loopback' link).
+The predictor checked on two published tables from their 1-GPU rows (the sentence-transformers docs' 4x
+V100; DeepLearningExamples' BERT-large on a DGX-1) is the lab's: ``stnblab.scaling``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
+from .. import stepparts
 from .. import strategies as registry  # ``predict`` takes an argument named strategies
 from .links import KNOWN as LINKS, PRESETS, Fabric, Link, custom, fabric
 from .model import Measured, Range, Uncertain
@@ -173,8 +176,9 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None, ranges=()) -> list
            f"between nodes ({fab.link.per_node} devices per node): {fab.network.describe()}"
            if fab.link.per_node else "the link is a network: any number of devices, one per node",
            f"collectives: ring costs (nccl-tests doc/PERFORMANCE.md), latency + size / bus bandwidth; gradients "
-           f"{m.grad_bytes / 2**20:.0f} MiB in {m.bucket_bytes / 2**20:.0f} MiB buckets (the root's "
-           f"{m.root_fraction:.0%}, the embeddings, ready only at backward's end), parameters "
+           f"{m.grad_bytes / 2**20:.0f} MiB in {m.bucket_bytes / 2**20:.0f} MiB buckets ("
+           + ("each ready when the measured gradient group filling it was" if m.ready else
+              f"the root's {m.root_fraction:.0%}, the embeddings, ready only at backward's end") + "), parameters "
            f"{m.param_bytes / 2**20:.0f} MiB; FSDP units: {m.layers} layers + the root",
            "communication overlaps compute" if fab.overlap else
            "communication counts in full (CPU: gloo's thread reduces on the cores the ranks compute on, so what "
@@ -187,6 +191,8 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None, ranges=()) -> list
            f"stragglers: every synchronised step waits for the slowest of n ranks, E[max of n normals] x a rank's "
            f"step spread ({m.step_spread * 1e3:.2f} ms at the mid)"]
     out += [f"range: {r.describe()}" for r in ranges]
+    if m.inputs:
+        out += [f"{how.upper()}: {name}" + (f" ({what})" if what else "") for name, how, what in m.inputs]
     return out + list(m.notes)
 
 
@@ -234,15 +240,22 @@ def from_result(result) -> Measured:
         raise ConfigError("this run has no model shape (verification['model_shape']); run it again with stnb")
     accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
     batch = int(r["per_device_batch_size"]) * accumulation
-    notes = []
+    notes, inputs = [], []
     split = [s for s in (r.get("time_split") or []) if s.get("steps")]
     units = (split[0].get("units") if split else None) or {}
+    measured = stepparts.parts(r)
     if split:
         med = {p: statistics.fmean(statistics.fmean(st.get(p) or 0.0 for st in s["steps"][warm:]) for s in split)
                for p in PHASES}
         fwd, bwd, opt, rest = med["forward"], med["backward_compute"], med["optimizer"], med["data"] + med["other"]
         source = (f"{r['strategy']} run on {r['world_size']} {r.get('device')} rank(s), means of "
                   f"{steady} steady steps of its measured time split")
+        inputs += [("forward, backward compute, data + rest", "measured", "the time split's phases")]
+        if measured["optimizer_step"] is not None:
+            inputs.append(("optimizer", "measured", f"optimizer.step {measured['optimizer_step'] * 1e3:.2f} ms + "
+                           f"clipping {measured['clip'] * 1e3:.2f} ms, between the trainer's callbacks"))
+        else:
+            inputs.append(("optimizer", "measured", "backward's end to the optimizer step's end (an older stnb)"))
         if "params" in registry.get(r["strategy"]).sharded:
             notes.append("the run is sharded (FSDP): its backward includes its all-gathers and reduce-scatters "
                          "(stnb times only the forward all-gathers), so the prediction counts those twice and is low")
@@ -252,6 +265,7 @@ def from_result(result) -> Measured:
         source = f"{r['strategy']} run, median step {step * 1e3:.1f} ms (no time split in this result)"
         notes.append("no time split in this result: forward:backward taken as 1:2 (their FLOPs), optimizer "
                      "and data inside them")
+        inputs.append(("forward, backward, optimizer", "assumed", "1:2 of the step, optimizer inside them"))
     if int(r.get("world_size") or 1) > 1:
         notes.append(f"the compute was measured in a {r['world_size']}-rank {r['strategy']} run, not on one device")
     grad_size = 2 if cfg.get("comm_hook") in ("fp16", "bf16") else 4
@@ -259,12 +273,42 @@ def from_result(result) -> Measured:
     if not layers:
         layers, root = 12, 0.25
         notes.append("FSDP units not recorded in this result: 12 layers + a root of 25% of the parameters assumed")
-    steady_times = list(r.get("step_times") or [])[warm:]
-    spread = statistics.pstdev(steady_times) if len(steady_times) > 1 else 0.0
-    calls = text_columns((r.get("verification") or {}).get("data_columns"))
-    if calls is None:
-        notes.append("the run did not record its data's columns: the model calls per step (one per text column) "
-                     "taken as 1 to 3")
+        inputs.append(("FSDP units", "assumed", "12 layers + a root of 25% of the parameters"))
+    ready = tuple((g["ready"], g["share"]) for g in stepparts.grad_ready(r))
+    inputs.append(("gradient readiness (DDP's buckets)", "measured", "each group's last gradient, as a fraction "
+                   "of backward: " + ", ".join(f"{g['name']} {g['ready']:.2f}" for g in stepparts.grad_ready(r)))
+                  if ready else ("gradient readiness (DDP's buckets)", "assumed", f"the layers' in proportion to "
+                                 f"backward, the root ({root:.0%}) at its end"))
+    if measured["spread"]:
+        spread = measured["spread"]["std"]
+        inputs.append(("step spread", "measured", f"std of each rank's own steady steps, {spread * 1e3:.2f} ms "
+                       f"(p50 {measured['spread']['p50'] * 1e3:.1f}, p90 {measured['spread']['p90'] * 1e3:.1f} ms)"))
+    else:
+        steady_times = list(r.get("step_times") or [])[warm:]
+        spread = statistics.pstdev(steady_times) if len(steady_times) > 1 else 0.0
+        inputs.append(("step spread", "measured", "std of the run's steady steps (the slowest rank's per step)"))
+    calls = measured["forward_calls"]
+    if calls is not None:
+        inputs.append(("model calls per step", "measured", f"{calls:g} forward(s) of the module that trains"))
+    else:
+        calls = text_columns((r.get("verification") or {}).get("data_columns"))
+        if calls is None:
+            notes.append("the run did not record its data's columns: the model calls per step (one per text column) "
+                         "taken as 1 to 3")
+            inputs.append(("model calls per step", "assumed", "1 to 3"))
+        else:
+            inputs.append(("model calls per step", "assumed", "one per text column of the data"))
+    for kind, w in measured["outside_steps"].items():
+        inputs.append((f"{kind} between steps", "measured", f"{w['calls']} call(s), {w['seconds']:.2f} s each, in "
+                       "the data part of the next step: per device, not divided by the devices"))
+    if measured["data_wait"] is not None:
+        inputs.append(("data loading", "measured", f"{measured['data_wait'] * 1e3:.2f} ms a step waiting for "
+                       "batches (inside the data part)"))
+    inputs.append(("host vs device", "measured" if measured["host"] else "assumed",
+                   "host seconds beside the CUDA events" if measured["host"] else
+                   "the same clock (CPU): host work is the step"))
+    inputs += [("link bandwidth and per-collective cost", "assumed", "the link preset's range (or this machine's "
+                "loopback, measured by a sweep)"), ("every added device computes as fast", "assumed", "")]
     return Measured(batch=batch, forward=fwd, backward=bwd, optimizer=opt, other=rest,
                     forward_calls=float(calls or 2), step_spread=spread,
                     fits="params" not in registry.get(r["strategy"]).sharded,
@@ -273,7 +317,7 @@ def from_result(result) -> Measured:
                     bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
                     layers=int(layers), root_fraction=float(root),
                     reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,
-                    notes=tuple(notes))
+                    notes=tuple(notes), ready=ready, inputs=tuple(inputs))
 
 
 def text_columns(columns):
@@ -292,12 +336,13 @@ def text_columns(columns):
 def uncertain_from_result(result) -> Uncertain:
     """``from_result``'s step with the ranges a run leaves open: the slowest-of-n wait between identical ranks
     (0) and independent draws with the run's measured step spread (mid: half of it), and the model calls per
-    step when the run did not record its columns (1 to 3)."""
+    step when the run neither counted them nor recorded its columns (1 to 3)."""
     m = from_result(result)
     r = result.to_dict() if hasattr(result, "to_dict") else dict(result)
     ranges = [Range("spread", 0.0, m.step_spread / 2, m.step_spread, "a rank's step spread (s)",
                     "0: ranks identical; the run's measured standard deviation of its steady steps")]
-    if text_columns((r.get("verification") or {}).get("data_columns")) is None:
+    columns = (r.get("verification") or {}).get("data_columns")
+    if stepparts.parts(r)["forward_calls"] is None and text_columns(columns) is None:
         ranges.append(Range("forward_calls", 1.0, 2.0, 3.0, "model calls per step", "not recorded by the run"))
 
     def build(values, m=m):

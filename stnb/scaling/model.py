@@ -62,6 +62,11 @@ class Measured:
     forward_calls: float = 1.0  # calls of the model per step (one per text column the loss embeds)
     step_spread: float = 0.0    # standard deviation of a rank's step (s): the slowest of n ranks sets the pace
     fits: bool = True           # the whole model trained on one device (the input run did not shard it)
+    # measured gradient readiness: ((fraction of backward when ready, share of the gradient bytes), ...) in the
+    # order the groups were ready (``stnb.stepparts.grad_ready``); empty: the layers in proportion to
+    # backward's progress and the root (``root_fraction``) at its end
+    ready: tuple = ()
+    inputs: tuple = ()          # (input, "measured" | "assumed", how) for each input the prediction rests on
     source: str = ""
     notes: tuple = field(default_factory=tuple)
 

@@ -178,10 +178,13 @@ def ddp_handler(kw: dict):
 def ddp_step(m, fab, n: int) -> dict:
     """Forward (``m.forward_calls`` calls, one all-reduce all the same: autograd sums each parameter's gradient
     before DDP's hook sees it); backward with the gradient buckets (``bucket_bytes`` each) all-reduced as they
-    fill, one collective at a time. The layers' gradients are ready in proportion to backward's progress;
-    the root's (the embeddings, ``m.root_fraction`` of the bytes) only at its end, so their all-reduce is
-    exposed. All of it is exposed when the link cannot overlap (CPU); optimizer; rest."""
+    fill, one collective at a time. Where the run measured when each gradient group was ready (``m.ready``), a
+    bucket is ready when the group that fills it is; else the layers' gradients are ready in proportion to
+    backward's progress and the root's (the embeddings, ``m.root_fraction`` of the bytes) only at its end, so
+    their all-reduce is exposed. All of it is exposed when the link cannot overlap (CPU); optimizer; rest."""
     sizes = buckets(m)
+    if m.ready:
+        return ddp_step_measured(m, fab, n, sizes)
     layer_bytes = (1 - m.root_fraction) * m.grad_bytes
     per_byte = m.backward / layer_bytes if layer_bytes > 0 else 0.0
     units, filled = [], 0.0
@@ -191,5 +194,25 @@ def ddp_step(m, fab, n: int) -> dict:
         filled += s
     if layer_bytes <= 0:
         units[0] = (0.0, m.backward, units[0][2])
+    backward, comm = pipeline(units, fab.overlap)
+    return step(m.forward + backward + m.optimizer + m.other, comm, backward - m.backward)
+
+
+def ddp_step_measured(m, fab, n: int, sizes) -> dict:
+    """``ddp_step`` with the buckets' ready times from the measured gradient readiness: the groups fill the
+    buckets in the order they were ready; a bucket is ready at its last byte's group's time; backward's
+    compute after the last bucket is ready runs with nothing left to send."""
+    ready = sorted(m.ready)
+    total = sum(share for _, share in ready) or 1.0
+    units, t, filled, gi, acc = [], 0.0, 0.0, 0, ready[0][1] / total
+    for s in sizes:
+        filled += s / m.grad_bytes
+        while acc < filled - 1e-9 and gi + 1 < len(ready):
+            gi += 1
+            acc += ready[gi][1] / total
+        at = ready[gi][0] * m.backward
+        units.append((0.0, max(0.0, at - t), fab.all_reduce(s, n)))
+        t = max(t, at)
+    units.append((0.0, max(0.0, m.backward - t), 0.0))
     backward, comm = pipeline(units, fab.overlap)
     return step(m.forward + backward + m.optimizer + m.other, comm, backward - m.backward)
