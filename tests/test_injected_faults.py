@@ -195,3 +195,18 @@ def test_cleanup_without_the_child_subreaper_leaves_the_daemon_behind(tmp_path, 
         child_subreaper(True)
     assert isinstance(out.error, stnb.LaunchError) and out.error.rank == 1, repr(out.error)
     assert left, "without the subreaper the cleanup still found every process the killed rank started"
+
+
+def test_a_launcher_on_the_default_port_fails_while_it_is_busy(monkeypatch):
+    """The fault injected: the launcher's free-port choice returns torch's default 29500 (patched by name:
+    a renamed function fails this test loudly). With 29500 held, as in
+    tests/test_launch.py::test_busy_port_29500_does_not_matter, that launch cannot start."""
+    import faultcases as fc
+    from stnb.launch import launcher
+
+    monkeypatch.setattr(launcher, "free_port", lambda *a, **kw: 29500)
+    with fc.busy_port(29500):
+        assert fc.port_busy(29500)
+        with pytest.raises((stnb.LaunchError, stnb.ConfigError)) as e:
+            fc.cpu_launch(os.getpid, num_processes=2, echo=False, timeout=120)
+    assert "29500" in str(e.value), str(e.value)[:2000]
