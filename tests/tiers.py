@@ -1,7 +1,8 @@
 """The order ``make test`` runs the tests in, and which are ``slow`` (docs/testing.md, "Tiers").
 
 * tier 0, unmarked: in-process tests (seconds in all; ``pytest -m "not slow"`` runs only these);
-* tier 1, ``slow``: a test that starts processes: it calls ``stnb.run``, ``stnb.launch``, ``subprocess``,
+* tier 1, ``slow``: a test that starts processes: it calls (outside a ``pytest.raises`` of a refusal such as
+  ``ConfigError``, raised before any process starts; ``LaunchError`` counts) ``stnb.run``, ``stnb.launch``, ``subprocess``,
   ``multiprocessing``, DeepSpeed's op ``prebuild`` (a compiler) or the Panel's run button, itself, through
   a fixture it uses, or through a function of the tests it calls (read from their source, three calls
   deep): real multi-process training, torchrun, the CLI;
@@ -23,8 +24,13 @@ import textwrap
 import pytest
 
 STARTS_PROCESSES = re.compile(
-    r"\bstnb\.run\(|\bstnb\.launch\(|\b(cpu_)?launch\(|\bsubprocess\.|\bPopen\(|\bmultiprocessing\b|\bmp\.Process\("
-    r"|\bstnb\.bench\(|\bnotebook_launcher\(|\belastic_launch\(|\bprebuild\(|\.run_button\.click\(")
+    # stnb's and torch's entry points that start ranks, and processes started directly
+    r"\bstnb\.(run|launch|parity)\(|\b(cpu_)?launch(_oversubscribed)?\(|\belastic_launch\(|\bnotebook_launcher\("
+    r"|\bsubprocess\.|\bPopen\(|\bmultiprocessing\b|\bmp\.Process\("
+    # the lab's runs: the bench (also through the CLI), the GPU check's runners, the TP/PP demos
+    r"|\bbench\.\w+\(|\[\s*\"(bench|run)\"|\bRUNNERS\[|\b(pipeline|tensor)_parallel\("
+    # a compiler (DeepSpeed's ops), the Panel's run button, a real Jupyter kernel
+    r"|\bprebuild\(|\.run_button\.click\(|\bnbclient\b|\bNotebookClient\(|\bKernelManager\(")
 LAST = {"test_browser.py", "test_kernel.py", "test_spawn.py", "test_cluster_slurm.py", "test_cluster_ray.py",
         "test_gpu_kit.py", "test_notebook_outputs.py"}
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -47,12 +53,44 @@ def _called_test_functions(src: str, namespace: dict) -> list:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            name = f.id if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else None)
-            obj = namespace.get(name)
+            if isinstance(f, ast.Name):
+                obj = namespace.get(f.id)
+            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):  # module.function(...)
+                obj = getattr(namespace.get(f.value.id), f.attr, None)
+            else:
+                continue
             obj = getattr(obj, "func", obj)  # functools.partial
             if inspect.isfunction(obj) and os.path.dirname(os.path.abspath(inspect.getfile(obj))) == TESTS:
                 out.append(obj)
     return out
+
+
+# what a launch raises once ranks ran; any other exception a test expects (ConfigError, ValueError, a
+# parametrized one...) is a refusal, raised before any process starts
+AFTER_RANKS_RAN = {"LaunchError", "VerificationError", "KeyboardInterrupt", "Exception", "BaseException"}
+
+
+def _without_refusals(src: str) -> str:
+    """``src`` without its ``with pytest.raises(ConfigError ...)`` blocks: a call refused before any process
+    starts (stnb's refusals) starts none; ``pytest.raises(LaunchError)`` blocks stay (ranks ran)."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return src
+    lines = src.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.With):
+            continue
+        for item in node.items:
+            call = item.context_expr
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "raises"
+                    and call.args):
+                kinds = call.args[0].elts if isinstance(call.args[0], ast.Tuple) else [call.args[0]]
+                names = {k.id if isinstance(k, ast.Name) else getattr(k, "attr", "") for k in kinds}
+                if not names & AFTER_RANKS_RAN:
+                    for i in range(node.lineno - 1, node.end_lineno):
+                        lines[i] = "\n"
+    return "".join(lines)
 
 
 def _starts_processes(fn, namespace: dict, depth: int = 3, seen=None) -> bool:
@@ -60,7 +98,7 @@ def _starts_processes(fn, namespace: dict, depth: int = 3, seen=None) -> bool:
     if fn in seen:
         return False
     seen.add(fn)
-    src = _source(fn)
+    src = _without_refusals(_source(fn))
     if STARTS_PROCESSES.search(src):
         return True
     if depth:
