@@ -59,7 +59,7 @@ def _called_test_functions(src: str, namespace: dict) -> list:
                 obj = getattr(namespace.get(f.value.id), f.attr, None)
             else:
                 continue
-            obj = getattr(obj, "func", obj)  # functools.partial
+            obj = inspect.unwrap(getattr(obj, "func", obj))  # functools.partial, lru_cache, wraps
             if inspect.isfunction(obj) and os.path.dirname(os.path.abspath(inspect.getfile(obj))) == TESTS:
                 out.append(obj)
     return out
