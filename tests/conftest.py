@@ -8,3 +8,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # the real SLURM and Ray clusters of the cluster tests (started on first use, stopped after their module)
 from cluster_engines import ray_cluster, slurm_cluster  # noqa: E402,F401
+from tiers import order_and_mark  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """make test's order: the in-process tests first, then the multi-process runs (marked slow), then the
+    notebooks, the browser, the Jupyter kernels, the clusters and the GPU kit (slow); tests/tiers.py."""
+    order_and_mark(items)

@@ -54,7 +54,7 @@ class Module:
 
 MODULES = (
     # merge and throughput: what a run's result says (the JSONL file's locking and atomic writes are
-    # checked by the slow tests and tests/mutations.py: several processes racing, a process killed)
+    # checked by the slow tests, faults injected there: several processes racing, a process killed)
     Module("results", "stnb/results.py", ("x_merge", "x_cross_rank_checks", "xǁRunResultǁto_row",
                                           "xǁRunResultǁunavailable", "x_results_frame")),
     # what a result's config and an exported script say of what was trained (stnb's recipe, a user's function)

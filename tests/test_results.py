@@ -159,6 +159,21 @@ def test_exception_while_serialising_keeps_old_content(tmp_path, monkeypatch):
     assert _leftovers(tmp_path, path.name) == []
 
 
+# FAULTS: injected into a writer process at run time (they replace the hand-written mutations of
+# stnb's code, docs/testing.md): "no-lock" makes fcntl.flock a no-op, "in-place" makes the temporary
+# file the target itself, opened truncated (what an atomic write must never do)
+FAULTS = r"""
+import os, sys, tempfile
+if sys.argv[-1] == "no-lock":
+    import fcntl
+    fcntl.flock = lambda *a, **kw: None
+if sys.argv[-1] == "in-place":
+    def in_place(prefix="", suffix="", dir=None, **kw):
+        target = os.path.join(dir, prefix[1:-1])  # the temporary file is named ".<target>.<random>.tmp"
+        return os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), target
+    tempfile.mkstemp = in_place
+"""
+
 CRASHER = r"""
 import os, sys, time
 sys.path.insert(0, {tests!r})
@@ -199,7 +214,7 @@ def test_process_killed_mid_append_leaves_old_file(tmp_path):
     assert len(stnb.load_results(path, as_frame=False)) == 4
 
 
-LOOPER = r"""
+LOOPER = FAULTS + r"""
 import sys
 sys.path.insert(0, {tests!r})
 from stnb import results
@@ -249,7 +264,7 @@ def test_concurrent_appends_lose_no_run(tmp_path):
     assert sorted(ids) == sorted(f"t{w}-{i}" for w in range(4) for i in range(15)), f"{len(ids)} of 60 rows"
 
 
-APPENDER = r"""
+APPENDER = FAULTS + r"""
 import os, sys, time
 from stnb import results
 path, tag, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -263,8 +278,20 @@ for i in range(n):
 def test_two_processes_appending_at_once_lose_no_run(tmp_path):
     """Two notebooks (here: two processes) appending to one results file at the same moment keep every
     row: the lock serialises processes, not only threads (with a thread lock 44 and 58 of 80 survived)."""
+    kept, expected = _two_processes_append(tmp_path)
+    assert sorted(kept) == sorted(expected), f"{len(set(kept) & set(expected))} of 80 rows kept"
+
+
+@pytest.mark.slow
+def test_without_the_process_lock_rows_are_lost(tmp_path):
+    """The fault injected: flock a no-op in both writers. The race above is real: rows are lost."""
+    kept, expected = _two_processes_append(tmp_path, "no-lock")
+    assert len(set(kept) & set(expected)) < len(expected), "no row was lost without the lock"
+
+
+def _two_processes_append(tmp_path, *fault) -> tuple:
     path, go = tmp_path / "results.jsonl", tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", APPENDER.format(), str(path), tag, "40", str(go)])
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER.format(), str(path), tag, "40", str(go), *fault])
              for tag in ("a", "b")]
     try:
         time.sleep(1.0)  # both interpreters started and waiting
@@ -277,28 +304,48 @@ def test_two_processes_appending_at_once_lose_no_run(tmp_path):
                 p.wait()
     assert codes == [0, 0]
     ids = [r["run_id"] for r in stnb.load_results(path, as_frame=False)]
-    expected = [f"{t}-{i}" for t in ("a", "b") for i in range(40)]
-    assert sorted(ids) == sorted(expected), f"{len(set(ids) & set(expected))} of 80 rows kept"
+    return ids, [f"{t}-{i}" for t in ("a", "b") for i in range(40)]
 
 
 def test_a_reader_never_sees_a_partial_file(tmp_path):
     """While another process appends large rows, every read of the file parses completely and never
     has fewer rows than the read before: readers see the old file or the new one, never half."""
+    problem, last, reads = _read_while_appending(tmp_path)
+    assert problem is None, problem
+    assert last > 3 and reads > 20, (last, reads)  # the writer did append while we read, many times
+
+
+@pytest.mark.slow
+def test_a_write_in_place_is_seen_half_written(tmp_path):
+    """The fault injected: the writer truncates and rewrites the file itself instead of renaming a whole
+    temporary file over it. A reader then sees a partial file, as the test above would report."""
+    problem, last, reads = _read_while_appending(tmp_path, "in-place")
+    assert problem is not None, f"{reads} reads never saw a partial file"
+
+
+def _read_while_appending(tmp_path, *fault) -> tuple:
+    """(the first partial or shrunken file a reader saw, or None; the rows at the last read; the reads)."""
     path = tmp_path / "results.jsonl"
     stnb.append_result(path, {"run_id": "first", "pad": "y" * 200000})
-    writer = subprocess.Popen([sys.executable, "-c", LOOPER.format(tests=str(Path(__file__).parent)), str(path)])
-    reads, last = 0, 1
+    writer = subprocess.Popen([sys.executable, "-c", LOOPER.format(tests=str(Path(__file__).parent)), str(path),
+                               *fault])
+    reads, last, problem = 0, 1, None
     try:
         end = time.time() + 4.0
-        while time.time() < end and writer.poll() is None:
-            rows = stnb.load_results(path, as_frame=False)  # ResultsFileError on a partial line
-            assert len(rows) >= last, f"a read found {len(rows)} rows after one with {last}"
+        while time.time() < end and writer.poll() is None and problem is None:
+            try:
+                rows = stnb.load_results(path, as_frame=False)  # ResultsFileError on a partial line
+            except ResultsFileError as e:
+                problem = f"a read found a partial file: {e}"
+                break
+            if len(rows) < last:
+                problem = f"a read found {len(rows)} rows after one with {last}"
             last = len(rows)
             reads += 1
     finally:
         writer.kill()
         writer.wait(10)
-    assert last > 3 and reads > 20, (last, reads)  # the writer did append while we read, many times
+    return problem, last, reads
 
 
 # ---- corrupted files ----------------------------------------------------------------------

@@ -142,13 +142,39 @@ def test_ddp_final_weights_equal_one_big_batch(ddp, single):
     assert single.world_size == 1 and single.global_batch_size == ddp.global_batch_size == 8
     assert single.verification["ranks"][0]["wrapper"] == "SentenceTransformer"
     start = saved_weights(resolve_model("tiny"))
-    trained_ddp, trained_single = saved_weights(ddp.saved_to), saved_weights(single.saved_to)
-    moved = max_abs_diff(trained_single, start)
+    moved = max_abs_diff(saved_weights(single.saved_to), start)
     assert max(moved.values()) > 100 * EQUIV_TOL, f"training barely moved the weights: {max(moved.values()):.2e}"
     assert sum(m > EQUIV_TOL for m in moved.values()) > len(moved) // 2, "most tensors did not train"
-    apart = max_abs_diff(trained_ddp, trained_single)
+    worst, gap = _apart(ddp, single)
+    assert gap < EQUIV_TOL, f"DDP and one big batch differ by {gap:.2e} in {worst}"
+
+
+def _apart(ddp, single) -> tuple:
+    """The tensor where the two runs' saved weights differ most, and by how much."""
+    apart = max_abs_diff(saved_weights(ddp.saved_to), saved_weights(single.saved_to))
     worst = max(apart, key=apart.get)
-    assert apart[worst] < EQUIV_TOL, f"DDP and one big batch differ by {apart[worst]:.2e} in {worst}"
+    return worst, apart[worst]
+
+
+@pytest.mark.slow
+def test_ranks_shuffling_the_data_each_their_own_way_are_caught(single, tmp_path, monkeypatch):
+    """A fault injected at run time: each rank's trainer shuffles the data with its own seed (data_seed +
+    rank), so the ranks no longer split one shuffle between them. Their weights still agree (stnb's
+    cross-rank check cannot see it), but they are no longer one big batch's: the comparison above fails."""
+    from sentence_transformers import SentenceTransformerTrainingArguments as Args
+
+    real = Args.__post_init__
+
+    def post_init(self):
+        real(self)
+        self.data_seed = (self.seed if self.data_seed is None else self.data_seed) + int(os.environ.get("RANK", "0"))
+
+    monkeypatch.setattr(Args, "__post_init__", post_init)
+    ddp = stnb.run(stnb.TrainConfig(strategy="ddp", num_processes=2, per_device_batch_size=4,
+                                    save_to=str(tmp_path / "model"), **EQUIV))
+    assert ddp.verified, ddp.reason
+    worst, gap = _apart(ddp, single)
+    assert gap > EQUIV_TOL, f"ranks drawing their own batches still trained like one big batch ({gap:.2e})"
 
 
 def test_fsdp_shards_and_saves_a_loadable_model(tmp_path):

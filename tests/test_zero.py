@@ -38,14 +38,6 @@ def all_runs():
     return {s: _run(s) for s in STAGES}
 
 
-@pytest.mark.parametrize("strategy", STAGES)
-def test_stage_trains_verified(strategy):
-    """Each stage alone (the mutation check names these: one run each)."""
-    r = _run(strategy)
-    assert isinstance(r, stnb.RunResult), (strategy, str(r)[:2000])
-    assert r.verified, (strategy, r.reason)
-
-
 @pytest.fixture(scope="module")
 def runs(all_runs):
     failed = {s: r for s, r in all_runs.items() if not isinstance(r, stnb.RunResult)}
@@ -55,6 +47,8 @@ def runs(all_runs):
 
 
 def test_each_stage_trains_verified(all_runs):
+    """One run per stage, shared by the tests below (test_stage_trains_verified, one test per stage over the
+    same runs, was merged into this one)."""
     for name, r in all_runs.items():
         assert isinstance(r, stnb.RunResult), (name, str(r)[:2000])
         assert r.verified, (name, r.reason)
