@@ -226,11 +226,12 @@ def test_merge_counts_the_ranks_against_the_requested_world():
 def test_each_rank_reports_the_device_its_batches_reached_and_merge_compares_it_with_the_one_asked():
     """A rank that could not start CUDA and trained on the CPU is named (issue 32, 4.7): the device comes
     from the first batch the module that trains received, and merge compares it with the device asked."""
+    from stnb.builds import RecipeBuild
     from stnb.training import train_rank
 
     cfg = _cfg(per_device_batch_size=4, train_size=32, dev_size=8, evaluate=False)
-    reports = stnb.launch(train_rank, cfg, tiny_path(), None, 2, num_processes=2, device="cpu", timeout=180,
-                          echo=False)
+    reports = stnb.launch(train_rank, cfg, RecipeBuild(tiny_path()), None, 2, num_processes=2, device="cpu",
+                          timeout=180, echo=False)
     assert [r.verification["device_seen"] for r in reports] == [["cpu"], ["cpu"]]
     assert merge(cfg, reports, device="cpu").verified
     asked_cuda = merge(cfg, reports, device="cuda")
