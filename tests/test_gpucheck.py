@@ -330,3 +330,15 @@ def test_ratio_check_runs_the_plain_script_and_stnb_on_cpu():
     assert m["measured_steps"] == {"plain": p["steps"] - p["warmup_steps_excluded"]} | {
         "stnb": p["steps"] - p["warmup_steps_excluded"]}
     assert m["ratio"] == pytest.approx(m["samples_per_second"] / m["plain_samples_per_second"])
+
+
+def test_gpu_check_watches_who_starts_cuda_from_its_start(monkeypatch, tmp_path):
+    """Seen on the first GPU run: `python -m stnb gpu-check` imported torch after stnb, so nothing watched
+    CUDA's start and the refusal could not name the call that made it. gpu_check turns the watcher on first
+    (here with a budget already spent: no row runs)."""
+    from stnb.processes import forksafe
+
+    monkeypatch.setitem(forksafe._watch, "on", False)
+    rep = gpucheck.gpu_check(str(tmp_path / "report.json"), budget_s=-1, echo=False, cpu=True)
+    assert forksafe._watch["on"]
+    assert rep["outcomes"] and all("not started" in o["error"] for o in rep["outcomes"] if o["status"] == "failed")

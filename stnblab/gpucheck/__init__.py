@@ -31,6 +31,11 @@ def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, ech
               cpu: bool = False) -> dict:
     """PLAN, RUN, REPORT; returns the report (also written to ``report_path``). ``cpu``: the CPU rows
     (``planning.cpu_plan``: gloo ranks, the tiny model) instead of the GPU plan; they say nothing about a GPU."""
+    import torch  # noqa: F401  (imported first, so stnb notes whichever call starts CUDA in this process:
+
+    from stnb.processes.forksafe import watch_cuda_start
+
+    watch_cuda_start()  # a refusal to fork then names it; on the first GPU run nothing was watched)
     say = print if echo else None
     started = time.time()
     machine = detect()
