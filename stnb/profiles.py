@@ -76,8 +76,13 @@ def figure_renderer() -> str:
     return "plotly_mimetype+png"
 
 
-def setup(seed: int = 0, show: bool = True) -> Profile:
+def setup(seed: int = 0, show: bool | str = True) -> Profile:
     """Seeds, the plotly renderer, and a hardware summary. Returns the profile.
+
+    show: True prints two lines (the profile; the device and which strategies run here), "full" the
+    whole hardware report (``print(stnb.hardware_report())``: every strategy's reason, the versions),
+    False nothing. Each notebook is a new kernel that calls this first: the short banner keeps eleven
+    notebooks from opening with the same fifteen lines.
 
     The Hugging Face hub is left as the environment has it: hub ids work when the network is there,
     and the bundled models and synthetic data never contact it (HF_HUB_OFFLINE=1 keeps it all local).
@@ -103,11 +108,21 @@ def setup(seed: int = 0, show: bool = True) -> Profile:
         pio.renderers.default = figure_renderer()
     except ImportError:  # pragma: no cover
         pass
+    try:
+        # transformers' bars ("Loading weights 0/103") and with them the hub's download bars (one switch):
+        # loading a model in the kernel takes a second, and a viewer without widgets shows each bar frozen
+        # at 0 %. transformers.utils.logging.enable_progress_bar() turns them back on.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
     prof = current_profile()
     if show:
         from .hardware import report
 
         print(f"stnb profile: {prof.name} (model {prof.model}, {prof.steps} steps, "
               f"batch {prof.per_device_batch_size}/device)")
-        print(report())
+        hw = report()
+        print(hw if show == "full" else hw.short())
     return prof

@@ -407,3 +407,16 @@ def test_progress_ends_with_a_plain_text_line(capsys):
     silent = StepBars("single")  # no rank ever reported a step count: nothing to say
     silent.close()
     assert "single" not in capsys.readouterr().out
+
+
+def test_known_harmless_warnings_are_left_out_and_others_kept():
+    """A CPU rank does not print torch's pin_memory warning, sentence-transformers' drop_last note or a
+    LOAD REPORT of a new classification head only; a warning stnb does not know, a report with any other
+    row and another note of the same logger still print."""
+    # spawned: a forked rank would inherit pytest's warning recorder and log capture, which print nothing
+    assert cpu_launch(rankfns.harmless_and_other_warnings, num_processes=2, echo=False, start_method="spawn") == [0, 1]
+    for log in stnb.last_launch().logs.values():
+        assert "pin_memory" not in log and "dataloader_drop_last" not in log, log
+        assert "BertForSequenceClassification LOAD REPORT" not in log, log
+        assert "OtherModel LOAD REPORT" in log and "UNEXPECTED" in log, log
+        assert "a warning stnb knows nothing about" in log and "another note of theirs" in log, log
