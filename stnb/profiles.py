@@ -52,6 +52,8 @@ def current_profile() -> Profile:
 
 #: set by ``make notebooks``: every figure is also stored as a PNG, which GitHub's notebook view shows
 STATIC_FIGURES_ENV = "STNB_STATIC_FIGURES"
+#: the stored PNG's width in pixels (tests/test_notebook_outputs.py checks the committed ones)
+STATIC_FIGURE_WIDTH = 1000
 
 
 def figure_renderer() -> str:
@@ -68,11 +70,15 @@ def figure_renderer() -> str:
         raise ConfigError(f"{STATIC_FIGURES_ENV}=1 stores a PNG of every figure, which needs kaleido: {fix}") from e
     import warnings
 
+    import plotly.io as pio
+
     warnings.filterwarnings("ignore", message="The kopts argument is ignored", category=UserWarning)
     try:
         kaleido.start_sync_server(silence_warnings=True)   # one browser for all the session's figures
     except Exception as e:
         raise ConfigError(f"{STATIC_FIGURES_ENV}=1: kaleido could not start a browser ({e}): {fix}") from e
+    # PNGs 1000 px wide (plotly's default is 700): the titles, legends and group labels fit at that width
+    pio.renderers["png"].width = STATIC_FIGURE_WIDTH
     return "plotly_mimetype+png"
 
 
