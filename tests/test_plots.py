@@ -149,12 +149,12 @@ def test_memory_peak_per_rank_and_stacked_state(df):
     fig = plots.memory(df)
     peak = _trace(fig, "peak memory")
     x = list(zip(*peak.x))
-    assert ("ddp ×2 · tiny", "rank 1") in x and ("single", "rank 0") in x
-    assert peak.y[x.index(("ddp ×2 · tiny", "rank 1"))] == pytest.approx(101.0)
+    assert ("ddp ×2 · tiny", "r1") in x and ("single", "r0") in x
+    assert peak.y[x.index(("ddp ×2 · tiny", "r1"))] == pytest.approx(101.0)
     assert fig.layout.barmode == "stack"
     parts = [t for t in fig.data if t.name in ("params", "grads", "optimizer state")]
     assert [t.name for t in parts] == ["params", "grads", "optimizer state"]
-    fsdp_at = list(zip(*parts[0].x)).index(("fsdp ×2", "rank 0"))
+    fsdp_at = list(zip(*parts[0].x)).index(("fsdp ×2", "r0"))
     assert parts[0].y[fsdp_at] == pytest.approx(2000 / 2**20)
     pred = _trace(fig, "predicted")
     assert pred.y[fsdp_at] == pytest.approx(8000 / 2**20)  # (4 + 4 + 8) B x 1000 / 2 ranks

@@ -105,13 +105,10 @@ def memory(df):
         fig.add_trace(t, row=1, col=1)
     for t in state_traces(ours):
         fig.add_trace(t, row=1, col=2)
-    fig.update_yaxes(title_text="MiB", row=1, col=1)
+    # short title (a 1000 px PNG shows it whole); what "peak" means on each device is the axis' title
+    fig.update_yaxes(title_text="MiB (CPU: RSS growth; CUDA: max allocated)", row=1, col=1)
     fig.update_yaxes(title_text="MiB", row=1, col=2)
-    # short title (a 1000 px PNG shows it whole); what "peak" means on each device goes under the plot
-    fig.update_layout(title="Memory per rank", barmode="stack", bargap=0.3, margin={"b": 90})
-    fig.add_annotation(text="peak: CPU, growth of each rank's resident memory; CUDA, torch.cuda.max_memory_allocated",
-                       xref="paper", yref="paper", x=0, y=-0.22, xanchor="left", showarrow=False,
-                       font=dict(size=11, color="#666"))
+    fig.update_layout(title="Memory per rank", barmode="stack", bargap=0.3)
     return _finish(fig, "memory", data)
 
 
