@@ -127,9 +127,12 @@ RUNTIME = ["torch==2.13.0", "transformers==5.17.0", "sentence-transformers==6.0.
 
 
 def _installed(py: str) -> dict:
+    """{package: version} in the environment of ``py`` alone (no PYTHONPATH: the checkout's own
+    stnb.egg-info, which pip's build leaves there, would count as installed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([py, "-c", "import json, importlib.metadata as m; print(json.dumps("
                                     "{d.metadata['Name'].lower(): d.version for d in m.distributions()}))"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     return {canonicalize_name(k): v for k, v in json.loads(out.stdout).items()}
 
 
