@@ -127,12 +127,12 @@ RUNTIME = ["torch==2.13.0", "transformers==5.17.0", "sentence-transformers==6.0.
 
 
 def _installed(py: str) -> dict:
-    """{package: version} in the environment of ``py`` alone (no PYTHONPATH: the checkout's own
-    stnb.egg-info, which pip's build leaves there, would count as installed)."""
+    """{package: version} in the environment of ``py`` alone: no PYTHONPATH, and run from / (``python -c``
+    puts the working folder on sys.path, and pip's build leaves stnb.egg-info in the checkout)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([py, "-c", "import json, importlib.metadata as m; print(json.dumps("
                                     "{d.metadata['Name'].lower(): d.version for d in m.distributions()}))"],
-                         capture_output=True, text=True, check=True, env=env)
+                         capture_output=True, text=True, check=True, env=env, cwd="/")
     return {canonicalize_name(k): v for k, v in json.loads(out.stdout).items()}
 
 
@@ -167,5 +167,5 @@ def test_the_install_cell_keeps_the_runtimes_torch(tmp_path):
     changed = {name: (version, after.get(name)) for name, version in before.items() if after.get(name) != version}
     assert changed == {}, f"the install cell replaced what the runtime had: {changed}"
     imported = subprocess.run([py, "-c", "import stnb, torch; print(torch.__version__)"], capture_output=True,
-                              text=True, timeout=300, env=dict(env, STNB_PROFILE="ci"))
+                              text=True, timeout=300, env=dict(env, STNB_PROFILE="ci"), cwd="/")
     assert imported.returncode == 0 and imported.stdout.strip() == before["torch"], imported.stderr[-2000:]
