@@ -63,6 +63,13 @@ class ExportedScript:
         return list(self.multi_node[launcher])
 
     def __str__(self) -> str:
+        """The commands as printed: the script's path relative to the working directory (or ``~/``), so a
+        notebook's output shows no machine's layout (``commands`` keep the absolute path)."""
+        from .files import shown
+
+        return self._text().replace(self.path, shown(self.path))
+
+    def _text(self) -> str:
         lines = [f"wrote {self.path}", "", "one node:"]
         lines += [f"  {c}" for c in self.commands.values()]
         if self.multi_node:

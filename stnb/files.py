@@ -32,3 +32,16 @@ def write_atomic(target, text: str | bytes, mode: int = 0o644, on_open_error=Non
         except OSError:
             pass
         raise
+
+
+def shown(path) -> str:
+    """``path`` as stnb prints it: relative to the working directory when inside it (a notebook's folder),
+    ``~/...`` when inside the home folder, else as given. What stnb returns (``ExportedScript.path``, a
+    job's paths) stays absolute; only the printed text leaves the machine's layout out."""
+    path = os.path.abspath(os.fspath(path))
+    cwd, home = os.getcwd(), os.path.expanduser("~")
+    for root, prefix in ((cwd, ""), (home, "~" + os.sep)):
+        if root != os.sep and (path == root or path.startswith(root.rstrip(os.sep) + os.sep)):
+            rel = os.path.relpath(path, root)
+            return prefix + rel if rel != "." else (prefix.rstrip(os.sep) or ".")
+    return path

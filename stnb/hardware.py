@@ -309,6 +309,19 @@ class HardwareReport:
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
+    def short(self) -> str:
+        """Two lines (``stnb.setup()``'s banner, after the profile): the device, and which strategies run here; warnings, when
+        there are any, follow in full. ``str(report)`` is the whole report."""
+        runs = [n for n, info in self.strategies.items() if info["runnable"]]
+        not_here = [n for n, info in self.strategies.items() if not info["runnable"]]
+        gpus = f"{len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''}" + (f" ({self.gpus[0]})" if self.gpus else "")
+        lines = [f"{self.device}: {self.cpu_cores} CPU cores, {gpus}, backend {self.backend}, up to "
+                 f"{self.max_processes} ranks",
+                 f"runs here: {', '.join(runs) or 'none'}" + (f"; not here: {', '.join(not_here)}" if not_here else "")
+                 + " (why, and the versions: print(stnb.hardware_report()))"]
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
 
 def versions() -> dict:
     import importlib.metadata as md

@@ -52,6 +52,8 @@ def current_profile() -> Profile:
 
 #: set by ``make notebooks``: every figure is also stored as a PNG, which GitHub's notebook view shows
 STATIC_FIGURES_ENV = "STNB_STATIC_FIGURES"
+#: the stored PNG's width in pixels (tests/test_notebook_outputs.py checks the committed ones)
+STATIC_FIGURE_WIDTH = 1000
 
 
 def figure_renderer() -> str:
@@ -68,16 +70,25 @@ def figure_renderer() -> str:
         raise ConfigError(f"{STATIC_FIGURES_ENV}=1 stores a PNG of every figure, which needs kaleido: {fix}") from e
     import warnings
 
+    import plotly.io as pio
+
     warnings.filterwarnings("ignore", message="The kopts argument is ignored", category=UserWarning)
     try:
         kaleido.start_sync_server(silence_warnings=True)   # one browser for all the session's figures
     except Exception as e:
         raise ConfigError(f"{STATIC_FIGURES_ENV}=1: kaleido could not start a browser ({e}): {fix}") from e
+    # PNGs 1000 px wide (plotly's default is 700): the titles, legends and group labels fit at that width
+    pio.renderers["png"].width = STATIC_FIGURE_WIDTH
     return "plotly_mimetype+png"
 
 
-def setup(seed: int = 0, show: bool = True) -> Profile:
+def setup(seed: int = 0, show: bool | str = True) -> Profile:
     """Seeds, the plotly renderer, and a hardware summary. Returns the profile.
+
+    show: True prints two lines (the profile; the device and which strategies run here), "full" the
+    whole hardware report (``print(stnb.hardware_report())``: every strategy's reason, the versions),
+    False nothing. Each notebook is a new kernel that calls this first: the short banner keeps eleven
+    notebooks from opening with the same fifteen lines.
 
     The Hugging Face hub is left as the environment has it: hub ids work when the network is there,
     and the bundled models and synthetic data never contact it (HF_HUB_OFFLINE=1 keeps it all local).
@@ -103,11 +114,21 @@ def setup(seed: int = 0, show: bool = True) -> Profile:
         pio.renderers.default = figure_renderer()
     except ImportError:  # pragma: no cover
         pass
+    try:
+        # transformers' bars ("Loading weights 0/103") and with them the hub's download bars (one switch):
+        # loading a model in the kernel takes a second, and a viewer without widgets shows each bar frozen
+        # at 0 %. transformers.utils.logging.enable_progress_bar() turns them back on.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
     prof = current_profile()
     if show:
         from .hardware import report
 
         print(f"stnb profile: {prof.name} (model {prof.model}, {prof.steps} steps, "
               f"batch {prof.per_device_batch_size}/device)")
-        print(report())
+        hw = report()
+        print(hw if show == "full" else hw.short())
     return prof

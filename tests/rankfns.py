@@ -365,3 +365,27 @@ def embedding_rows_exactness(bucket_cap_mb: float = 25.0, view: bool = False, ac
         if state is not None:
             stats = state.stats()
     return {"default": finals["default"], "rows": finals["rows"], "stats": stats}
+
+
+def harmless_and_other_warnings() -> int:
+    """The known-harmless warnings of a CPU run from their real sources (torch's DataLoader with
+    pin_memory; the messages sentence-transformers and transformers log, from their own loggers), and
+    ones that are not harmless, which must still print (stnb.launch.output.quiet_known_harmless)."""
+    import logging
+    import warnings
+
+    import torch
+
+    list(torch.utils.data.DataLoader(list(range(4)), batch_size=2, pin_memory=True))
+    logging.getLogger("sentence_transformers.base.training_args").warning(
+        "When using DistributedDataParallel (DDP), it is recommended to set `dataloader_drop_last=True` to "
+        "avoid hanging issues with an uneven last batch. Setting `dataloader_drop_last=True`.")
+    head = ("\x1b[1mBertForSequenceClassification LOAD REPORT\x1b[0m from: model\nKey               | Status  | \n"
+            "------------------+---------+-\nclassifier.weight | MISSING | \nclassifier.bias   | MISSING | \n")
+    transformers_log = logging.getLogger("transformers.modeling_utils")
+    transformers_log.warning(head)
+    transformers_log.warning(head.replace("BertForSequenceClassification", "OtherModel")
+                             + "encoder.layer.0.weight | UNEXPECTED | \n")
+    warnings.warn("a warning stnb knows nothing about", UserWarning)
+    logging.getLogger("sentence_transformers.base.training_args").warning("another note of theirs")
+    return _rank()

@@ -193,3 +193,15 @@ def test_a_script_that_cannot_be_written_is_refused_with_the_folder_to_change(tm
 def test_a_build_function_without_options_passes_none():
     text, *_ = render_script(h.reads_body_and_comprehension)
     assert "\nSTNB_OPTIONS = {}\n" in text
+
+
+def test_printed_commands_show_the_script_relative_to_the_working_folder(tmp_path, monkeypatch):
+    """A notebook's output shows no machine's folders: the printed commands name the script relative to
+    the working folder (or ~/), while ExportedScript.path and .commands keep the absolute path."""
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "exported" / "train.py"   # an absolute path, as tempfile.mkdtemp() gives
+    script = stnb.export_script(TrainConfig(strategy="ddp", num_processes=2, model="tiny"), str(target))
+    assert script.path == str(target) and str(target) in script.commands["torchrun"]
+    text = str(script)
+    assert str(tmp_path) not in text, text
+    assert text.startswith("wrote exported/train.py") and " exported/train.py" in text, text

@@ -386,3 +386,39 @@ def test_no_private_name_of_launch_is_imported_elsewhere():
                     bad += [f"{mod}: from {target} import {a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert bad == []
+
+
+def test_progress_ends_with_a_plain_text_line(capsys):
+    """A viewer without widgets shows a Jupyter bar as the text it was created with (0%): the bars end
+    with one printed line that says how far the run got, printed once however often close() is called."""
+    from stnb.launch.channel import RankState
+    from stnb.launchers.bars import StepBars
+
+    bars = StepBars("ddp")
+    bars.update([RankState(0, "running", 3, 30, 0.5, 0.0), RankState(1, "running", 2, 30, 0.5, 0.0)])
+    bars.update([RankState(0, "done", 30, 30, 0.25, 0.0), RankState(1, "done", 30, 30, 0.25, 0.0)])
+    bars.close()
+    bars.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ddp:")]
+    assert len(lines) == 1 and re.fullmatch(r"ddp: 30/30 steps, 2 ranks, \d+ s", lines[0]), lines
+    stopped = StepBars("fsdp")
+    stopped.update([RankState(0, "failed", 7, 30, None, 0.0), RankState(1, "running", 9, 30, None, 0.0)])
+    stopped.close()
+    out = capsys.readouterr().out
+    assert re.search(r"^fsdp: 7/30 steps, 2 ranks, \d+ s \(stopped before the last step\)$", out, re.M), out
+    silent = StepBars("single")  # no rank ever reported a step count: nothing to say
+    silent.close()
+    assert "single" not in capsys.readouterr().out
+
+
+def test_known_harmless_warnings_are_left_out_and_others_kept():
+    """A CPU rank does not print torch's pin_memory warning, sentence-transformers' drop_last note or a
+    LOAD REPORT of a new classification head only; a warning stnb does not know, a report with any other
+    row and another note of the same logger still print."""
+    # spawned: a forked rank would inherit pytest's warning recorder and log capture, which print nothing
+    assert cpu_launch(rankfns.harmless_and_other_warnings, num_processes=2, echo=False, start_method="spawn") == [0, 1]
+    for log in stnb.last_launch().logs.values():
+        assert "pin_memory" not in log and "dataloader_drop_last" not in log, log
+        assert "BertForSequenceClassification LOAD REPORT" not in log, log
+        assert "OtherModel LOAD REPORT" in log and "UNEXPECTED" in log, log
+        assert "a warning stnb knows nothing about" in log and "another note of theirs" in log, log

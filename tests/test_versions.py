@@ -119,3 +119,53 @@ def test_pip_install_keeps_the_torch_the_environment_has(tmp_path):
                 for i in json.loads(report.read_text())["install"]}
     assert "stnb" in installs and "transformers" in installs and "sentence-transformers" in installs, installs
     assert "torch" not in installs, f"pip would replace the environment's torch 2.11.0+cu130 by {installs['torch']}"
+
+
+#: a Colab / Kaggle runtime's Python packages, in small: torch and the libraries those images ship
+RUNTIME = ["torch==2.13.0", "transformers==5.17.0", "sentence-transformers==6.0.1", "accelerate==1.15.0", "pandas",
+           "numpy", "tqdm"]
+
+
+def _installed(py: str) -> dict:
+    """{package: version} in the environment of ``py`` alone: no PYTHONPATH, and run from / (``python -c``
+    puts the working folder on sys.path, and pip's build leaves stnb.egg-info in the checkout)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([py, "-c", "import json, importlib.metadata as m; print(json.dumps("
+                                    "{d.metadata['Name'].lower(): d.version for d in m.distributions()}))"],
+                         capture_output=True, text=True, check=True, env=env, cwd="/")
+    return {canonicalize_name(k): v for k, v in json.loads(out.stdout).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_install_cell_keeps_the_runtimes_torch(tmp_path):
+    """Every notebook's first cell, on a runtime that already holds torch and the libraries Colab ships (a
+    fresh venv, the stand-in): its `%pip install` line (IPython runs `python -m pip ...`), with this
+    checkout in place of the git URL, installs stnb and replaces nothing the runtime had, torch first
+    (the versions of every package before and after)."""
+    import shlex
+
+    nb = json.loads((ROOT / "notebooks" / "00_setup_and_hardware.ipynb").read_text())
+    cell = "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
+    line = next(ln.strip() for ln in cell.splitlines() if ln.strip().startswith("%pip install"))
+    args = shlex.split(line.removeprefix("%pip "))
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["stnb"]["install"]
+    assert args[-1] == spec, (args, spec)
+    args[-1] = f"stnb @ {ROOT.as_uri()}"   # this checkout instead of the repository's address
+
+    runtime = tmp_path / "runtime"
+    subprocess.run([sys.executable, "-m", "venv", str(runtime)], check=True, timeout=120)
+    py = str(runtime / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    subprocess.run([py, "-m", "pip", "install", "-q", *RUNTIME], check=True, timeout=900, env=env)
+    before = _installed(py)
+    assert "stnb" not in before and "datasets" not in before
+    done = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = _installed(py)
+    assert "stnb" in after and "datasets" in after and "plotly" in after, sorted(after)
+    changed = {name: (version, after.get(name)) for name, version in before.items() if after.get(name) != version}
+    assert changed == {}, f"the install cell replaced what the runtime had: {changed}"
+    imported = subprocess.run([py, "-c", "import stnb, torch; print(torch.__version__)"], capture_output=True,
+                              text=True, timeout=300, env=dict(env, STNB_PROFILE="ci"), cwd="/")
+    assert imported.returncode == 0 and imported.stdout.strip() == before["torch"], imported.stderr[-2000:]

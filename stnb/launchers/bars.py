@@ -1,16 +1,25 @@
-"""The default live progress of a run: one tqdm bar per rank, fed with RankState lists."""
+"""The default live progress of a run: one tqdm bar per rank, fed with RankState lists, and one plain
+text line when the bars close."""
 
 from __future__ import annotations
+
+import time
 
 
 class StepBars:
     """Default live progress for ``run``: one tqdm bar per rank (a widget in Jupyter, text elsewhere),
     fed from a launcher's progress relay in this process (``stnb.launch``'s watchdog, a cluster job's
-    progress files): ranks never draw bars themselves."""
+    progress files): ranks never draw bars themselves.
+
+    ``close()`` ends with one printed line, ``ddp: 30/30 steps, 2 ranks, 41 s``: a viewer without
+    widgets (GitHub, nbconvert's HTML, a terminal log) shows a Jupyter bar as the text it had when it
+    was created (``0% 0/30``), so the line is what says where the run ended there."""
 
     def __init__(self, label: str):
         self.label = label
         self.bars = {}
+        self.started = time.monotonic()
+        self.closed = False
 
     def update(self, states) -> None:
         from tqdm.auto import tqdm
@@ -27,6 +36,26 @@ class StepBars:
             if st.loss is not None:
                 bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
 
+    def summary(self) -> str | None:
+        """The plain line ``close()`` prints (None before any rank reported a step count): the fewest
+        steps any rank reached (the run's progress: every rank takes each step), of how many."""
+        if not self.bars:
+            return None
+        done = min(bar.n for bar in self.bars.values())
+        total = max(bar.total for bar in self.bars.values())
+        ranks = len(self.bars)
+        seconds = time.monotonic() - self.started
+        return (f"{self.label}: {done}/{total} steps, {ranks} rank{'s' if ranks != 1 else ''}, {seconds:.0f} s"
+                + ("" if done >= total else " (stopped before the last step)"))
+
     def close(self) -> None:
+        """Close the bars and print the line, once (a cluster job closes them when it ends and again when
+        its result is read)."""
+        if self.closed:
+            return
+        self.closed = True
         for bar in self.bars.values():
             bar.close()
+        line = self.summary()
+        if line:
+            print(line, flush=True)

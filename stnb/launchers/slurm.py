@@ -23,6 +23,7 @@ import time
 import uuid
 
 from ..errors import ConfigError, LaunchError
+from ..files import shown
 from .base import Launcher, Plan, finish
 from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder, failure
 
@@ -163,7 +164,7 @@ class Slurm(Launcher):
                                        on_end=bars.close if bars is not None else None).start()
         if plan.echo:
             print(f"stnb: submitted SLURM job {job.job_id} ({self.world} task(s) on {self.nodes} node(s), partition "
-                  f"{self.partition!r}); logs and progress in {run.path}. job.result() gives the RunResult.",
+                  f"{self.partition!r}); logs and progress in {shown(run.path)}. job.result() gives the RunResult.",
                   file=sys.stderr, flush=True)
         return handle
 
@@ -184,7 +185,7 @@ class SlurmJob:
         self._state = "PENDING"
 
     def __repr__(self) -> str:
-        return f"<SlurmJob {self.job_id} {self.state}: {self.world} rank(s), folder {self.rundir.path}>"
+        return f"<SlurmJob {self.job_id} {self.state}: {self.world} rank(s), folder {shown(self.rundir.path)}>"
 
     @property
     def folder(self) -> str:

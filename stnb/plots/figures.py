@@ -105,10 +105,10 @@ def memory(df):
         fig.add_trace(t, row=1, col=1)
     for t in state_traces(ours):
         fig.add_trace(t, row=1, col=2)
-    fig.update_yaxes(title_text="MiB", row=1, col=1)
+    # short title (a 1000 px PNG shows it whole); what "peak" means on each device is the axis' title
+    fig.update_yaxes(title_text="MiB (CPU: RSS growth; CUDA: max allocated)", row=1, col=1)
     fig.update_yaxes(title_text="MiB", row=1, col=2)
-    fig.update_layout(title="Memory per rank (CPU: growth of each rank's resident memory; "
-                            "CUDA: torch.cuda.max_memory_allocated)", barmode="stack", bargap=0.3)
+    fig.update_layout(title="Memory per rank", barmode="stack", bargap=0.3)
     return _finish(fig, "memory", data)
 
 
@@ -169,8 +169,8 @@ def knobs(summary, target: float | None = 0.95):
         fig.add_hline(y=target, line_dash="dash", annotation_text=f"target {target:g}")
     fig.add_hline(y=1.0, line_dash="dot", annotation_text="N x 1 device (ideal)")
     top = max([1.0] + [r["efficiency"] for r in rows])
-    fig.update_layout(title="DDP knobs: scaling efficiency (samples/s over N x the matching 1-device run)",
-                      yaxis_title="efficiency", yaxis_range=[0, top * 1.15], template="plotly_white",
+    fig.update_layout(title="DDP knobs: scaling efficiency",
+                      yaxis_title="efficiency (samples/s ÷ N × its 1-device run)", yaxis_range=[0, top * 1.15], template="plotly_white",
                       meta={"stnb_kind": "knobs", "stnb_rows": rows}, hoverlabel=dict(align="left"))
     return fig
 

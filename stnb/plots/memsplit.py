@@ -35,7 +35,7 @@ def memory_split(results, names=None):
                              marker={"symbol": "line-ew-open", "size": 30, "color": "black", "line": {"width": 3}},
                              hovertemplate="measured peak: %{y:.0f} MiB<extra>%{x}</extra>"))
     lines = [line for n, r in zip(names, rows) for line in textwrap.wrap(f"{n}: {advice(r)}", 110)]
-    fig.update_layout(barmode="relative", title="Where each rank's peak memory goes (the rank with the highest peak)",
+    fig.update_layout(barmode="relative", title="Where the peak memory goes (highest rank)",
                       yaxis_title="MiB (growth over the rank's start)", height=420 + 18 * len(lines),
                       margin={"b": 60 + 18 * len(lines)},
                       annotations=[{"text": "<br>".join(lines), "xref": "paper", "yref": "paper", "x": 0, "y": -0.15,

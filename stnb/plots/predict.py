@@ -40,7 +40,7 @@ def figure(pred):
                            "<br>%{customdata[6]}<extra></extra>")))
     notes = "<br>".join(a if len(a) < 150 else a[:147] + "..." for a in pred.assumptions[1:3])
     fig.update_layout(
-        title=f"Predicted samples/s on {pred.fabric.link.name} (from {m.source[:80]})",
+        title=f"Predicted samples/s on {pred.fabric.link.name} (from {m.source[:40]})",
         xaxis={"title": "devices", "type": "log", "tickvals": ns}, yaxis={"title": "samples/s", "type": "log"},
         margin={"b": 150}, height=480,
         annotations=[{"text": notes, "xref": "paper", "yref": "paper", "x": 0, "y": -0.32, "showarrow": False,

@@ -129,7 +129,7 @@ def split_bars(results, names=None):
                                  marker={"symbol": "line-ew-open", "size": 30, "color": "#e45756", "line": {"width": 3}},
                                  hovertemplate="overlapped with backward: %{y:.1f} ms<extra>%{x}</extra>"))
     lines = [line for n, r in zip(names, rows) for line in _wrap(f"{n}: {advice(r)} {sends(r)}".strip())]
-    fig.update_layout(barmode="stack", title="Where each step's time goes (mean of the steady steps, every rank)",
+    fig.update_layout(barmode="stack", title="Where each step's time goes (steady steps, every rank)",
                       yaxis_title="ms per step", height=420 + 18 * len(lines), margin={"b": 60 + 18 * len(lines)},
                       annotations=[_under("<br>".join(lines), len(lines))])
     return fig

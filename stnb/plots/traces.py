@@ -100,7 +100,7 @@ def peak_traces(rows):
             continue
         for rank, b in enumerate(peaks):
             x0.append(r["label"])
-            x1.append(f"rank {rank}")
+            x1.append(_rank_tick(rank))
             y.append(b / MIB)
             hover.append(r["hover"])
     traces = []
@@ -134,7 +134,7 @@ def state_traces(rows):
         for rank, b in enumerate(breakdown):
             b = b or {}
             x0.append(r["label"])
-            x1.append(f"rank {rank}")
+            x1.append(_rank_tick(rank))
             for k in parts:
                 parts[k].append((b.get(k) or 0) / MIB)
             hover.append(r["hover"])
@@ -180,8 +180,20 @@ def loss_traces(rows):
     return traces
 
 
+#: a placeholder bar's height, as a fraction of the panel's tallest bar: low enough that no reader takes it
+#: for a measurement (a bar as tall as the real ones was), high enough to see its hatching and label
+GHOST_FRACTION = 0.15
+
+
+def _rank_tick(rank: int) -> str:
+    """A rank's tick under its strategy's group label: short ("r0"), so the ticks stay horizontal and the
+    group labels (the strategies) keep their room in a 1000 px PNG (with "rank 0" they were dropped)."""
+    return f"r{rank}"
+
+
 def _ghost(rows, height, multicategory=False):
-    """Hatched, empty placeholder bars for runs without a number; the hover gives the reason."""
+    """Hatched, short placeholder bars for runs without a number, labelled above (e.g. "not runnable
+    here"); the hover gives the reason."""
     import plotly.graph_objects as go
 
     if rows is None or not len(rows):
@@ -192,8 +204,8 @@ def _ghost(rows, height, multicategory=False):
     short = [_short_reason(r) for _, r in rows.iterrows()]
     x = [labels, ["n/a"] * len(labels)] if multicategory else labels
     return go.Bar(
-        x=x, y=[height] * len(labels), name="not runnable here / no result", text=short,
-        textposition="inside", insidetextanchor="middle", textangle=-90, textfont=dict(color="#555"),
+        x=x, y=[GHOST_FRACTION * height] * len(labels), name="not runnable here / no result", text=short,
+        textposition="outside", textangle=0, textfont=dict(color="#555"), cliponaxis=False,
         marker=dict(color=GHOST_COLOR, line=dict(color="#999", width=1), pattern=dict(shape="/", fgcolor="#bbb")),
         hovertext=[f"{t}<br>{h}" for t, h in zip(texts, rows["hover"])],
         hovertemplate="<b>%{x}</b><br>%{hovertext}<extra></extra>", legendgroup="ghost")

@@ -68,3 +68,44 @@ class OutputRelay:
         if out:
             sys.stdout.write("".join(out))
             sys.stdout.flush()
+
+
+#: warnings every rank would print that say nothing the user can act on, each filtered by its exact text
+#: (a notebook showed ten of them in one cell); anything else still prints
+HARMLESS_WARNINGS = (
+    # torch's DataLoader on a CPU-only run: pinning host memory only helps copies to a GPU, and there is none
+    (r"'pin_memory' argument is set as true but no accelerator is found", UserWarning),
+    # sentence-transformers' gather_across_devices calls a torch function torch 2.13 deprecates; the user
+    # has nothing to change (their code does not call it)
+    (r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning),
+)
+#: sentence-transformers logs this under DDP and then sets drop_last itself: a note on what it did
+DROP_LAST_NOTE = "When using DistributedDataParallel (DDP), it is recommended to set `dataloader_drop_last=True`"
+
+
+def _not_drop_last_note(record) -> bool:
+    return not str(record.msg).startswith(DROP_LAST_NOTE)
+
+
+def _not_new_head_report(record) -> bool:
+    """False for transformers' LOAD REPORT when its only rows are a classification head the checkpoint does
+    not have (``classifier.*`` MISSING): a CrossEncoder built from a SentenceTransformer checkpoint gets a
+    new head by design, and the report (ANSI escapes included) says only that. Any other report stays."""
+    msg = str(record.msg)
+    if "LOAD REPORT" not in msg:
+        return True
+    rows = [ln.split("|") for ln in msg.splitlines() if ln.count("|") >= 2]
+    rows = [(key.strip(), status.strip()) for key, status, *_ in rows if key.strip() not in ("Key", "")]
+    rows = [(k, s) for k, s in rows if not set(k) <= set("-+")]
+    return not rows or not all(k.startswith("classifier.") and "MISSING" in s for k, s in rows)
+
+
+def quiet_known_harmless() -> None:
+    """In a rank: leave out the known-harmless warnings above, by their own text and logger; nothing else."""
+    import logging
+    import warnings
+
+    for message, category in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    logging.getLogger("sentence_transformers.base.training_args").addFilter(_not_drop_last_note)
+    logging.getLogger("transformers.modeling_utils").addFilter(_not_new_head_report)

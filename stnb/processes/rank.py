@@ -26,7 +26,7 @@ from ..errors import LaunchError
 from .byvalue import result_bytes, unpack
 from .channel import DONE, FAILED, Channel
 from .detach import detach_from_kernel
-from .output import redirect_output
+from .output import quiet_known_harmless, redirect_output
 from .peerfail import collective_timeout, nccl_env, open_wait_group
 
 _CTX: "RankContext | None" = None  # set inside a rank
@@ -135,6 +135,7 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(opts.env)
     redirect_output(ch.path("log", local_rank))
+    quiet_known_harmless()
     stack_file = open(ch.path("stack", local_rank), "w")
     if hasattr(faulthandler, "register"):  # POSIX: the watchdog asks for every thread's stack
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)

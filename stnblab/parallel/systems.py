@@ -15,7 +15,7 @@ TRIED_ON = "2026-11-24, Linux x86_64, 2 CPU cores, torch 2.13.0+cpu, Python 3.11
 SYSTEMS = [
     dict(system="Horovod 0.28.1", splits="data (ring all-reduce of gradients)", outcome="not run: does not build",
          tried="HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 pip install --no-build-isolation "
-               "--no-deps --target /tmp/hvd horovod==0.28.1",
+               "--no-deps --target ./hvd horovod==0.28.1",
          result="its torch extension (horovod/torch/mpi_ops_v2.cc) is compiled as C++14; torch 2.13's headers "
                 "stop it: 'torch/csrc/api/include/torch/all.h:5:2: error: #error C++17 or later compatible "
                 "compiler is required to use PyTorch.' 0.28.1 (2023) is Horovod's last release.",
@@ -23,7 +23,7 @@ SYSTEMS = [
                            "horovodrun's part"),
     dict(system="Megatron-LM (megatron-core 0.16.1)", splits="tensor (column/row), pipeline, sequence, context",
          outcome="not run: its layers need CUDA",
-         tried="pip install --no-deps --target /tmp/mc megatron-core; on 2 gloo ranks: "
+         tried="pip install --no-deps --target ./mc megatron-core; on 2 gloo ranks: "
                "parallel_state.initialize_model_parallel(tensor_model_parallel_size=2), then "
                "ColumnParallelLinear(384, 1536, config=ModelParallelConfig(..., use_cpu_initialization=True), "
                "gather_output=True) and a forward",
@@ -34,7 +34,7 @@ SYSTEMS = [
                                       "applied with torch's parallelize_module"),
     dict(system="FlexFlow 25.2.1", splits="searches a split per operator (sample, operator, attribute, parameter)",
          outcome="not run: GPU-only build",
-         tried="pip install --no-deps --target /tmp/fft flexflow==25.2.1 (a source distribution built with CMake)",
+         tried="pip install --no-deps --target ./fft flexflow==25.2.1 (a source distribution built with CMake)",
          result="CMake configures the CUDA backend (FF_GPU_BACKEND=cuda; the other is ROCm, there is no CPU one) "
                 "and stops: 'CMake Error at cmake/cudnn.cmake:40 (message): CUDNN package not found -> specify "
                 "search path via CUDNN_DIR variable'",
