@@ -370,7 +370,7 @@ def embedding_rows_exactness(bucket_cap_mb: float = 25.0, view: bool = False, ac
 def harmless_and_other_warnings() -> int:
     """The known-harmless warnings of a CPU run from their real sources (torch's DataLoader with
     pin_memory; the messages sentence-transformers and transformers log, from their own loggers), and
-    ones that are not harmless, which must still print (stnb.launch.output.quiet_known_harmless)."""
+    ones that are not harmless, which must still print (stnb.processes.output.quiet_known_harmless)."""
     import logging
     import warnings
 

@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
+
+import procs
 
 import stnb
 from stnblab import bench
@@ -61,7 +62,7 @@ def test_sweep_one_line_per_run_resume_and_report(tmp_path, capsys):
     rows = _lines(results)
     assert len(rows) == 4 and sorted(_tag(r)["name"] for r in rows) == sorted(by)
     assert rows[:3] == [json.loads(line) for line in before.splitlines()[:3]], "finished runs are kept as they were"
-    assert not psutil.Process().children(recursive=True), "a rank process survived the bench"
+    assert not procs.children(), "a rank process survived the bench"
 
 
 def test_launchers_and_knobs_sections(tmp_path, capsys):
@@ -92,7 +93,7 @@ def test_launchers_and_knobs_sections(tmp_path, capsys):
         assert text in out
     targets = [line for line in out.splitlines() if line.startswith(("PASS", "BELOW"))]
     assert len(targets) == len(bench.TARGETS)
-    assert not psutil.Process().children(recursive=True)
+    assert not procs.children()
 
 
 def test_corrupted_results_file_is_reported_not_overwritten(tmp_path, capsys):

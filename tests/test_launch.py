@@ -391,7 +391,7 @@ def test_no_private_name_of_launch_is_imported_elsewhere():
 def test_progress_ends_with_a_plain_text_line(capsys):
     """A viewer without widgets shows a Jupyter bar as the text it was created with (0%): the bars end
     with one printed line that says how far the run got, printed once however often close() is called."""
-    from stnb.launch.channel import RankState
+    from stnb.processes.channel import RankState
     from stnb.launchers.bars import StepBars
 
     bars = StepBars("ddp")

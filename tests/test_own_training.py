@@ -12,6 +12,8 @@ import os
 
 import psutil
 import pytest
+
+import procs
 import torch
 from transformers import TrainerCallback
 
@@ -116,8 +118,7 @@ def build_encoder_loss(outdir: str):
 
 
 def _no_children_left():
-    return [c for c in psutil.Process().children(recursive=True) if c.is_running()
-            and c.status() != psutil.STATUS_ZOMBIE]
+    return procs.children()
 
 
 # ---- runs ------------------------------------------------------------------------------------------

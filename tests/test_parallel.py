@@ -7,6 +7,8 @@ code on MiniLM. Tolerances are stnblab.parallel.TOLERANCE (fp32: the measured di
 from __future__ import annotations
 
 import pytest
+
+import procs
 import torch
 
 import stnb
@@ -158,8 +160,6 @@ def test_an_oversubscribed_rank_that_fails_is_reported_and_nothing_is_left(monke
     import os
     from pathlib import Path
 
-    import psutil
-
     import rankfns
     from stnb.errors import LaunchError
     from stnblab.parallel.oversubscribe import launch_oversubscribed
@@ -167,4 +167,4 @@ def test_an_oversubscribed_rank_that_fails_is_reported_and_nothing_is_left(monke
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     with pytest.raises(LaunchError, match=r"(?s)3 oversubscribed ranks failed.*deliberate failure in rank 1"):
         launch_oversubscribed(rankfns.raise_on, 1, None, 120.0, num_processes=3, timeout=120)
-    assert psutil.Process().children(recursive=True) == []
+    assert procs.children() == []

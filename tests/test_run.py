@@ -6,8 +6,9 @@ import pathlib
 import subprocess
 import sys
 
-import psutil
 import pytest
+
+import procs
 
 import stnb
 from stnb import strategies
@@ -23,15 +24,7 @@ REQUIRED_KEYS = {"strategy", "world_size", "per_device_batch_size", "global_batc
 
 
 def _children():
-    """This process's descendants, except multiprocessing's resource tracker (a spawn-started launch in an
-    earlier test starts it once for the whole process: it is not a rank)."""
-    def tracker(p):
-        try:
-            return "resource_tracker" in " ".join(p.cmdline())
-        except psutil.Error:
-            return False
-
-    return [p for p in psutil.Process().children(recursive=True) if not tracker(p)]
+    return procs.children()
 
 
 def saved_weights(path) -> dict:
