@@ -16,20 +16,6 @@ from .. import prepare, strategies
 from .base import Instrument
 
 
-def _tensors(obj):
-    """The tensors in nested args / kwargs / feature dicts."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
 class FirstStepChecks(Instrument):
     """The first step's checks of this rank; ``record()`` is the rank's verification record."""
 
@@ -65,7 +51,10 @@ class FirstStepChecks(Instrument):
         self.loss_model_calls += 1
         if self.device_seen is None:  # the device the first step's batch reached the module on (observed, not
             # chosen; parameters offloaded to the host would mislead): results.cross_rank_checks compares it
-            self.device_seen = sorted({t.device.type for t in _tensors((args, kwargs))}) or None
+            from torch import is_tensor
+            from torch.utils._pytree import tree_leaves  # the tensors in nested args / kwargs / feature dicts
+
+            self.device_seen = sorted({t.device.type for t in tree_leaves((args, kwargs)) if is_tensor(t)}) or None
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
         if self.step_check is None and self.prepared is not None:
