@@ -117,10 +117,6 @@ def build_encoder_loss(outdir: str):
                                       train_dataset=_triplets().remove_columns("negative"), loss=EncoderLoss(model))
 
 
-def _no_children_left():
-    return procs.children()
-
-
 # ---- runs ------------------------------------------------------------------------------------------
 
 
@@ -274,13 +270,13 @@ def build_needs_arguments(path):
 def test_a_build_that_raises_names_the_function_and_leaves_nothing_running():
     with pytest.raises(stnb.LaunchError, match=r"build_raises\(\) raised ValueError: my data file is missing"):
         stnb.run(build_raises, strategy="ddp", echo=False, **FAST)
-    assert not _no_children_left()
+    assert not procs.children()
 
 
 def test_a_build_that_returns_no_trainer_is_refused_and_the_kernel_stays_usable(tmp_path):
     with pytest.raises(stnb.LaunchError, match="returned SentenceTransformer, not a SentenceTransformerTrainer"):
         stnb.run(build_returns_a_model, strategy="single", echo=False, device="cpu", timeout=300)
-    assert not _no_children_left()
+    assert not procs.children()
     # the kernel is still usable: the next launch in this process works
     assert stnb.launch(os.getpid, num_processes=2, device="cpu", echo=False, timeout=120)
 
@@ -352,7 +348,7 @@ def test_fsdp_arguments_of_accelerate_are_refused_with_the_fix(tmp_path):
 
     with pytest.raises(stnb.LaunchError, match="stnb.run\\(build, strategy='fsdp'\\)"):
         stnb.run(build, strategy="fsdp", echo=False, **FAST)
-    assert not _no_children_left()
+    assert not procs.children()
 
 
 def test_fsdp_refuses_checkpoints_even_of_the_model_alone(tmp_path):
@@ -365,7 +361,7 @@ def test_fsdp_refuses_checkpoints_even_of_the_model_alone(tmp_path):
 
     with pytest.raises(stnb.LaunchError, match="save_strategy='steps' with FSDP.*set save_strategy='no'"):
         stnb.run(build, strategy="fsdp", echo=False, **FAST)
-    assert not _no_children_left()
+    assert not procs.children()
 
 
 def build_cached_mnrl_with_prompts(outdir: str):

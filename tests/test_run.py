@@ -23,10 +23,6 @@ REQUIRED_KEYS = {"strategy", "world_size", "per_device_batch_size", "global_batc
                  "total_param_count", "verified", "verification", "model", "device", "versions"}
 
 
-def _children():
-    return procs.children()
-
-
 def saved_weights(path) -> dict:
     """The tensors of a saved SentenceTransformer, by name (read from its safetensors files)."""
     from safetensors.torch import load_file
@@ -73,7 +69,7 @@ def test_ddp_two_ranks_verified(ddp):
     assert r.samples_per_second > 0
     assert r.local_param_count == [r.total_param_count] * 2
     assert len(r.peak_memory_bytes) == 2 and all(m > 0 for m in r.peak_memory_bytes)
-    assert not _children(), "a rank process survived the run"
+    assert not procs.children(), "a rank process survived the run"
 
 
 def test_ddp_buffer_sync_setting_reaches_ddp_without_a_deprecation_warning():
