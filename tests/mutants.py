@@ -77,6 +77,39 @@ MODULES = (
     Module("strategies.tensors", "stnb/strategies/tensors.py", ("x_param_counts", "x_local_numel",
                                                                 "x_shard_problems")),
     Module("plots/table", "stnb/plots/table.py"),
+    # ---- issue 33 item 3, part B: where the time and the memory went, and the predictor ----
+    # the time split: one step's marks turned into parts that add up to the step, the wait split off the
+    # exposed communication, the problems and the per-rank table; the readings' bookkeeping (forward
+    # calls, bytes per bucket, gradient groups). Left out: attach (wires the readings into a real trainer
+    # and DDP/FSDP: only a launch reaches it; the slow tests/test_timesplit.py runs check what it feeds),
+    # the clocks (perf_counter; CUDA events need a GPU) and own_cost (the timer's overhead, a bench figure)
+    Module("timesplit", "stnb/timesplit.py", ("xǁStepTimerǁ__init__", "xǁStepTimerǁ_reset", "xǁStepTimerǁtimed",
+                                              "xǁStepTimerǁ_hook_gradients", "xǁStepTimerǁ_grad_ready",
+                                              "xǁStepTimerǁ_forward_pre", "xǁStepTimerǁ_gather_start",
+                                              "xǁStepTimerǁ_gather_end", "xǁStepTimerǁon_step_begin",
+                                              "xǁStepTimerǁon_pre_optimizer_step", "xǁStepTimerǁon_optimizer_step",
+                                              "xǁStepTimerǁon_step_end", "xǁStepTimerǁ_split", "xǁStepTimerǁsummary",
+                                              "x_builtin_hook", "x__union", "x_combine", "x_problems", "x_table")),
+    # the memory split: the parts that add up to the peak, the marks, the activations counted, the largest
+    # rank and its sentence. Left out: allocator_free and resident (what glibc and the OS report; the slow
+    # tests/test_memory.py runs check the split of real ranks adds up)
+    Module("memsplit", "stnb/memsplit.py", ("xǁMemorySplitǁ__init__", "xǁMemorySplitǁmark",
+                                            "xǁMemorySplitǁremember_built", "xǁMemorySplitǁunsharded_alive",
+                                            "xǁMemorySplitǁwatch_activations", "xǁMemorySplitǁ_counted",
+                                            "xǁMemorySplitǁsummary", "x_largest_rank", "x_advice")),
+    # the predictor: the table (samples/s, interval, speed-up, dominant input), the inputs read from a run
+    # (measured or assumed, said so), the refusals, the verdict. Left out: Prediction._ipython_display_
+    # (shows the table, the figure and the assumptions: display glue)
+    Module("scaling", "stnb/scaling/__init__.py", ("xǁPredictionǁrow", "x_known", "x_predict", "x__uncertain",
+                                                   "x__with_host_fraction", "x_assumptions", "x_compare", "x_verdict",
+                                                   "x_from_result", "x_text_columns", "x_uncertain_from_result",
+                                                   "x__model", "x__check_strategies", "x__check_devices", "x__ms")),
+    Module("scaling.model", "stnb/scaling/model.py"),
+    Module("scaling.interval", "stnb/scaling/interval.py"),
+    Module("scaling.links", "stnb/scaling/links.py"),
+    # the loopback link's fit (what the 'loopback' link's bandwidth and latency are). Left out:
+    # time_all_reduce and measure_all_reduce (ranks timing gloo, started by loopback: a launch)
+    Module("scaling.calibrate", "stnb/scaling/calibrate.py", ("x_fit",)),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the

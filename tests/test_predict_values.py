@@ -1,0 +1,327 @@
+"""The predictor's inputs read from a run, its table, its sentences and its refusals (stnb.scaling), in one
+process. The runs are made of simulated DDP steps (tests/simsteps.py: StepTimer's real summary of steps whose
+forward, backward, buckets and optimizer took known simulated seconds), so what the predictor must take from
+them is known from the timeline, not typed: the measured phases are used where measured, the assumption labels
+say which, and the table's numbers keep the relations a user reads them by."""
+
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from simsteps import CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, ddp_rank_summary
+from stnb.errors import ConfigError
+from stnb.scaling import (Measured, Range, compare, from_result, known, predict, text_columns, uncertain_from_result,
+                          verdict)
+from stnb.scaling import _check_devices, _check_strategies, assumptions
+from stnb.scaling.links import PRESETS, Fabric, custom
+from stnb.strategies.stepcost import slowest_of
+
+BATCH, ACCUMULATION, WARM, STEPS = 8, 2, 2, 6
+PARAMS, TRAINABLE = 60, 56  # tests/simsteps.py's Net: 60 parameters (its head's 4 frozen here, say)
+
+
+def run(strategy="ddp", world=2, calls=2, config=None, **over):
+    splits = [ddp_rank_summary(STEPS, calls=calls) for _ in range(world)]
+    step_times = [max(s["steps"][i]["step"] for s in splits) for i in range(STEPS)]
+    r = {"status": "ok", "strategy": strategy, "world_size": world, "device": "cpu", "steps": STEPS,
+         "per_device_batch_size": BATCH, "step_times": step_times, "time_split": splits,
+         "samples_per_second": world * BATCH * ACCUMULATION / statistics.fmean(step_times[WARM:]),
+         "config": {"warmup_steps_excluded": WARM, "gradient_accumulation_steps": ACCUMULATION, **(config or {})},
+         "verification": {"model_shape": {"param_count": PARAMS, "trainable_param_count": TRAINABLE},
+                          "data_columns": ["anchor", "positive"]}}
+    r.update(over)
+    return r
+
+
+def said(m) -> dict:
+    return {name: (how, what) for name, how, what in m.inputs}
+
+
+def test_the_step_is_the_runs_measured_phases_and_the_inputs_say_measured():
+    m = from_result(run())
+    assert m.forward == pytest.approx(2 * FORWARD)  # the step's two model calls
+    assert m.backward == pytest.approx(4 * GRAD_STEP)  # backward's compute: the exposed all-reduce left out
+    assert m.optimizer == pytest.approx(CLIP + OPT_STEP) and m.other == pytest.approx(FETCH + REST)
+    assert m.step == pytest.approx(2 * FORWARD + 4 * GRAD_STEP + CLIP + OPT_STEP + FETCH + REST)
+    assert m.batch == BATCH * ACCUMULATION and m.forward_calls == 2
+    assert m.grad_bytes == 4 * TRAINABLE and m.param_bytes == 4 * PARAMS and m.bucket_bytes == 25 * 2**20
+    assert m.fits and m.reshard_after_forward
+    assert m.source == "ddp run on 2 cpu rank(s), means of 4 steady steps of its measured time split"
+    inputs = said(m)
+    assert inputs["forward, backward compute, data + rest"] == ("measured", "the time split's phases")
+    assert inputs["optimizer"] == ("measured", f"optimizer.step {OPT_STEP * 1e3:.2f} ms + clipping {CLIP * 1e3:.2f} "
+                                               "ms, between the trainer's callbacks")
+    assert inputs["model calls per step"] == ("measured", "2 forward(s) of the module that trains")
+    assert inputs["host vs device"] == ("assumed", "the same clock (CPU): host work is the step")
+    assert inputs["link bandwidth and per-collective cost"][0] == "assumed"
+    assert inputs["every added device computes as fast"] == ("assumed", "")
+    assert inputs["data loading"][0] == "measured"
+    assert "the compute was measured in a 2-rank ddp run, not on one device" in m.notes
+    assert [n for n in m.notes if "sharded" in n] == []
+
+
+def test_gradient_readiness_is_the_measured_order_with_each_groups_share():
+    m = from_result(run())
+    backward = 4 * GRAD_STEP + TAIL
+    # tests/simsteps.py: the head (4 of 60 elements) ready first, then layer 1, layer 0, the embeddings
+    want = [(GRAD_STEP / backward, 4 / 60), (2 * GRAD_STEP / backward, 20 / 60), (3 * GRAD_STEP / backward, 20 / 60),
+            (4 * GRAD_STEP / backward, 16 / 60)]
+    assert [x for pair in m.ready for x in pair] == pytest.approx([x for pair in want for x in pair])
+    how, what = said(m)["gradient readiness (DDP's buckets)"]
+    assert how == "measured" and what.endswith("other 0.18, layer 1 0.36, layer 0 0.55, embeddings 0.73")
+
+
+def test_what_the_run_did_not_record_is_assumed_and_said_so():
+    r = run(world=1)
+    for split in r["time_split"]:
+        split.pop("grad_groups")
+        for st in split["steps"]:
+            for k in ("forward_calls", "optimizer_step", "clip", "grad_ready", "data_wait"):
+                st.pop(k)
+    m = from_result(r)
+    inputs = said(m)
+    assert m.ready == () and inputs["gradient readiness (DDP's buckets)"] == (
+        "assumed", "the layers' in proportion to backward, the root (25%) at its end")
+    assert inputs["model calls per step"] == ("assumed", "one per text column of the data") and m.forward_calls == 2
+    assert inputs["optimizer"] == ("measured", "backward's end to the optimizer step's end (an older stnb)")
+    assert m.optimizer == pytest.approx(CLIP + OPT_STEP)
+    assert "data loading" not in inputs
+    assert not any("rank" in n and "measured in a" in n for n in m.notes)  # one rank: nothing to say
+    assert (m.layers, m.root_fraction) == (12, 0.25) and inputs["FSDP units"][0] == "assumed"
+    assert "FSDP units not recorded in this result: 12 layers + a root of 25% of the parameters assumed" in m.notes
+    r["verification"]["data_columns"] = ["sentence1", "sentence2", "sentence3", "score"]
+    assert from_result(r).forward_calls == 3  # one per text column, the label left out
+    r["verification"].pop("data_columns")
+    m = from_result(r)
+    assert m.forward_calls == 2.0 and said(m)["model calls per step"] == ("assumed", "1 to 3")
+    assert any(n.startswith("the run did not record its data's columns") for n in m.notes)
+    unc = uncertain_from_result(r)
+    calls = next(x for x in unc.ranges if x.name == "forward_calls")
+    assert (calls.low, calls.mid, calls.high) == (1.0, 2.0, 3.0)
+    assert unc.build({"spread": 0.0, "forward_calls": 3.0}).forward_calls == 3.0
+
+
+def test_the_recorded_units_bucket_size_hook_and_resharding_are_the_runs():
+    r = run(config={"bucket_cap_mb": 4, "comm_hook": "fp16", "reshard_after_forward": False})
+    for split in r["time_split"]:
+        split["units"] = {"layers": 2, "root_fraction": 0.3}
+    m = from_result(r)
+    assert (m.layers, m.root_fraction) == (2, 0.3) and "FSDP units" not in said(m)
+    assert m.bucket_bytes == 4 * 2**20 and m.grad_bytes == 2 * TRAINABLE and not m.reshard_after_forward
+    assert from_result(run(config={"comm_hook": "bf16"})).grad_bytes == 2 * TRAINABLE
+    assert from_result(run(config={"comm_hook": "embedding_rows"})).grad_bytes == 4 * TRAINABLE
+    r["verification"]["model_shape"].pop("trainable_param_count")
+    assert from_result(r).grad_bytes == 2 * PARAMS
+
+
+def test_a_sharded_run_does_not_fit_and_its_note_says_the_prediction_is_low():
+    m = from_result(run("fsdp"))
+    assert not m.fits
+    assert any(n.startswith("the run is sharded (FSDP)") and "is low" in n for n in m.notes)
+
+
+def test_the_step_spread_is_the_ranks_own_else_the_runs_steps():
+    spread = {"std": 0.004, "p50": 1.2, "p90": 1.25, "mean": 1.21, "steps": 4}
+    work = {"evaluate": {"calls": 2, "seconds": [0.5, 0.7], "every_steps": 2, "after_steps": [2, 4]}}
+    r = run(outside_steps=[{"spread": spread, "work": work}, {"spread": dict(spread, std=0.006), "work": {}}])
+    m = from_result(r)
+    assert m.step_spread == pytest.approx(0.005)  # the ranks' mean
+    inputs = said(m)
+    assert inputs["step spread"] == ("measured", "std of each rank's own steady steps, 5.00 ms (p50 1200.0, p90 1250.0 ms)")
+    assert inputs["evaluate between steps"] == ("measured", "2 call(s), 0.60 s each, in the data part of the next "
+                                                            "step: per device, not divided by the devices")
+    r = run(step_times=[9.0, 9.0, 1.0, 1.2, 1.4, 1.0])
+    m = from_result(r)
+    assert m.step_spread == pytest.approx(statistics.pstdev([1.0, 1.2, 1.4, 1.0]))
+    assert said(m)["step spread"] == ("measured", "std of the run's steady steps (the slowest rank's per step)")
+    unc = uncertain_from_result(r)
+    (rng,) = unc.ranges  # the run counted its model calls: only the spread is open
+    assert (rng.name, rng.low, rng.mid, rng.high) == ("spread", 0.0, m.step_spread / 2, m.step_spread)
+    assert unc.build({"spread": 0.001}).step_spread == 0.001
+    assert unc.mid().step_spread == pytest.approx(m.step_spread / 2)
+
+
+def test_a_result_without_a_time_split_is_split_one_to_two():
+    r = run(world=1, step_times=[5.0, 5.0, 0.9, 1.2, 0.9, 1.2])
+    r.pop("time_split")
+    m = from_result(r)
+    assert m.forward == pytest.approx(1.05 / 3) and m.backward == pytest.approx(2 * 1.05 / 3)
+    assert m.optimizer == 0.0 and m.other == 0.0
+    assert m.source == "ddp run, median step 1050.0 ms (no time split in this result)"
+    assert said(m)["forward, backward, optimizer"] == ("assumed", "1:2 of the step, optimizer inside them")
+    assert any(n.startswith("no time split in this result: forward:backward taken as 1:2") for n in m.notes)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"status": "failed", "reason": "out of memory"}, "cannot predict from a run that did not train (failed: out of memory)"),
+    ({"samples_per_second": 0}, "cannot predict from a run that did not train (ok: None)"),
+    ({"samples_per_second": None}, "cannot predict from a run that did not train"),
+    ({"steps": WARM + 2}, "this run has 2 steady step(s) after its 2 warm-up step(s); the prediction needs at "
+                          "least 3: run at least 5 steps"),
+    ({"steps": 1}, "this run has 0 steady step(s)"),
+    ({"verification": {}}, "this run has no model shape (verification['model_shape']); run it again with stnb"),
+    ({"verification": {"model_shape": {"param_count": 0}}}, "this run has no model shape"),
+])
+def test_a_run_the_predictor_cannot_use_is_refused_with_the_reason(change, words):
+    with pytest.raises(ConfigError) as e:
+        from_result(run(**change))
+    assert words in str(e.value)
+
+
+def test_three_steady_steps_are_enough_and_the_warmup_is_the_runs():
+    assert from_result(run(steps=WARM + 3)).forward == pytest.approx(2 * FORWARD)
+    r = run(config={"warmup_steps_excluded": 0})
+    r["config"].pop("gradient_accumulation_steps")
+    m = from_result(r)
+    assert m.batch == BATCH and "means of 6 steady steps" in m.source
+    r["config"].pop("warmup_steps_excluded")  # the default: 2
+    assert "means of 4 steady steps" in from_result(r).source
+
+
+def test_text_columns_are_the_model_calls_a_step_makes():
+    assert text_columns(["anchor", "positive", "negative"]) == 3
+    assert text_columns(("sentence1", "sentence2", "label")) == 2
+    assert text_columns(["score"]) == 1  # at least one call
+    assert text_columns({"a": ["anchor", "positive"], "b": ["anchor", "positive", "negative"]}) == 2.5
+    assert text_columns({"a": ["anchor"], "b": None}) is None and text_columns({}) is None
+    assert text_columns(None) is None and text_columns("anchor") is None
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def test_the_table_keeps_the_relations_a_user_reads_it_by():
+    r = run()
+    pred = predict(r, devices=[4, 2, 4], link="pcie4", strategies=["ddp", "single"])
+    t = pred.table
+    assert list(zip(t["strategy"], t["devices"])) == [("ddp", 2), ("ddp", 4), ("single", 1)]
+    m = pred.measured
+    single = pred.row("single", 1)
+    assert single["speedup"] == pytest.approx(1.0) and single["efficiency"] == pytest.approx(1.0)
+    assert single["samples_per_second"] == pytest.approx(m.batch / (m.step_spread / 2 * 0 + m.step))
+    for n in (2, 4):
+        row = pred.row("ddp", n)
+        sps = row["samples_per_second"]
+        assert sps == pytest.approx(n * m.batch / (row["step_ms"] / 1e3))  # n devices' samples per step
+        assert row["speedup"] == pytest.approx(sps / single["samples_per_second"])
+        assert row["efficiency"] == pytest.approx(row["speedup"] / n)
+        assert row["low"] <= sps <= row["high"] and row["low"] < row["high"]
+        assert row["link"] == "pcie4" and row["suspect"] == "" and row["note"] == ""
+        assert 0 <= row["comm_exposed_ms"] <= row["comm_ms"] and row["comm_ms"] > 0
+    assert pred.row("ddp", 4)["samples_per_second"] > pred.row("ddp", 2)["samples_per_second"]
+    with pytest.raises(KeyError, match="no prediction for 'ddp' on 8 devices"):
+        pred.row("ddp", 8)
+    slow = predict(r, devices=[4], link=custom("slow", 1, latency_us=5000, overlap=False), strategies=["ddp"]).row("ddp", 4)
+    assert slow["samples_per_second"] < pred.row("ddp", 4)["samples_per_second"]
+
+
+def test_the_measured_spread_is_a_range_and_the_slowest_of_n_sets_the_pace():
+    spread = {"std": 0.05, "p50": 1.0, "p90": 1.1, "mean": 1.0, "steps": 4}
+    r = run(outside_steps=[{"spread": spread, "work": {}}] * 2)
+    row = predict(r, devices=[8], link=custom("fixed", 10, 5), strategies=["ddp"]).row("ddp", 8)
+    calm = predict(run(), devices=[8], link=custom("fixed", 10, 5), strategies=["ddp"]).row("ddp", 8)
+    assert row["step_ms"] - calm["step_ms"] == pytest.approx(1e3 * 0.025 * slowest_of(8))  # at the mid: half the std
+    assert row["dominant"] == "a rank's step spread (s)"
+    assert row["low"] < row["samples_per_second"] < row["high"]
+    assert row["high"] == pytest.approx(calm["samples_per_second"])  # ranks identical: the spread's low end
+
+
+def test_the_assumptions_state_the_numbers_the_prediction_used():
+    r = run()
+    pred = predict(r, devices=[2], link="pcie4", strategies=["ddp", "dp"], host_fraction=(0.1, 0.3, 0.5))
+    m = pred.measured
+    first = pred.assumptions[0]
+    assert first.startswith(f"one device's step ({m.source}), at the mids: forward {m.forward * 1e3:.1f} ms "
+                            f"({m.forward_calls:g} call(s) of the model), backward {m.backward * 1e3:.1f} ms, "
+                            f"optimizer {m.optimizer * 1e3:.1f} ms, rest {m.other * 1e3:.1f} ms for {m.batch} samples")
+    text = "\n".join(pred.assumptions)
+    assert f"link inside a node: {PRESETS['pcie4'].describe()}" in text
+    assert f"between nodes (8 devices per node): {PRESETS['100gbps'].describe()}" in text
+    assert "DataParallel: host busy 30% of a step at the mid" in text
+    assert "range: DataParallel's host share: 0.1 / 0.3 / 0.5 (low / mid / high) (given)" in text
+    assert "the measured gradient group filling it" in text and "communication overlaps compute" in text
+    for name, how, what in m.inputs:
+        assert f"{how.upper()}: {name}" + (f" ({what})" if what else "") in pred.assumptions
+    assert pred.assumptions[-len(m.notes):] == list(m.notes)
+    dp = pred.row("dp", 2)
+    assert dp["low"] < dp["samples_per_second"] < dp["high"] and dp["dominant"] == "DataParallel's host share"
+    assert pred.extra["inputs"] == ["spread", "host_fraction", "bandwidth", "launch"]
+
+
+def test_the_assumptions_for_a_cpu_link_and_no_host_share():
+    small = Measured(batch=4, forward=0.1, backward=0.2, optimizer=0.0, other=0.0, grad_bytes=8e6, param_bytes=8e6,
+                     source="given")
+    net = Fabric(custom("cpu", 1, 50, overlap=False, per_node=None), PRESETS["100gbps"])
+    text = "\n".join(assumptions(small, net))
+    assert "the link is a network: any number of devices, one per node" in text
+    assert "communication counts in full (CPU" in text
+    assert "DataParallel: the GIL's serialisation of the replicas is left out (host_fraction=None)" in text
+    assert "the root's 25%, the embeddings, ready only at backward's end" in text
+    assert "gradients 8 MiB in 25 MiB buckets" in text and "parameters 8 MiB; FSDP units: 12 layers + the root" in text
+    assert "DataParallel: host busy 40% of a step" in "\n".join(assumptions(small, net, host_fraction=0.4))
+
+
+def test_compare_is_the_rows_prediction_against_the_measured_run():
+    pred = predict(run(), devices=[2, 4], link="pcie4", strategies=["ddp"])
+    measured = {"strategy": "ddp", "world_size": "4", "samples_per_second": 100.0}
+    out = compare(pred, measured)
+    want = pred.row("ddp", 4)["samples_per_second"]
+    assert out == {"strategy": "ddp", "devices": 4, "predicted": want, "measured": 100.0,
+                   "error": pytest.approx(want / 100.0 - 1)}
+
+    class Result:
+        def to_dict(self):
+            return dict(measured, world_size=2)
+
+    assert compare(pred, Result())["predicted"] == pred.row("ddp", 2)["samples_per_second"]
+
+
+def test_the_verdict_says_what_the_devices_give_and_what_holds_them_back():
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=90e6, param_bytes=90e6)
+    fast = predict(None, devices=[2], link="nvlink-h100", measured=m, strategies=["ddp"])
+    row = fast.row("ddp", 2)
+    assert row["efficiency"] >= 0.85
+    head = (f"DDP on 2 devices over nvlink-h100: {row['speedup']:.2f}x one device ({row['samples_per_second']:,.1f} "
+            f"samples/s, efficiency {row['efficiency']:.2f}), ")
+    share = row["comm_exposed_ms"] / row["step_ms"]
+    assert verdict(fast) == head + f"so the extra devices pay off (exposed communication: {share:.0%} of each step)."
+    slow = predict(None, devices=[4], link="25gbps", measured=replace(m, grad_bytes=1e9), strategies=["ddp"])
+    row = slow.row("ddp", 4)
+    assert row["efficiency"] < 0.85
+    sentence = verdict(slow, "ddp", 4)
+    assert sentence.startswith(f"DDP on 4 devices over 25gbps: {row['speedup']:.2f}x one device")
+    assert sentence.endswith(f"held back by exposed communication ({row['comm_exposed_ms'] / row['step_ms']:.0%} of "
+                             "each step): a faster link, a bigger batch per device or gradient accumulation (fewer "
+                             "all-reduces per sample) would help.")
+    dp = predict(None, devices=[64], link="nvlink-a100", measured=m, strategies=["dp"])
+    assert verdict(dp, "dp", 64) == f"dp on 64 devices: not possible ({dp.row('dp', 64)['note']})."
+
+
+def test_devices_and_strategies_are_checked_with_the_fix():
+    assert _check_devices(3) == [3] and _check_devices([8, 2, 8, 4]) == [2, 4, 8]
+    for bad in ([], [1, 4], [True, 4], [2.0], 0, ["2"]):
+        with pytest.raises(ConfigError) as e:
+            _check_devices(bad)
+        assert str(e.value) == f"devices={bad if isinstance(bad, list) else [bad]!r}: give device counts of at " \
+                               "least 2, e.g. [2, 4, 8]"
+    assert _check_strategies(None) == known() and _check_strategies("ddp") == ("ddp",)
+    assert _check_strategies(["zero3", "ddp"]) == ("zero3", "ddp")
+    with pytest.raises(ConfigError) as e:
+        _check_strategies([])
+    msg = str(e.value)
+    assert msg.startswith("no scaling model for strategy (none given); the predictor knows ")
+    assert all(repr(s) in msg for s in known()) and "'zero3' (fsdp)" in msg
+    with pytest.raises(ConfigError, match=r"no scaling model for strategy 'tp', 'deepspeed'; "):
+        _check_strategies(["tp", "ddp", "deepspeed"])
+
+
+def test_the_host_share_is_a_range_only_when_given_as_one():
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=90e6, param_bytes=90e6)
+    one = predict(None, devices=[4], link=custom("fixed", 10, 5), measured=m, strategies=["dp"], host_fraction=0.3)
+    assert one.extra["ranges"] == () and one.row("dp", 4)["low"] == one.row("dp", 4)["high"]
+    ranged = predict(None, devices=[4], link=custom("fixed", 10, 5), measured=m, strategies=["dp"],
+                     host_fraction=(0.2, 0.3, 0.4))
+    (rng,) = ranged.extra["ranges"]
+    assert rng == Range("host_fraction", 0.2, 0.3, 0.4, "DataParallel's host share", "given")
+    assert ranged.row("dp", 4)["samples_per_second"] == pytest.approx(one.row("dp", 4)["samples_per_second"])
+    assert ranged.row("dp", 4)["low"] < one.row("dp", 4)["samples_per_second"] < ranged.row("dp", 4)["high"]

@@ -1,0 +1,252 @@
+"""Where a step's time went (stnb.timesplit), in one process: a StepTimer attached to a real torch model whose
+forward, backward, data loading, optimizer and DDP buckets each take a known number of *simulated* seconds
+(tests/simsteps.py: the clock is the test's, every mark reads it, the stand-in work advances it), so each part
+of the split has a value the timeline implies. The real multi-rank runs (tests/test_timesplit.py, slow) check the same split on
+gloo's clock."""
+
+import pytest
+import torch
+
+from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, Net, SimClock, ddp_timer,
+                      one_step, trainer_for)
+from stnb.timesplit import PHASES, WIRE_BYTES, StepTimer, _union, builtin_hook, combine, problems, table
+
+
+def test_a_ddp_step_splits_into_the_parts_its_timeline_took():
+    clock = SimClock()
+    clock.now = 5.0
+    timer, tr, model = ddp_timer(clock)
+    assert timer.method == "simulated clock" and timer.origin == 5.0 and timer.enabled
+    clock.advance(1.0)
+    timer.on_step_begin(clock.now)
+    begin = clock.now
+    one_step(timer, tr, model)
+    (st,) = timer.steps
+    backward = 4 * GRAD_STEP + TAIL
+    want = {"data": FETCH, "forward": 2 * FORWARD, "backward_compute": 4 * GRAD_STEP, "comm_exposed": TAIL,
+            "optimizer": CLIP + OPT_STEP, "other": REST}
+    assert {p: st[p] for p in PHASES} == pytest.approx(want)
+    assert st["step"] == pytest.approx(FETCH + 2 * FORWARD + backward + CLIP + OPT_STEP + REST)
+    assert sum(st[p] for p in PHASES) == pytest.approx(st["step"])
+    assert st["start"] == pytest.approx(begin - 5.0)  # seconds from the origin every rank shares
+    assert st["backward"] == pytest.approx(backward)
+    assert st["optimizer_step"] == pytest.approx(OPT_STEP) and st["clip"] == pytest.approx(CLIP)
+    assert st["forward_calls"] == 2 and st["backward_calls"] == 1
+    assert st["data_wait"] is not None and st["data_wait"] >= 0  # host seconds in get_batch_samples
+    assert "host" not in st  # the CPU clock is the host's: no second reading
+    # the buckets: A in flight GRAD_STEP beside backward's compute, B (the last) exposed for TAIL
+    bwd0 = begin - 5.0 + FETCH + 2 * FORWARD
+    assert st["buckets"] == 2 and st["comm_bytes"] == 2 * BUCKET * 4
+    assert [x for span in st["comm_spans"] for x in span] == pytest.approx(
+        [bwd0 + 2 * GRAD_STEP, bwd0 + 3 * GRAD_STEP, bwd0 + 4 * GRAD_STEP, bwd0 + backward])
+    assert st["comm_total"] == pytest.approx(GRAD_STEP + TAIL)
+    assert st["comm_overlapped"] == pytest.approx(GRAD_STEP)
+    assert st["backward_compute_end"] == pytest.approx(bwd0 + 4 * GRAD_STEP)
+    # each gradient group ready as a fraction of the step's backward, in the groups' order
+    names = [g["name"] for g in timer.groups]
+    assert names == ["embeddings", "layer 0", "layer 1", "other"]
+    assert [(g["params"], g["numel"]) for g in timer.groups] == [(2, 16), (2, 20), (2, 20), (1, 4)]
+    done = {"other": 1, "layer 1": 2, "layer 0": 3, "embeddings": 4}  # head first, embeddings last
+    assert st["grad_ready"] == pytest.approx([done[n] * GRAD_STEP / backward for n in names])
+
+
+def test_the_next_step_begins_where_the_last_ended_and_summary_hands_every_step():
+    clock = SimClock()
+    timer, tr, model = ddp_timer(clock)
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model)
+    first_end = clock.now
+    timer.on_step_begin(123.0)  # later steps begin where the previous one ended, whatever the begin says
+    clock.advance(0.5)  # logging between the steps: the next step's data part
+    one_step(timer, tr, model, calls=1)
+    first, second = timer.steps
+    assert second["start"] == pytest.approx(first_end)
+    assert second["data"] == pytest.approx(0.5 + FETCH) and second["forward"] == pytest.approx(FORWARD)
+    assert second["forward_calls"] == 1 and first["forward_calls"] == 2
+    s = timer.summary()
+    assert s["steps"] == [first, second] and s["method"] == "simulated clock" and s["comm_hook"] == "none"
+    assert s["comm"] == "DDP bucket hooks" and s["note"] is None and s["grad_groups"] == timer.groups
+    assert s["units"] is None  # a model stnb knows no layer classes of: no FSDP units to report
+    assert s["host_clock"] == "the same clock (CPU)"
+
+
+def test_a_step_before_the_origin_only_moves_the_step_clock():
+    clock = SimClock()
+    timer = StepTimer(clock=clock, enabled=True)
+    timer.on_step_begin(1.0)
+    clock.now = 2.0
+    timer.on_step_end(2.0)  # not attached yet: nothing to split
+    assert timer.steps == [] and timer._pending == []
+    timer.origin = 0.0
+    clock.now = 3.0
+    timer.on_step_end(3.0)
+    assert [st["step"] for st in timer.steps] == [1.0]  # measured from the previous step's end
+
+
+def test_wire_bytes_follow_the_hook_and_the_embedding_rows_hook_counts_what_it_sends():
+    clock = SimClock()
+    for name, size in (("none", 4), ("fp16", 2), ("bf16", 2)):
+        timer = StepTimer(clock=clock, enabled=True)
+        timer.hook = name
+        timer.timed(lambda state, bucket: _done(bucket))(None, Bucket())
+        assert timer._buckets[-1][2] == BUCKET * size, name
+    assert WIRE_BYTES["embedding_rows"] is None
+    timer = StepTimer(clock=clock, enabled=True)
+    timer.hook = "embedding_rows"
+
+    class RowsState:  # stnb's embedding-rows hook counts the elements it sends
+        sent_elements = 7
+
+    def rows_hook(state, bucket):
+        state.sent_elements += 300
+        return _done(bucket)
+
+    fut = timer.timed(rows_hook)(RowsState(), Bucket())
+    assert timer._buckets[-1][2] == 300 * 4
+    assert torch.equal(fut.wait(), torch.zeros(BUCKET))  # the hook's result, handed on
+    untimed = StepTimer(clock=clock, enabled=False)
+    assert untimed.timed(rows_hook) is rows_hook
+
+
+def _done(bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def test_builtin_hooks_are_torchs_and_stnbs_own_register_themselves():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+
+    assert builtin_hook("none") is d.allreduce_hook
+    assert builtin_hook("fp16") is d.fp16_compress_hook and builtin_hook("bf16") is d.bf16_compress_hook
+    assert builtin_hook("embedding_rows") is None
+
+
+def test_fsdp_forward_all_gathers_are_exposed_communication_not_forward():
+    """FSDP: the unit's all-gather (between the two pre-hooks attach puts around FSDP's) leaves forward."""
+    clock = SimClock()
+    model = Net(clock)
+    timer = StepTimer(clock=clock, enabled=True)
+    tr = trainer_for(model)
+    timer.attach(tr, "none")
+    gather = 0.07
+    for unit in model.encoder.layer:  # what attach registers on each FSDP unit
+        unit.register_forward_pre_hook(timer._gather_start, prepend=True)
+        unit.register_forward_pre_hook(lambda m, a: clock.advance(gather))  # FSDP's own all-gather
+        unit.register_forward_pre_hook(timer._gather_end)
+    timer.comm = "FSDP forward all-gathers"
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model, calls=1)
+    (st,) = timer.steps
+    assert st["gathers"] == 2 and st["comm_total"] == pytest.approx(2 * gather)
+    assert st["forward"] == pytest.approx(FORWARD) and st["comm_exposed"] == pytest.approx(2 * gather)
+    assert st["comm_overlapped"] == 0.0 and len(st["comm_spans"]) == 2
+    assert st["backward_compute"] == pytest.approx(4 * GRAD_STEP)
+    assert sum(st[p] for p in PHASES) == pytest.approx(st["step"])
+    assert "buckets" not in st and "comm_bytes" not in st
+    model.eval()  # evaluation's forwards are no training step's: no gather, no forward mark
+    with torch.no_grad():
+        model(torch.ones(2, 3))
+    assert timer._gathers == [] and timer._fwd_start is None and timer._calls == 0
+
+
+def test_a_single_device_step_has_no_communication_and_forward_ends_where_backward_starts():
+    clock = SimClock()
+    model = Net(clock)
+    timer = StepTimer(clock=clock, enabled=True)
+    tr = trainer_for(model)
+    timer.attach(tr, "none")
+    assert timer.hook is None and timer.comm is None
+    timer.on_step_begin(clock.now)
+    tr.get_batch_samples()
+    loss = model(torch.ones(2, 3)).sum()
+    clock.advance(0.3)  # the loss after the model's forward: counted in forward
+    tr.accelerator.backward(loss)
+    clock.advance(REST)
+    timer.on_step_end(clock.now)  # no optimizer callbacks (an older trainer)
+    (st,) = timer.steps
+    assert st["forward"] == pytest.approx(FORWARD + 0.3) and st["backward_compute"] == pytest.approx(4 * GRAD_STEP)
+    assert st["comm_exposed"] == 0.0 and st["optimizer"] == 0.0 and st["other"] == pytest.approx(REST)
+    assert "optimizer_step" not in st and "clip" not in st and "comm_total" not in st
+    assert sum(st[p] for p in PHASES) == pytest.approx(st["step"])
+
+
+def test_union_counts_overlapping_time_once():
+    assert _union([]) == 0.0
+    assert _union([(0.0, 1.0), (0.5, 2.0)]) == pytest.approx(2.0)
+    assert _union([(3.0, 4.0), (0.0, 1.0)]) == pytest.approx(2.0)  # apart, in any order
+    assert _union([(0.0, 2.0), (0.5, 1.0)]) == pytest.approx(2.0)  # one inside another
+    assert _union([(0.0, 1.0), (1.0, 1.5)]) == pytest.approx(1.5)  # touching
+    assert _union([(1.0, 1.0), (2.0, 1.5)]) == 0.0  # empty and reversed spans add nothing
+
+
+def test_combine_needs_every_rank_and_keeps_the_steps_they_all_have():
+    def rank(*ends):
+        return {"steps": [{"backward_compute_end": e, "comm_exposed": 0.5, "step": 1.0} for e in ends]}
+
+    a, b = combine([rank(1.0, 2.0, 3.0), rank(1.2, None), None, {}])
+    assert [st.get("wait") for st in a["steps"]] == [pytest.approx(0.2), None, None]
+    assert "wait" not in a["steps"][2]  # only the steps every rank measured
+    assert b["steps"][0]["wait"] == 0.0 and b["steps"][1]["wait"] is None
+    assert a["steps"][1]["comm_exposed"] == 0.5  # left whole where the wait cannot be told apart
+    original = rank(1.0)
+    combine([original, rank(2.0)])
+    assert "wait" not in original["steps"][0]  # the summaries it was given are left as they were
+
+
+def _result(steps_per_rank, warm=2):
+    return {"config": {"warmup_steps_excluded": warm},
+            "time_split": [{"method": "simulated clock", "steps": s} for s in steps_per_rank]}
+
+
+def _step(step=1.0, other=0.0, **parts):
+    st = {"step": step, "data": 0.1, "forward": 0.3, "backward_compute": 0.4, "comm_exposed": 0.1,
+          "optimizer": 0.1 - other, "other": other, "wait": 0.0}
+    st.update(parts)
+    return st
+
+
+def test_problems_name_the_rank_the_step_and_what_is_wrong():
+    good = [_step() for _ in range(4)]
+    assert problems(_result([good, good])) == []
+    assert problems(_result([good]), warmup=4) == ["rank 0: no steady step measured (simulated clock)"]
+    bad = [_step(), _step(), _step(forward=0.0, backward_compute=0.7), _step(wait=-0.01, optimizer=0.11)]
+    found = problems(_result([good, bad]))
+    assert found == ["rank 1 step 2: no forward or backward measured", "rank 1 step 3: negative wait"]
+    assert problems(_result([[_step(backward_compute=0.0)] * 3]), warmup=0) == \
+        [f"rank 0 step {i}: no forward or backward measured" for i in range(3)]
+    # within a millionth of the step a negative part is a rounding error, not a fault
+    assert problems(_result([[_step(data=-1e-7, forward=0.3000001)] * 3])) == []
+    assert problems(_result([[_step(data=-2e-6)] * 3])) == ["rank 0 step 2: negative data"]
+    unattributed = [_step(other=0.06) for _ in range(3)]
+    assert problems(_result([unattributed])) == ["rank 0: 6.0% of the step is attributed to nothing (limit 5%)"]
+    assert problems(_result([unattributed]), tolerance=0.06) == []
+    assert problems(_result([[_step(other=0.05)] * 3])) == []  # at the limit
+    assert problems({"time_split": []}) == ["no time split in the result"]
+    assert problems({"time_split": [None]}) == ["rank 0: no steady step measured (None)"]
+    assert problems({"time_split": [{"steps": [_step()] * 3}]}) == []  # the default warm-up: 2 steps
+
+
+def test_problems_reads_a_run_result_and_its_warmup():
+    class Run:
+        def to_dict(self):
+            return _result([[_step(forward=0.0), _step(forward=0.0, other=0.0), _step()]], warm=2)
+
+    assert problems(Run()) == []
+    assert problems(Run(), warmup=1) == ["rank 0 step 1: no forward or backward measured"]
+
+
+def test_table_is_each_ranks_mean_over_the_steady_steps_in_ms():
+    fast = [_step(forward=9.0), _step(forward=9.0), _step(forward=0.2), _step(forward=0.4)]
+    slow = [_step(), _step(), _step(comm_total=0.2, optimizer_step=0.05, clip=0.01, data_wait=None),
+            _step(comm_total=0.4, optimizer_step=0.07, clip=0.03, data_wait=0.02)]
+    t = table(_result([fast, slow]))
+    assert list(t.index) == [0, 1]
+    assert t.loc[0, "forward_ms"] == pytest.approx(300.0)  # warm-up steps left out
+    assert t.loc[1, "comm_total_ms"] == pytest.approx(300.0) and t.loc[1, "clip_ms"] == pytest.approx(20.0)
+    assert t.loc[1, "optimizer_step_ms"] == pytest.approx(60.0) and t.loc[1, "data_wait_ms"] == pytest.approx(20.0)
+    assert t.loc[0, "step_ms"] == pytest.approx(1000.0) and t.loc[1, "wait_ms"] == 0.0
+    assert t.loc[0, ["comm_total_ms", "optimizer_step_ms"]].isna().all()  # not measured on rank 0
+    assert "comm_overlapped_ms" not in t.columns
+    assert table(_result([fast]), warmup=3).loc[0, "forward_ms"] == pytest.approx(400.0)
+    assert table({"time_split": []}).empty and table({}).empty
