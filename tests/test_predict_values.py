@@ -325,3 +325,113 @@ def test_the_host_share_is_a_range_only_when_given_as_one():
     assert rng == Range("host_fraction", 0.2, 0.3, 0.4, "DataParallel's host share", "given")
     assert ranged.row("dp", 4)["samples_per_second"] == pytest.approx(one.row("dp", 4)["samples_per_second"])
     assert ranged.row("dp", 4)["low"] < one.row("dp", 4)["samples_per_second"] < ranged.row("dp", 4)["high"]
+
+
+# ---- the loopback link's fit, the links --------------------------------------------------------
+
+def test_the_loopback_fit_recovers_a_link_over_any_number_of_ranks():
+    from stnb.scaling.calibrate import fit
+
+    alpha, bw = 40e-6, 3e9
+    for n in (2, 4, 8):  # an all-reduce over n ranks: 2(n-1) ring steps and 2(n-1)/n of the bytes per link
+        times = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw for s in (4096, 1 << 20, 32 << 20)}
+        a, b = fit({"world_size": n, "seconds": times})
+        assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(bw, rel=1e-6)
+
+
+def test_the_loopback_fit_weighs_every_size_by_its_own_time():
+    """Weighted by 1/t^2 (relative errors count alike): the fit's residuals r satisfy the weighted normal
+    equations sum(r / t^2) = 0 and sum(r x / t^2) = 0, on times that no line fits exactly."""
+    from stnb.scaling.calibrate import SIZES, fit
+
+    rough = (1.3, 0.8, 1.1, 0.95, 1.05)
+    times = {s: (50e-6 * 2 + s / 2e9) * f for s, f in zip(SIZES, rough)}
+    a, b = fit({"world_size": 2, "seconds": times})
+    residuals = [(s, t, t - (2 * a + s / b)) for s, t in times.items()]
+    scale = sum(1 / t for _, t, _ in residuals)
+    assert sum(r / t ** 2 for _, t, r in residuals) / scale == pytest.approx(0, abs=1e-9)
+    assert sum(r * s / t ** 2 for s, t, r in residuals) / sum(s / t for s, t, _ in residuals) == pytest.approx(0, abs=1e-9)
+    assert a > 0
+
+
+def test_a_link_is_its_fields():
+    from stnb.scaling.links import Link
+
+    link = custom("mine", 12, 3, per_node=4, bandwidth_range_gbs=(10, 14), launch_us=(1, 2, 3))
+    d = link.to_dict()
+    assert d["name"] == "mine" and d["bandwidth"] == 12e9 and d["per_node"] == 4
+    assert Link(**d) == link
+
+
+def test_a_preset_from_its_topology_fewest_links_at_the_lowest_efficiency_to_most_at_the_highest():
+    from stnb.scaling.links import GB, US, effective
+
+    link = effective("quad", (3, 4), 25, (0.7, 0.8, 0.9), 4, "a white paper")
+    assert (link.bandwidth_range[0], link.bandwidth, link.bandwidth_range[1]) == pytest.approx(
+        (3 * 25 * 0.7 * GB, 4 * 25 * 0.8 * GB, 4 * 25 * 0.9 * GB))
+    assert link.name == "quad" and link.per_node == 4 and link.overlap and link.tiers == ()
+    assert link.latency == pytest.approx(5 * US) and link.launch == pytest.approx((5 * US, 15 * US, 50 * US))
+    assert link.source == ("a white paper; 3-4 link(s) x 25 GB/s, protocol efficiency 0.7-0.9 (mid 0.8); latency "
+                           "and per-collective cost: orders of magnitude, not measured")
+    one = effective("eth", (1, 1), 12.5, (0.6, 0.75, 0.85), None, "IEEE", latency_us=30, launch_us=(1, 2, 3),
+                    overlap=False, tiers=((2, 1.0, 2.0, 3.0),))
+    assert one.source.startswith("IEEE; 1 link(s) x 12.5 GB/s, protocol efficiency 0.6-0.85 (mid 0.75)")
+    assert one.latency == pytest.approx(30 * US) and one.launch == pytest.approx((1 * US, 2 * US, 3 * US))
+    assert not one.overlap and one.per_node is None and one.tiers == ((2, 1.0, 2.0, 3.0),)
+
+
+def test_up_to_four_v100s_of_a_dgx1_are_one_quad():
+    from stnb.scaling.links import _quad_tier
+
+    quad = PRESETS["nvlink-v100-4"]
+    assert _quad_tier() == pytest.approx((4, quad.bandwidth_range[0], quad.bandwidth, quad.bandwidth_range[1]))
+    cube = PRESETS["nvlink-v100"]
+    assert [cube.bus_bandwidth(n, e) for n in (2, 4) for e in ("low", "mid", "high")] == pytest.approx(
+        [quad.bandwidth_range[0], quad.bandwidth, quad.bandwidth_range[1]] * 2)
+    assert cube.bus_bandwidth(5) == cube.bandwidth and cube.bus_bandwidth(8, "low") == cube.bandwidth_range[0]
+
+
+def test_a_users_own_link():
+    from stnb.scaling.links import GB, US
+
+    link = custom("lab", 7, 9)
+    assert (link.name, link.bandwidth, link.latency, link.per_node) == ("lab", 7 * GB, 9 * US, 8)
+    assert link.overlap and link.source == "given by the user" and link.bandwidth_range is None
+    assert link.launch == (0.0, 0.0, 0.0)
+    own = custom("lab", 7, 9, source="my sweep", per_node=None)
+    assert own.source == "my sweep" and own.per_node is None
+
+
+def test_a_range_needs_its_ends_in_order_and_describes_itself():
+    with pytest.raises(ValueError) as e:
+        Range("optimizer", 0.3, 0.2, 0.4)
+    assert str(e.value) == "range optimizer: low <= mid <= high needed, got 0.3, 0.2, 0.4"
+    r = Range("spread", 1e-5, 2e-5, 3e-5, "a rank's step spread (s)", "measured")
+    assert r.describe() == "a rank's step spread (s): 1e-05 / 2e-05 / 3e-05 (low / mid / high) (measured)"
+    assert Range("x", 2.5e-5, 2.5e-5, 2.5e-5).describe() == "x: 2.5e-05"
+    assert r.describe("{:.1f}") == "a rank's step spread (s): 0.0 / 0.0 / 0.0 (low / mid / high) (measured)"
+
+
+def test_the_interval_walks_every_input_that_has_a_width():
+    from stnb.scaling import interval
+
+    ranges = (Range("optimizer", 0.1, 0.2, 0.3, "optimizer share"), Range("spread", 0.0, 0.0, 0.0))
+    fixed, ranged = custom("fixed", 10, 5), custom("r", 10, 5, bandwidth_range_gbs=(9, 11), launch_us=(1, 2, 3))
+    net_fixed, net_ranged = custom("nf", 10, 5, per_node=None), PRESETS["100gbps"]
+    assert interval.widths(ranges, Fabric(fixed, net_fixed)) == ["optimizer"]
+    assert interval.widths(ranges, Fabric(ranged, net_fixed)) == ["optimizer", "bandwidth", "launch"]
+    assert interval.widths((), Fabric(fixed, net_ranged)) == ["bandwidth", "launch"]  # beyond a node: the network's
+    one_node = custom("one", 10, 5, per_node=None)
+    assert interval.widths((), Fabric(one_node, net_ranged)) == []  # a network link: no second level
+    assert interval.widths((), Fabric(PRESETS["nvlink-v100"].__class__(**{**PRESETS["nvlink-v100"].to_dict(),
+                                      "bandwidth_range": None}), net_fixed)) == ["bandwidth", "launch"]  # its tiers
+    assert interval.scenarios([]) == [{}, {}]
+    assert interval.scenarios(["a", "b"]) == [{"a": "mid", "b": "mid"}, {"a": "low", "b": "low"},
+                                              {"a": "low", "b": "high"}, {"a": "high", "b": "low"},
+                                              {"a": "high", "b": "high"}]
+    assert interval.one_at_a_time(["a", "b"]) == [("a", "low", {"a": "low", "b": "mid"}),
+                                                  ("a", "high", {"a": "high", "b": "mid"}),
+                                                  ("b", "low", {"a": "mid", "b": "low"}),
+                                                  ("b", "high", {"a": "mid", "b": "high"})]
+    assert interval.label("optimizer", ranges) == "optimizer share" and interval.label("spread", ranges) == "spread"
+    assert interval.label("launch", ranges) == "per-collective fixed cost" and interval.label("other", ()) == "other"
