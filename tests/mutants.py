@@ -110,6 +110,9 @@ MODULES = (
     # the loopback link's fit (what the 'loopback' link's bandwidth and latency are). Left out:
     # time_all_reduce and measure_all_reduce (ranks timing gloo, started by loopback: a launch)
     Module("scaling.calibrate", "stnb/scaling/calibrate.py", ("x_fit",)),
+    # the sentence under the time split (what dominates a step, the knob that shrinks it) and the means it
+    # reads. Left out: split_bars, timeline and their helpers (the figures: plotting; sends: stnb.stepparts')
+    Module("plots/timesplit", "stnb/plots/timesplit.py", ("x_means", "x_knob_hints", "x_advice")),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the

@@ -54,9 +54,11 @@ def test_the_step_is_the_runs_measured_phases_and_the_inputs_say_measured():
                                                "ms, between the trainer's callbacks")
     assert inputs["model calls per step"] == ("measured", "2 forward(s) of the module that trains")
     assert inputs["host vs device"] == ("assumed", "the same clock (CPU): host work is the step")
-    assert inputs["link bandwidth and per-collective cost"][0] == "assumed"
+    assert inputs["link bandwidth and per-collective cost"] == (
+        "assumed", "the link preset's range (or this machine's loopback, measured by a sweep)")
     assert inputs["every added device computes as fast"] == ("assumed", "")
     assert inputs["data loading"][0] == "measured"
+    assert list(inputs)[-2:] == ["link bandwidth and per-collective cost", "every added device computes as fast"]
     assert "the compute was measured in a 2-rank ddp run, not on one device" in m.notes
     assert [n for n in m.notes if "sharded" in n] == []
 
@@ -69,7 +71,19 @@ def test_gradient_readiness_is_the_measured_order_with_each_groups_share():
             (4 * GRAD_STEP / backward, 16 / 60)]
     assert [x for pair in m.ready for x in pair] == pytest.approx([x for pair in want for x in pair])
     how, what = said(m)["gradient readiness (DDP's buckets)"]
-    assert how == "measured" and what.endswith("other 0.18, layer 1 0.36, layer 0 0.55, embeddings 0.73")
+    assert (how, what) == ("measured", "each group's last gradient, as a fraction of backward: other 0.18, layer 1 "
+                                       "0.36, layer 0 0.55, embeddings 0.73")
+
+
+def test_the_data_wait_and_the_host_clock_are_taken_where_measured():
+    r = run()
+    for split in r["time_split"]:
+        for st in split["steps"]:
+            st["data_wait"] = 0.004
+            st["host"] = {"forward": 0.1, "backward": 0.2, "optimizer_step": 0.01, "step": 0.5}
+    inputs = said(from_result(r))
+    assert inputs["data loading"] == ("measured", "4.00 ms a step waiting for batches (inside the data part)")
+    assert inputs["host vs device"] == ("measured", "host seconds beside the CUDA events")
 
 
 def test_what_the_run_did_not_record_is_assumed_and_said_so():
@@ -88,17 +102,19 @@ def test_what_the_run_did_not_record_is_assumed_and_said_so():
     assert m.optimizer == pytest.approx(CLIP + OPT_STEP)
     assert "data loading" not in inputs
     assert not any("rank" in n and "measured in a" in n for n in m.notes)  # one rank: nothing to say
-    assert (m.layers, m.root_fraction) == (12, 0.25) and inputs["FSDP units"][0] == "assumed"
+    assert (m.layers, m.root_fraction) == (12, 0.25)
+    assert inputs["FSDP units"] == ("assumed", "12 layers + a root of 25% of the parameters")
     assert "FSDP units not recorded in this result: 12 layers + a root of 25% of the parameters assumed" in m.notes
     r["verification"]["data_columns"] = ["sentence1", "sentence2", "sentence3", "score"]
     assert from_result(r).forward_calls == 3  # one per text column, the label left out
     r["verification"].pop("data_columns")
     m = from_result(r)
     assert m.forward_calls == 2.0 and said(m)["model calls per step"] == ("assumed", "1 to 3")
-    assert any(n.startswith("the run did not record its data's columns") for n in m.notes)
+    assert ("the run did not record its data's columns: the model calls per step (one per text column) taken as "
+            "1 to 3") in m.notes
     unc = uncertain_from_result(r)
     calls = next(x for x in unc.ranges if x.name == "forward_calls")
-    assert (calls.low, calls.mid, calls.high) == (1.0, 2.0, 3.0)
+    assert calls == Range("forward_calls", 1.0, 2.0, 3.0, "model calls per step", "not recorded by the run")
     assert unc.build({"spread": 0.0, "forward_calls": 3.0}).forward_calls == 3.0
 
 
@@ -118,7 +134,8 @@ def test_the_recorded_units_bucket_size_hook_and_resharding_are_the_runs():
 def test_a_sharded_run_does_not_fit_and_its_note_says_the_prediction_is_low():
     m = from_result(run("fsdp"))
     assert not m.fits
-    assert any(n.startswith("the run is sharded (FSDP)") and "is low" in n for n in m.notes)
+    assert ("the run is sharded (FSDP): its backward includes its all-gathers and reduce-scatters (stnb times only "
+            "the forward all-gathers), so the prediction counts those twice and is low") in m.notes
 
 
 def test_the_step_spread_is_the_ranks_own_else_the_runs_steps():
@@ -137,7 +154,8 @@ def test_the_step_spread_is_the_ranks_own_else_the_runs_steps():
     assert said(m)["step spread"] == ("measured", "std of the run's steady steps (the slowest rank's per step)")
     unc = uncertain_from_result(r)
     (rng,) = unc.ranges  # the run counted its model calls: only the spread is open
-    assert (rng.name, rng.low, rng.mid, rng.high) == ("spread", 0.0, m.step_spread / 2, m.step_spread)
+    assert rng == Range("spread", 0.0, m.step_spread / 2, m.step_spread, "a rank's step spread (s)",
+                        "0: ranks identical; the run's measured standard deviation of its steady steps")
     assert unc.build({"spread": 0.001}).step_spread == 0.001
     assert unc.mid().step_spread == pytest.approx(m.step_spread / 2)
 

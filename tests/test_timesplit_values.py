@@ -250,3 +250,68 @@ def test_table_is_each_ranks_mean_over_the_steady_steps_in_ms():
     assert "comm_overlapped_ms" not in t.columns
     assert table(_result([fast]), warmup=3).loc[0, "forward_ms"] == pytest.approx(400.0)
     assert table({"time_split": []}).empty and table({}).empty
+
+
+# ---- the sentence under the split (stnb.plots.timesplit: means, knob_hints, advice) ------------------------
+
+def _run(strategy="ddp", world=2, config=None, **parts):
+    """A run whose every steady step of every rank splits 1 s as ``parts`` say (the rest: forward)."""
+    st = {"step": 1.0, "data": 0.0, "backward_compute": 0.0, "comm_exposed": 0.0, "wait": 0.0, "optimizer": 0.0,
+          "other": 0.0, "comm_total": 0.0, "comm_overlapped": 0.0}
+    st.update(parts)
+    st["forward"] = 1.0 - sum(v for k, v in st.items() if k in PHASES + ("wait",) and k != "forward")
+    warm = {"step": 9.0, "forward": 9.0, "wait": 9.0}  # warm-up steps: left out
+    return {"strategy": strategy, "world_size": world, "config": {"warmup_steps_excluded": 1, **(config or {})},
+            "time_split": [{"steps": [warm, dict(st)]} for _ in range(world)]}
+
+
+def test_means_are_over_the_steady_steps_of_every_rank():
+    from stnb.plots.timesplit import means
+
+    r = _run(data=0.1)
+    r["time_split"][1]["steps"][1]["data"] = 0.3
+    r["time_split"][1]["steps"][1]["comm_total"] = None
+    m = means(r)
+    assert m["data"] == pytest.approx(0.2) and m["step"] == 1.0 and m["comm_total"] == 0.0
+    assert m["forward"] == pytest.approx(0.9) and m["wait"] == 0.0  # the warm-up step's 9 s left out
+    assert means({"time_split": [{"steps": []}], "config": {}})["step"] is None
+    assert means({})["forward"] is None
+
+
+def test_knob_hints_are_the_runs_strategys_own():
+    from stnb.plots.timesplit import COMM_KNOB_HINTS, knob_hints
+
+    assert knob_hints({"strategy": "ddp"}) == [COMM_KNOB_HINTS["comm_hook"], COMM_KNOB_HINTS["bucket_cap_mb"]]
+    assert knob_hints({"strategy": "fsdp"}) == [COMM_KNOB_HINTS["reshard_after_forward"]]
+    assert knob_hints({"strategy": "deepspeed", "config": {"stage": 2}}) == [COMM_KNOB_HINTS["stage"]]
+    assert knob_hints({"strategy": "deepspeed", "config": {"stage": 1}}) == []  # the lowest stage already
+    assert knob_hints({"strategy": "no-such-strategy"}) == [] and knob_hints({}) == []
+
+
+def test_advice_names_what_dominates_each_step_and_the_knob_that_shrinks_it():
+    from stnb.plots.timesplit import advice
+
+    assert advice({}) == "No time split in this run (measured on CPU ranks; on CUDA use the profiler)."
+    assert advice(_run(wait=0.16, comm_exposed=0.5)) == (
+        "Waiting for the slowest rank takes 16% of each step: the ranks are uneven (other work on the machine, "
+        "uneven batches); fewer ranks, or one per free core/GPU, would help.")
+    assert advice(_run(wait=0.15, comm_exposed=0.21)) == (
+        "Exposed communication takes 21% of each step: a bigger batch per device or gradient accumulation (fewer "
+        "collectives per sample), comm_hook='fp16' (half the bytes on the wire), or another bucket_cap_mb would help.")
+    assert advice(_run("single", 1, comm_exposed=0.3)) == (
+        "Exposed communication takes 30% of each step: a bigger batch per device or gradient accumulation (fewer "
+        "collectives per sample) would help.")
+    assert advice(_run(comm_exposed=0.2, data=0.16)) == (
+        "Data loading and logging take 16% of each step: more loader workers, or log less often.")
+    assert advice(_run(data=0.15, optimizer=0.21)) == (
+        "The optimizer takes 21% of each step: a bigger batch per step (or accumulation) spreads it over more "
+        "samples; sharding (FSDP) divides it by the ranks.")
+    fsdp = _run("fsdp", optimizer=0.2, backward_compute=0.5, comm_total=None)
+    assert advice(fsdp) == (
+        "Forward and backward take 80% of each step, this strategy's own collectives inside them (not separated "
+        "without the profiler): compare with DDP's split, or reshard_after_forward=False (no second all-gather in "
+        "backward).")
+    assert advice(_run("single", 1, backward_compute=0.5, comm_total=None, comm_exposed=0.05)) == (
+        "Compute dominates (95% of each step, exposed communication 5%): the run scales; more devices add throughput.")
+    assert advice(_run(backward_compute=0.5, comm_exposed=0.1)).startswith("Compute dominates (90% of each step, "
+                                                                          "exposed communication 10%)")
