@@ -178,6 +178,8 @@ def test_union_counts_overlapping_time_once():
     assert _union([(0.0, 2.0), (0.5, 1.0)]) == pytest.approx(2.0)  # one inside another
     assert _union([(0.0, 1.0), (1.0, 1.5)]) == pytest.approx(1.5)  # touching
     assert _union([(1.0, 1.0), (2.0, 1.5)]) == 0.0  # empty and reversed spans add nothing
+    assert _union([(2.0, 1.5), (3.0, 4.0)]) == pytest.approx(1.0)  # ... and stop nothing after them
+    assert _union([(0.0, 2.0), (1.0, 3.0), (2.5, 4.0)]) == pytest.approx(4.0)  # a chain of overlaps
 
 
 def test_combine_needs_every_rank_and_keeps_the_steps_they_all_have():
@@ -254,12 +256,18 @@ def test_table_is_each_ranks_mean_over_the_steady_steps_in_ms():
 
 # ---- the sentence under the split (stnb.plots.timesplit: means, knob_hints, advice) ------------------------
 
+STEP = 2.0
+
+
 def _run(strategy="ddp", world=2, config=None, **parts):
-    """A run whose every steady step of every rank splits 1 s as ``parts`` say (the rest: forward)."""
-    st = {"step": 1.0, "data": 0.0, "backward_compute": 0.0, "comm_exposed": 0.0, "wait": 0.0, "optimizer": 0.0,
-          "other": 0.0, "comm_total": 0.0, "comm_overlapped": 0.0}
+    """A run whose every steady step of every rank (STEP seconds) splits as ``parts`` say, in shares of the
+    step (the rest: forward)."""
+    st = {"data": 0.0, "backward_compute": 0.0, "comm_exposed": 0.0, "wait": 0.0, "optimizer": 0.0, "other": 0.0,
+          "comm_total": 0.0, "comm_overlapped": 0.0}
     st.update(parts)
     st["forward"] = 1.0 - sum(v for k, v in st.items() if k in PHASES + ("wait",) and k != "forward")
+    st = {k: (v * STEP if v is not None else None) for k, v in st.items()}
+    st["step"] = STEP
     warm = {"step": 9.0, "forward": 9.0, "wait": 9.0}  # warm-up steps: left out
     return {"strategy": strategy, "world_size": world, "config": {"warmup_steps_excluded": 1, **(config or {})},
             "time_split": [{"steps": [warm, dict(st)]} for _ in range(world)]}
@@ -271,11 +279,15 @@ def test_means_are_over_the_steady_steps_of_every_rank():
     r = _run(data=0.1)
     r["time_split"][1]["steps"][1]["data"] = 0.3
     r["time_split"][1]["steps"][1]["comm_total"] = None
+    r["time_split"][1]["steps"][1]["comm_overlapped"] = 0.4
     m = means(r)
-    assert m["data"] == pytest.approx(0.2) and m["step"] == 1.0 and m["comm_total"] == 0.0
-    assert m["forward"] == pytest.approx(0.9) and m["wait"] == 0.0  # the warm-up step's 9 s left out
+    assert m["data"] == pytest.approx(0.25) and m["step"] == STEP and m["comm_total"] == 0.0
+    assert m["forward"] == pytest.approx(0.9 * STEP) and m["wait"] == 0.0  # the warm-up step's 9 s left out
+    assert m["comm_overlapped"] == pytest.approx(0.2)
     assert means({"time_split": [{"steps": []}], "config": {}})["step"] is None
-    assert means({})["forward"] is None
+    assert means({})["forward"] is None and means({"time_split": [{}, None]})["step"] is None
+    steps = [{"step": 5.0}, {"step": 4.0}, {"step": 1.0}]
+    assert means({"time_split": [{"steps": steps}]})["step"] == 1.0  # no config: 2 warm-up steps
 
 
 def test_knob_hints_are_the_runs_strategys_own():
@@ -315,3 +327,109 @@ def test_advice_names_what_dominates_each_step_and_the_knob_that_shrinks_it():
         "Compute dominates (95% of each step, exposed communication 5%): the run scales; more devices add throughput.")
     assert advice(_run(backward_compute=0.5, comm_exposed=0.1)).startswith("Compute dominates (90% of each step, "
                                                                           "exposed communication 10%)")
+    assert advice(_run("fsdp", comm_exposed=0.25)) == (
+        "Exposed communication takes 25% of each step: a bigger batch per device or gradient accumulation (fewer "
+        "collectives per sample), or reshard_after_forward=False (no second all-gather in backward) would help.")
+    assert advice(_run("ddp", comm_total=None)) == (
+        "Forward and backward take 100% of each step, this strategy's own collectives inside them (not separated "
+        "without the profiler): compare with DDP's split, or comm_hook='fp16' (half the bytes on the wire), or "
+        "another bucket_cap_mb.")
+    unrecorded = _run("ddp", comm_total=None)
+    unrecorded.pop("world_size")  # one rank unless the run says otherwise
+    assert advice(unrecorded).startswith("Compute dominates (100% of each step")
+
+
+def test_problems_and_table_take_the_runs_own_warmup_else_two_steps():
+    bad, good = _step(forward=0.0), _step()
+
+    class Run:
+        def to_dict(self):
+            return {"config": {"warmup_steps_excluded": 1}, "time_split": [{"method": "m", "steps": [bad, bad, good]}]}
+
+    assert problems(Run()) == ["rank 0 step 1: no forward or backward measured"]
+    assert problems(Run(), warmup=2) == []
+    assert problems({"time_split": [{"steps": [bad, bad, good]}]}) == []  # no config: the default 2
+    assert table(Run()).loc[0, "forward_ms"] == pytest.approx(150.0)
+    assert table({"time_split": [{"steps": [bad, bad, good]}]}).loc[0, "forward_ms"] == pytest.approx(300.0)
+    t = table({"time_split": [{}, {"steps": [good] * 3}]})  # a rank that recorded no steps: a row without values
+    assert list(t.index) == [0, 1] and t.loc[0].isna().all() and t.loc[1, "step_ms"] == pytest.approx(1000.0)
+    assert problems({"time_split": [{}, {"steps": [bad] * 3}]}) == [
+        "rank 0: no steady step measured (None)", "rank 1 step 2: no forward or backward measured"]
+
+
+def test_problems_weigh_negatives_and_the_unattributed_share_by_the_steps_length():
+    two = [_step(step=2.0, other=0.12, optimizer=0.1, forward=1.1, data=0.2) for _ in range(5)]  # 6% unattributed, steps of 2 s
+    assert problems(_result([two])) == ["rank 0: 6.0% of the step is attributed to nothing (limit 5%)"]
+    assert problems(_result([[_step(step=2.0, data=-1e-6, forward=1.3)] * 3])) == []  # under a millionth of 2 s
+    assert problems(_result([[_step(data=-1e-6, forward=0.300001)] * 3])) == []  # exactly a millionth: not yet
+    assert problems(_result([[_step(data=-0.1, wait=-0.1, forward=0.5)] * 3])) == [
+        "rank 0 step 2: negative data, wait"]
+
+
+def test_table_has_the_overlapped_communication_where_measured():
+    st = _step(comm_total=0.3, comm_overlapped=0.2)
+    assert table(_result([[st] * 3])).loc[0, "comm_overlapped_ms"] == pytest.approx(200.0)
+
+
+
+class SimEvents:
+    """The device clock's interface (stnb.timesplit.CudaEvents) on simulated seconds: a mark is done once the
+    test has "synchronised" past it; its host readings (time.perf_counter) read the same simulated clock."""
+
+    method = "simulated events"
+
+    def __init__(self, clock):
+        self.clock, self.done_until = clock, -1.0
+
+    def mark(self, host=None):
+        return self.clock.now
+
+    def done(self, mark):
+        return mark <= self.done_until
+
+    def settle(self):
+        self.done_until = self.clock.now
+
+    def seconds(self, mark, origin):
+        return mark - origin
+
+
+def test_on_a_device_clock_steps_wait_for_their_events_and_carry_the_host_seconds(monkeypatch):
+    import stnb.timesplit as ts
+
+    clock = SimClock()
+    monkeypatch.setattr(ts.time, "perf_counter", lambda: clock.now)  # host readings on the simulated clock too
+    events = SimEvents(clock)
+    timer, tr, model = ddp_timer(clock)
+    timer.clock = events  # what attach picks for a model on a CUDA device
+    timer.method = events.method
+    timer.origin = events.mark()
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model)
+    assert timer.steps == [] and len(timer._pending) == 1  # the device has not reached the step's end yet
+    events.settle()
+    clock.advance(1.0)  # the next step: the first one's events are done by now
+    one_step(timer, tr, model, calls=1)
+    assert len(timer.steps) == 1 and len(timer._pending) == 1
+    s = timer.summary()  # waits for the device: every step resolved
+    assert len(s["steps"]) == 2 and timer._pending == []
+    assert s["host_clock"] == "host seconds (time.perf_counter) beside the device's CUDA events: steps' 'host'"
+    first, second = s["steps"]
+    backward = 4 * GRAD_STEP + TAIL
+    assert first["host"] == pytest.approx({"forward": 2 * FORWARD, "backward": backward, "optimizer_step": OPT_STEP,
+                                           "step": FETCH + 2 * FORWARD + backward + CLIP + OPT_STEP + REST})
+    assert second["host"]["step"] == pytest.approx(1.0 + FETCH + FORWARD + backward + CLIP + OPT_STEP + REST)
+    assert second["host"]["forward"] == pytest.approx(FORWARD)
+    assert first["step"] == pytest.approx(first["host"]["step"])  # the device's marks: the same simulated seconds
+    clock.advance(0.5)
+    one_step(timer, tr, model)  # after a summary, steps go on being split
+    assert len(timer.summary()["steps"]) == 3
+
+
+def test_frozen_parameters_are_in_no_gradient_group():
+    clock = SimClock()
+    model = Net(clock)
+    model.head.weight.requires_grad_(False)
+    timer = StepTimer(clock=clock, enabled=True)
+    timer._hook_gradients(model)
+    assert [g["name"] for g in timer.groups] == ["embeddings", "layer 0", "layer 1"]
