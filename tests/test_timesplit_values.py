@@ -7,8 +7,8 @@ gloo's clock."""
 import pytest
 import torch
 
-from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, Net, SimClock, ddp_timer,
-                      one_step, trainer_for)
+from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, Net, SimClock, Takes,
+                      ddp_timer, one_step, pending, trainer_for)
 from stnb.timesplit import PHASES, WIRE_BYTES, StepTimer, _union, builtin_hook, combine, problems, table
 
 
@@ -433,3 +433,79 @@ def test_frozen_parameters_are_in_no_gradient_group():
     timer = StepTimer(clock=clock, enabled=True)
     timer._hook_gradients(model)
     assert [g["name"] for g in timer.groups] == ["embeddings", "layer 0", "layer 1"]
+
+
+class Plain(torch.nn.Module):
+    """A model whose backward takes no simulated time, with a parameter no forward uses (a pooler)."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.encoder = torch.nn.Module()
+        self.encoder.layer = torch.nn.ModuleList([torch.nn.Linear(3, 1)])
+        self.pooler = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        self.clock.advance(FORWARD)
+        return self.encoder.layer[0](x)
+
+
+def test_readiness_needs_a_backward_that_took_time_and_a_group_never_ready_is_none():
+    clock = SimClock()
+    model = Plain(clock)
+    timer = StepTimer(clock=clock, enabled=True)
+    tr = trainer_for(model)
+    timer.attach(tr, "none")
+    assert [g["name"] for g in timer.groups] == ["layer 0", "other"]
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model, calls=1)  # backward: no simulated time
+    assert "grad_ready" not in timer.steps[-1]
+    model.encoder.layer[0].register_full_backward_hook(lambda *a: clock.advance(0.2))
+    clock.advance(0.1)
+    one_step(timer, tr, model, calls=1)
+    assert timer.steps[-1]["grad_ready"] == [pytest.approx(1.0), None]  # the pooler: no gradient, never ready
+    x = torch.ones(3, requires_grad=True)  # a backward that reaches no parameter of the model
+    model(x)
+    tr.accelerator.backward(Takes.apply(x * 2, lambda: clock.advance(0.3)).sum())
+    timer.on_step_end(clock.now)
+    assert "grad_ready" not in timer.steps[-1] and timer.steps[-1]["backward_calls"] == 1
+
+
+def test_an_optimizer_step_begun_but_not_ended_is_not_reported():
+    clock = SimClock()
+    model = Plain(clock)
+    timer = StepTimer(clock=clock, enabled=True)
+    tr = trainer_for(model)
+    timer.attach(tr, "none")
+    timer.on_step_begin(clock.now)
+    model(torch.ones(3)).sum()
+    tr.accelerator.backward(model(torch.ones(3)).sum())
+    timer.on_pre_optimizer_step()
+    clock.advance(OPT_STEP)
+    timer.on_step_end(clock.now)  # no on_optimizer_step
+    st = timer.steps[-1]
+    assert "optimizer_step" not in st and "clip" not in st and st["optimizer"] == 0.0
+
+
+def test_a_step_without_a_training_forward_has_no_data_part():
+    clock = SimClock()
+    timer = StepTimer(clock=clock, enabled=True)
+    timer.origin = 0.0
+    clock.now = 1.0
+    timer.on_step_begin(1.0)
+    clock.now = 1.5
+    timer.on_step_end(1.5)
+    st = timer.steps[-1]
+    assert st["data"] == 0.0 and st["forward"] == 0 and st["other"] == pytest.approx(0.5)
+
+
+def test_a_bucket_still_in_flight_at_the_steps_end_counts_its_bytes_not_its_time():
+    clock = SimClock()
+    timer, tr, model = ddp_timer(clock)
+    timer.on_step_begin(clock.now)
+    stuck = []
+    model.during["embeddings"] = lambda: timer.timed(pending)(stuck, Bucket(numel=10))  # never completed
+    one_step(timer, tr, model, calls=1)
+    st = timer.steps[-1]
+    assert st["buckets"] == 3 and st["comm_bytes"] == (2 * BUCKET + 10) * 4
+    assert len(st["comm_spans"]) == 2 and st["comm_total"] == pytest.approx(GRAD_STEP + TAIL)
