@@ -169,3 +169,22 @@ def test_a_storage_saved_twice_counts_once():
         a = x * 2
         torch.sin(a) + torch.cos(a) + torch.exp(a * 3)  # a saved by sin and by cos; exp saves its output
     assert split.activations == 2 * 64 * 4
+
+
+def test_a_rank_on_cuda_marks_the_allocators_bytes_and_no_freed_heap():
+    split = MemorySplit(SimpleNamespace(cuda=True, base=12345))
+    split.mark("built")
+    split.mark("train_start")
+    assert split.marks == {"built": torch.cuda.memory_allocated(), "train_start": torch.cuda.memory_allocated(),
+                           "allocator_free": 0}
+    cpu = MemorySplit(PeakMemory(False))
+    assert cpu.free_base > 0  # the heap glibc already held free when the rank began
+
+
+def test_parameters_without_a_storage_of_their_own_are_skipped_not_the_rest():
+    split = MemorySplit(PeakMemory(False))
+    model = torch.nn.Module()
+    model.sparse = torch.nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (3,)))  # no storage to remember
+    model.dense = torch.nn.Parameter(torch.ones(5))
+    split.remember_built(model)
+    assert split.unsharded_alive() == 5 * 4

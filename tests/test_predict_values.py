@@ -453,3 +453,39 @@ def test_the_interval_walks_every_input_that_has_a_width():
                                                   ("b", "high", {"a": "mid", "b": "high"})]
     assert interval.label("optimizer", ranges) == "optimizer share" and interval.label("spread", ranges) == "spread"
     assert interval.label("launch", ranges) == "per-collective fixed cost" and interval.label("other", ()) == "other"
+
+
+def test_beyond_a_node_the_all_reduce_is_hierarchical():
+    """Reduce-scatter inside each node, all-reduce of the node's sum between nodes (one card each), all-gather
+    inside again: each a ring, each with its fixed cost."""
+    from stnb.scaling.links import US
+
+    inner = custom("in", 100, 2, per_node=8, launch_us=(1, 3, 5))
+    outer = custom("out", 10, 20, per_node=None, launch_us=(10, 30, 50))
+    fab = Fabric(inner, outer)
+    s = 64e6
+
+    def ring(lat, bw, n, passes):
+        return passes * ((n - 1) * lat + (n - 1) / n * s / bw)
+
+    # 32 devices: 4 nodes of 8
+    want = 2 * 3 * US + 2 * ring(2 * US, 100e9, 8, 1) + 30 * US + ring(20 * US, 10e9, 4, 2)
+    assert fab.all_reduce(s, 32) == pytest.approx(want)
+    assert fab.all_reduce(s, 12) == pytest.approx(2 * 3 * US + 2 * ring(2 * US, 100e9, 8, 1) + 30 * US
+                                                  + ring(20 * US, 10e9, 2, 2))  # 12 devices: 2 nodes
+    assert fab.all_gather(s, 32) == pytest.approx(3 * US + ring(2 * US, 100e9, 8, 1) + 30 * US + ring(20 * US, 10e9, 4, 1))
+    assert fab.all_reduce(s, 2) == pytest.approx(3 * US + ring(2 * US, 100e9, 2, 2))
+    assert fab.broadcast(s, 2) == pytest.approx(3 * US + 2 * US + s / 100e9)
+    assert fab.broadcast(s, 1) == fab.all_reduce(s, 1) == fab.all_gather(s, 1) == fab.reduce_scatter(s, 1) == 0.0
+    one_per_node = Fabric(custom("nic", 100, 2, per_node=1, launch_us=(1, 3, 5)), outer)
+    assert one_per_node.all_reduce(s, 4) == pytest.approx(2 * 3 * US + 30 * US + ring(20 * US, 10e9, 4, 2))
+
+
+def test_suspects_leave_every_row_a_reason_or_nothing():
+    from stnb.scaling import _model, interval
+
+    rows = [{"strategy": "ddp", "devices": 2, "samples_per_second": None, "speedup": None},
+            {"strategy": "single", "devices": 1, "samples_per_second": 10.0, "speedup": 1.0},
+            {"strategy": "ddp", "devices": 2, "samples_per_second": 15.0, "speedup": 1.5}]
+    interval.suspects(rows, _model)
+    assert [r["suspect"] for r in rows] == ["", "", ""]

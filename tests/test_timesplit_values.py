@@ -509,3 +509,41 @@ def test_a_bucket_still_in_flight_at_the_steps_end_counts_its_bytes_not_its_time
     st = timer.steps[-1]
     assert st["buckets"] == 3 and st["comm_bytes"] == (2 * BUCKET + 10) * 4
     assert len(st["comm_spans"]) == 2 and st["comm_total"] == pytest.approx(GRAD_STEP + TAIL)
+
+
+def test_the_split_is_on_unless_stnb_time_split_is_off(monkeypatch):
+    monkeypatch.delenv("STNB_TIME_SPLIT", raising=False)
+    assert StepTimer().enabled
+    for value, on in (("off", False), ("on", True), ("anything", True)):
+        monkeypatch.setenv("STNB_TIME_SPLIT", value)
+        assert StepTimer().enabled is on
+    assert StepTimer(enabled=True).enabled  # asked for explicitly: the environment does not matter
+    monkeypatch.setenv("STNB_TIME_SPLIT", "on")
+    assert StepTimer(enabled=False).enabled is False
+    s = StepTimer().summary()  # never attached: nothing measured, nothing made up
+    assert s == {"method": None, "comm_hook": None, "units": None, "steps": [], "comm": None, "note": None,
+                 "grad_groups": [], "host_clock": "the same clock (CPU)"}
+
+
+def test_a_backward_stnb_did_not_wrap_is_not_timed():
+    clock = SimClock()
+    model = Net(clock)
+    timer = StepTimer(clock=clock, enabled=True)
+    tr = trainer_for(model)
+    timer.attach(tr, "none")
+    timer.on_step_begin(clock.now)
+    model(torch.ones(2, 3)).sum().backward()  # a training step calling backward itself, not the accelerator's
+    clock.advance(REST)
+    timer.on_step_end(clock.now)
+    st = timer.steps[-1]
+    assert st["backward"] == 0 and st["backward_calls"] == 0 and "grad_ready" not in st
+    assert st["data_wait"] is None  # no batch fetched through the trainer either
+    assert st["forward"] == 0 and st["other"] == pytest.approx(st["step"] - st["data"])
+
+
+def test_combine_keeps_each_ranks_other_fields():
+    a, b = combine([{"method": "clock readings (CPU)", "comm": "DDP bucket hooks",
+                     "steps": [{"backward_compute_end": 1.0, "comm_exposed": 0.2}]},
+                    {"method": "m", "steps": [{"backward_compute_end": 1.1, "comm_exposed": 0.2}]}])
+    assert a["method"] == "clock readings (CPU)" and a["comm"] == "DDP bucket hooks" and b["method"] == "m"
+    assert combine([]) == []
