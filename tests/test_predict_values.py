@@ -172,7 +172,8 @@ def test_a_result_without_a_time_split_is_split_one_to_two():
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"status": "failed", "reason": "out of memory"}, "cannot predict from a run that did not train (failed: out of memory)"),
+    ({"status": "failed", "reason": "out of memory"}, "cannot predict from a run that did not train (failed: out of "
+                                                      "memory); give a run that finished"),
     ({"samples_per_second": 0}, "cannot predict from a run that did not train (ok: None)"),
     ({"samples_per_second": None}, "cannot predict from a run that did not train"),
     ({"steps": WARM + 2}, "this run has 2 steady step(s) after its 2 warm-up step(s); the prediction needs at "
@@ -489,3 +490,97 @@ def test_suspects_leave_every_row_a_reason_or_nothing():
             {"strategy": "ddp", "devices": 2, "samples_per_second": 15.0, "speedup": 1.5}]
     interval.suspects(rows, _model)
     assert [r["suspect"] for r in rows] == ["", "", ""]
+
+
+def _strategies(**kinds):
+    """strategy_of for rows of made-up strategies: 'replicated' (distributed, nothing sharded) or 'sharded'."""
+    from types import SimpleNamespace
+
+    made = {"replicated": SimpleNamespace(distributed=True, sharded=frozenset()),
+            "sharded": SimpleNamespace(distributed=True, sharded=frozenset({"params", "grads", "optimizer"}))}
+    return lambda name: made[kinds[name]]
+
+
+def test_a_sharding_strategy_is_compared_with_the_best_replicating_one():
+    from stnb.scaling import interval
+
+    of = _strategies(a="replicated", b="replicated", c="sharded")
+
+    def row(s, sps, n=2):
+        return {"strategy": s, "devices": n, "samples_per_second": sps, "speedup": 1.0}
+
+    rows = [row("a", 20.0), row("b", 10.0), row("c", 15.0)]
+    interval.suspects(rows, of)
+    assert [r["suspect"] for r in rows] == ["", "", ""]  # behind the best (a), ahead of b only: fine
+    rows = [row("a", 0.5), row("c", 0.8)]
+    interval.suspects(rows, of)
+    assert rows[1]["suspect"] == ("ahead of a (1 vs 0 samples/s) on a model that fits one device: it moves more "
+                                  "bytes per step than a; only its sharded optimizer puts it ahead")
+    rows = [row("a", 10.0), row("b", 10.0), row("c", 12.0)]  # a tie: the first replicating one is named
+    interval.suspects(rows, of)
+    assert rows[2]["suspect"].startswith("ahead of a (12 vs 10 samples/s)")
+    rows = [row("a", 10.0), dict(row("c", 12.0), fits=False), row("c", 12.0, n=4)]
+    interval.suspects(rows, of)
+    assert rows[1]["suspect"] == rows[2]["suspect"] == ""  # a model that does not fit; no replicating row on 4
+
+
+def test_faster_than_linear_is_judged_at_the_mid_then_at_the_high_end():
+    from stnb.scaling import interval
+
+    of = _strategies(a="replicated")
+    linear = 4 * (1 + 1e-9)
+    rows = [{"strategy": "a", "devices": 4, "samples_per_second": 1.0, "speedup": linear, "speedup_high": linear},
+            {"strategy": "a", "devices": 4, "samples_per_second": 1.0, "speedup": linear, "speedup_high": 4.5},
+            {"strategy": "a", "devices": 4, "samples_per_second": 1.0, "speedup": 4.2, "speedup_high": 4.5},
+            {"strategy": "a", "devices": 4, "samples_per_second": 1.0, "speedup": 3.0}]
+    interval.suspects(rows, of)
+    assert rows[0]["suspect"] == "" and rows[3]["suspect"] == ""  # at linear exactly: not faster
+    assert rows[1]["suspect"] == ("faster than linear (4.50x on 4 devices at its high end): the model's per-device "
+                                  "step is shorter than one device's, which only the optimizer stepping 1/n of the "
+                                  "parameters gives; the single step's optimizer share decides it")
+    assert rows[2]["suspect"].startswith("faster than linear (4.20x on 4 devices at its mid)")
+
+
+def test_the_verdict_pays_off_from_an_efficiency_of_085():
+    import pandas as pd
+
+    from stnb.scaling import Prediction
+    from stnb.scaling.links import fabric
+
+    row = {"strategy": "ddp", "devices": 2, "samples_per_second": 17.0, "speedup": 1.7, "efficiency": 0.85,
+           "comm_exposed_ms": 1.0, "step_ms": 10.0, "note": ""}
+    pred = Prediction(pd.DataFrame([row]), [], None, fabric("pcie4"))
+    assert verdict(pred).endswith("so the extra devices pay off (exposed communication: 10% of each step).")
+    pred = Prediction(pd.DataFrame([dict(row, samples_per_second=None, note="too many")]), [], None, fabric("pcie4"))
+    assert verdict(pred) == "ddp on 2 devices: not possible (too many)."
+
+
+def test_a_result_object_its_dict_and_a_dict_without_status_are_read_alike():
+    r = run()
+
+    class Result:  # a RunResult: read through to_dict, not as a mapping
+        def to_dict(self):
+            return r
+
+    assert from_result(Result()) == from_result(r)
+    assert uncertain_from_result(Result()).mid() == uncertain_from_result(r).mid()
+    no_status = dict(r)
+    no_status.pop("status")  # a result written before stnb recorded it: it trained
+    assert from_result(no_status).forward == pytest.approx(2 * FORWARD)
+    no_steps = run(config={"warmup_steps_excluded": 0})
+    no_steps.pop("steps")
+    with pytest.raises(ConfigError, match=r"this run has 0 steady step\(s\) after its 0 warm-up step\(s\)"):
+        from_result(no_steps)
+
+
+def test_the_model_calls_are_a_range_only_when_neither_counted_nor_known_from_the_columns():
+    r = run()
+    for split in r["time_split"]:
+        for st in split["steps"]:
+            st.pop("forward_calls")
+    assert [x.name for x in uncertain_from_result(r).ranges] == ["spread"]  # the data's two text columns
+    r["verification"]["data_columns"] = None
+    assert [x.name for x in uncertain_from_result(r).ranges] == ["spread", "forward_calls"]
+    r["verification"] = None
+    with pytest.raises(ConfigError):
+        uncertain_from_result(r)  # no model shape either: refused
