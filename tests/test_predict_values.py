@@ -185,7 +185,7 @@ def test_a_result_without_a_time_split_is_split_one_to_two():
 def test_a_run_the_predictor_cannot_use_is_refused_with_the_reason(change, words):
     with pytest.raises(ConfigError) as e:
         from_result(run(**change))
-    assert words in str(e.value)
+    assert str(e.value).startswith(words)
 
 
 def test_three_steady_steps_are_enough_and_the_warmup_is_the_runs():
@@ -516,6 +516,9 @@ def test_a_sharding_strategy_is_compared_with_the_best_replicating_one():
     interval.suspects(rows, of)
     assert rows[1]["suspect"] == ("ahead of a (1 vs 0 samples/s) on a model that fits one device: it moves more "
                                   "bytes per step than a; only its sharded optimizer puts it ahead")
+    rows = [row("a", 10.0), row("c", 10.0)]
+    interval.suspects(rows, of)
+    assert rows[1]["suspect"] == ""  # level with it: not ahead
     rows = [row("a", 10.0), row("b", 10.0), row("c", 12.0)]  # a tie: the first replicating one is named
     interval.suspects(rows, of)
     assert rows[2]["suspect"].startswith("ahead of a (12 vs 10 samples/s)")
@@ -539,6 +542,11 @@ def test_faster_than_linear_is_judged_at_the_mid_then_at_the_high_end():
                                   "step is shorter than one device's, which only the optimizer stepping 1/n of the "
                                   "parameters gives; the single step's optimizer share decides it")
     assert rows[2]["suspect"].startswith("faster than linear (4.20x on 4 devices at its mid)")
+    both = [{"strategy": "a", "devices": 2, "samples_per_second": 10.0, "speedup": 1.0},
+            {"strategy": "c", "devices": 2, "samples_per_second": 30.0, "speedup": 3.0}]
+    interval.suspects(both, _strategies(a="replicated", c="sharded"))
+    first, second = both[1]["suspect"].split("; ahead of a")
+    assert first.startswith("faster than linear (3.00x on 2 devices at its mid)") and second.startswith(" (30 vs 10")
 
 
 def test_the_verdict_pays_off_from_an_efficiency_of_085():
@@ -584,3 +592,22 @@ def test_the_model_calls_are_a_range_only_when_neither_counted_nor_known_from_th
     r["verification"] = None
     with pytest.raises(ConfigError):
         uncertain_from_result(r)  # no model shape either: refused
+
+
+def test_a_link_describes_its_bandwidth_as_one_number_or_a_range():
+    assert custom("mine", 12, 3, overlap=False).describe() == (
+        "mine: bus bandwidth 12 GB/s per direction, latency 3 us per ring step, does not overlap compute "
+        "(given by the user)")
+    assert custom("r", 12, 3, bandwidth_range_gbs=(10, 14), launch_us=(1, 2, 3)).describe() == (
+        "r: bus bandwidth 10 / 12 / 14 GB/s (low / mid / high) per direction, latency 3 us per ring step, per "
+        "collective 1 / 2 / 3 us, overlaps compute (given by the user)")
+    cube = PRESETS["nvlink-v100"].describe()
+    assert "; up to 4 devices 52.5 / 80 / 90 GB/s, latency" in cube
+
+
+def test_a_phase_measured_as_zero_is_zero():
+    r = run()
+    for split in r["time_split"]:
+        for st in split["steps"]:
+            st["other"] = 0.0
+    assert from_result(r).other == pytest.approx(FETCH)  # the data part alone
