@@ -168,7 +168,11 @@ def test_a_result_without_a_time_split_is_split_one_to_two():
     assert m.optimizer == 0.0 and m.other == 0.0
     assert m.source == "ddp run, median step 1050.0 ms (no time split in this result)"
     assert said(m)["forward, backward, optimizer"] == ("assumed", "1:2 of the step, optimizer inside them")
-    assert any(n.startswith("no time split in this result: forward:backward taken as 1:2") for n in m.notes)
+    assert m.notes == ("no time split in this result: forward:backward taken as 1:2 (their FLOPs), optimizer and "
+                       "data inside them", "FSDP units not recorded in this result: 12 layers + a root of 25% of the "
+                       "parameters assumed")
+    r.pop("world_size")  # one rank unless the run says otherwise
+    assert not any("measured in a" in n for n in from_result(r).notes)
 
 
 @pytest.mark.parametrize("change,words", [
@@ -601,6 +605,11 @@ def test_a_link_describes_its_bandwidth_as_one_number_or_a_range():
     assert custom("r", 12, 3, bandwidth_range_gbs=(10, 14), launch_us=(1, 2, 3)).describe() == (
         "r: bus bandwidth 10 / 12 / 14 GB/s (low / mid / high) per direction, latency 3 us per ring step, per "
         "collective 1 / 2 / 3 us, overlaps compute (given by the user)")
+    from stnb.scaling.links import GB, Link
+
+    tiered = Link("t", 10 * GB, 1e-6, True, 8, "s", tiers=((4, 2 * GB, 3 * GB, 4 * GB), (2, 5 * GB, 6 * GB, 7 * GB)))
+    assert tiered.describe() == ("t: bus bandwidth 10 GB/s per direction; up to 2 devices 5 / 6 / 7 GB/s; up to 4 "
+                                 "devices 2 / 3 / 4 GB/s, latency 1 us per ring step, overlaps compute (s)")
     cube = PRESETS["nvlink-v100"].describe()
     assert "; up to 4 devices 52.5 / 80 / 90 GB/s, latency" in cube
 
