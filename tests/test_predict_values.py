@@ -139,19 +139,25 @@ def test_a_sharded_run_does_not_fit_and_its_note_says_the_prediction_is_low():
 
 
 def test_the_step_spread_is_the_ranks_own_else_the_runs_steps():
-    spread = {"std": 0.004, "p50": 1.2, "p90": 1.25, "mean": 1.21, "steps": 4}
+    spread = {"std": 0.018, "p50": 1.2, "p90": 1.25, "mean": 1.21, "steps": 4}
     work = {"evaluate": {"calls": 2, "seconds": [0.5, 0.7], "every_steps": 2, "after_steps": [2, 4]}}
-    r = run(outside_steps=[{"spread": spread, "work": work}, {"spread": dict(spread, std=0.006), "work": {}}])
+    r = run(outside_steps=[{"spread": spread, "work": work}, {"spread": dict(spread, std=0.022), "work": {}}])
     m = from_result(r)
-    assert m.step_spread == pytest.approx(0.005)  # the ranks' mean
+    assert m.step_spread == pytest.approx(0.02)  # the ranks' mean
     inputs = said(m)
-    assert inputs["step spread"] == ("measured", "std of each rank's own steady steps, 5.00 ms (p50 1200.0, p90 1250.0 ms)")
+    assert inputs["step spread"] == ("measured", "std of each rank's own steady steps, 20.00 ms (p50 1200.0, p90 1250.0 ms)")
     assert inputs["evaluate between steps"] == ("measured", "2 call(s), 0.60 s each, in the data part of the next "
                                                             "step: per device, not divided by the devices")
     r = run(step_times=[9.0, 9.0, 1.0, 1.2, 1.4, 1.0])
     m = from_result(r)
     assert m.step_spread == pytest.approx(statistics.pstdev([1.0, 1.2, 1.4, 1.0]))
     assert said(m)["step spread"] == ("measured", "std of the run's steady steps (the slowest rank's per step)")
+    two = run(step_times=[9.0, 9.0, 1.0, 1.2])
+    assert from_result(two).step_spread == pytest.approx(0.1)  # two steady steps are a spread already
+    one = run(step_times=[9.0, 9.0, 1.0])
+    none = run()
+    none.pop("step_times")
+    assert from_result(one).step_spread == 0.0 and from_result(none).step_spread == 0.0  # nothing to spread
     unc = uncertain_from_result(r)
     (rng,) = unc.ranges  # the run counted its model calls: only the spread is open
     assert rng == Range("spread", 0.0, m.step_spread / 2, m.step_spread, "a rank's step spread (s)",
@@ -449,6 +455,10 @@ def test_the_interval_walks_every_input_that_has_a_width():
     assert interval.widths((), Fabric(PRESETS["nvlink-v100"].__class__(**{**PRESETS["nvlink-v100"].to_dict(),
                                       "bandwidth_range": None}), net_fixed)) == ["bandwidth", "launch"]  # its tiers
     assert interval.scenarios([]) == [{}, {}]
+    two_costs = custom("two", 10, 5, launch_us=(1, 1, 3))  # a fixed cost known at two of its ends
+    assert interval.widths((), Fabric(two_costs, net_fixed)) == ["launch"]
+    net_two = custom("n2", 10, 5, per_node=None, launch_us=(2, 2, 9))
+    assert interval.widths((), Fabric(fixed, net_two)) == ["launch"]
     assert interval.scenarios(["a", "b"]) == [{"a": "mid", "b": "mid"}, {"a": "low", "b": "low"},
                                               {"a": "low", "b": "high"}, {"a": "high", "b": "low"},
                                               {"a": "high", "b": "high"}]
