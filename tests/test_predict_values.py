@@ -79,10 +79,10 @@ def test_the_data_wait_and_the_host_clock_are_taken_where_measured():
     r = run()
     for split in r["time_split"]:
         for st in split["steps"]:
-            st["data_wait"] = 0.004
+            st["data_wait"] = 0.02
             st["host"] = {"forward": 0.1, "backward": 0.2, "optimizer_step": 0.01, "step": 0.5}
     inputs = said(from_result(r))
-    assert inputs["data loading"] == ("measured", "4.00 ms a step waiting for batches (inside the data part)")
+    assert inputs["data loading"] == ("measured", "20.00 ms a step waiting for batches (inside the data part)")
     assert inputs["host vs device"] == ("measured", "host seconds beside the CUDA events")
 
 
@@ -630,3 +630,16 @@ def test_a_phase_measured_as_zero_is_zero():
         for st in split["steps"]:
             st["other"] = 0.0
     assert from_result(r).other == pytest.approx(FETCH)  # the data part alone
+
+
+def test_the_loopback_link_is_what_the_sweep_measured(monkeypatch):
+    """'loopback' is this machine's link as calibrate.loopback measured it (2 gloo ranks, slow: the real sweep
+    runs in test_scaling.py's measured two-rank test); here the sweep's result is given."""
+    from stnb.scaling import calibrate
+    from stnb.scaling.links import resolve
+
+    monkeypatch.setattr(calibrate, "loopback", lambda: (3e-5, 2.5e9, "measured here: a sweep"))
+    link = resolve("loopback")
+    assert (link.name, link.bandwidth, link.latency, link.overlap, link.per_node, link.source) == (
+        "loopback", 2.5e9, 3e-5, False, None, "measured here: a sweep")
+    assert link.bandwidth_range is None and link.launch == (0.0, 0.0, 0.0)
