@@ -643,3 +643,16 @@ def test_the_loopback_link_is_what_the_sweep_measured(monkeypatch):
     assert (link.name, link.bandwidth, link.latency, link.overlap, link.per_node, link.source) == (
         "loopback", 2.5e9, 3e-5, False, None, "measured here: a sweep")
     assert link.bandwidth_range is None and link.launch == (0.0, 0.0, 0.0)
+
+
+def test_a_fabric_is_the_link_and_by_default_100gbps_between_nodes():
+    from stnb.scaling.links import KNOWN, fabric, resolve
+
+    fab = fabric("pcie4")
+    assert fab.link is PRESETS["pcie4"] and fab.network is PRESETS["100gbps"]
+    own = custom("n", 1, 1, per_node=None)
+    assert fabric(own, own).network is own and resolve(own) is own
+    with pytest.raises(ConfigError) as e:
+        resolve("pcie9")
+    assert str(e.value) == (f"unknown link 'pcie9'; choose one of {', '.join(map(repr, KNOWN))} (or pass a "
+                            "stnb.scaling.Link)")
