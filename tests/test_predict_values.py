@@ -278,12 +278,18 @@ def test_the_assumptions_state_the_numbers_the_prediction_used():
 
 
 def test_the_assumptions_for_a_cpu_link_and_no_host_share():
-    small = Measured(batch=4, forward=0.1, backward=0.2, optimizer=0.0, other=0.0, grad_bytes=8e6, param_bytes=8e6,
+    small = Measured(batch=4, forward=0.1, backward=0.2, optimizer=0.25, other=0.5, grad_bytes=8e6, param_bytes=8e6,
                      source="given")
     net = Fabric(custom("cpu", 1, 50, overlap=False, per_node=None), PRESETS["100gbps"])
-    text = "\n".join(assumptions(small, net))
-    assert "the link is a network: any number of devices, one per node" in text
-    assert "communication counts in full (CPU" in text
+    lines = assumptions(small, net)
+    text = "\n".join(lines)
+    assert lines[0] == ("one device's step (given), at the mids: forward 100.0 ms (1 call(s) of the model), backward "
+                        "200.0 ms, optimizer 250.0 ms, rest 500.0 ms for 4 samples; every added device computes as fast")
+    assert lines[2] == "the link is a network: any number of devices, one per node"
+    assert lines[4] == ("communication counts in full (CPU: gloo's thread reduces on the cores the ranks compute on, "
+                        "so what overlaps slows compute as much)")
+    ready = assumptions(replace(small, ready=((0.5, 1.0),)), net)[3]
+    assert "MiB buckets (each ready when the measured gradient group filling it was), parameters" in ready
     assert "DataParallel: the GIL's serialisation of the replicas is left out (host_fraction=None)" in text
     assert "the root's 25%, the embeddings, ready only at backward's end" in text
     assert "gradients 8 MiB in 25 MiB buckets" in text and "parameters 8 MiB; FSDP units: 12 layers + the root" in text
