@@ -662,3 +662,19 @@ def test_a_fabric_is_the_link_and_by_default_100gbps_between_nodes():
         resolve("pcie9")
     assert str(e.value) == (f"unknown link 'pcie9'; choose one of {', '.join(map(repr, KNOWN))} (or pass a "
                             "stnb.scaling.Link)")
+
+
+def test_an_unknown_link_is_refused_before_the_run_is_read_and_loopback_is_the_default(monkeypatch):
+    from stnb.scaling import calibrate
+
+    short = run(steps=WARM + 1)
+    with pytest.raises(ConfigError) as e:
+        predict(short, link="pcie9")  # both wrong: the link is named first, before the run is read
+    assert str(e.value).startswith("unknown link 'pcie9'; choose one of ")
+    monkeypatch.setattr(calibrate, "loopback", lambda: (3e-5, 2.5e9, "measured here: a sweep"))
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=90e6, param_bytes=90e6,
+                 step_spread=0.02)
+    pred = predict(None, measured=m, strategies=["ddp"])
+    assert set(pred.table["link"]) == {"loopback"} and list(pred.table["devices"]) == [2, 4, 8]
+    assert pred.assumptions[-1] == ("stragglers: every synchronised step waits for the slowest of n ranks, E[max of n "
+                                    "normals] x a rank's step spread (20.00 ms at the mid)")
