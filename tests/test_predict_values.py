@@ -678,3 +678,15 @@ def test_an_unknown_link_is_refused_before_the_run_is_read_and_loopback_is_the_d
     assert set(pred.table["link"]) == {"loopback"} and list(pred.table["devices"]) == [2, 4, 8]
     assert pred.assumptions[-1] == ("stragglers: every synchronised step waits for the slowest of n ranks, E[max of n "
                                     "normals] x a rank's step spread (20.00 ms at the mid)")
+
+
+def test_the_network_between_nodes_is_the_one_asked_for():
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=90e6, param_bytes=90e6)
+    slow, fast = (predict(None, devices=[16], link="nvlink-a100", network=net, measured=m, strategies=["ddp"])
+                  for net in ("25gbps", "400gbps"))
+    assert slow.row("ddp", 16)["samples_per_second"] < fast.row("ddp", 16)["samples_per_second"]
+    assert f"between nodes (8 devices per node): {PRESETS['25gbps'].describe()}" in slow.assumptions
+    exact = custom("in", 100, 5)  # no range anywhere: the prediction is a point
+    net = custom("net", 10, 20, per_node=None)
+    row = predict(None, devices=[16], link=exact, network=net, measured=m, strategies=["ddp"]).row("ddp", 16)
+    assert row["low"] == row["samples_per_second"] == row["high"] and row["dominant"] == ""
