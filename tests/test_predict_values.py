@@ -690,3 +690,14 @@ def test_the_network_between_nodes_is_the_one_asked_for():
     net = custom("net", 10, 20, per_node=None)
     row = predict(None, devices=[16], link=exact, network=net, measured=m, strategies=["ddp"]).row("ddp", 16)
     assert row["low"] == row["samples_per_second"] == row["high"] and row["dominant"] == ""
+
+
+def test_the_interval_takes_every_end_of_a_single_uncertain_input():
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=900e6, param_bytes=900e6)
+    link = custom("r", 10, 5, per_node=None, overlap=False, bandwidth_range_gbs=(3, 30))  # its bandwidth alone
+    pred = predict(None, devices=[4], link=link, measured=m, strategies=["ddp"])
+    assert pred.extra["inputs"] == ["bandwidth"]
+    row = pred.row("ddp", 4)
+    assert row["low"] < row["samples_per_second"] < row["high"]
+    none = predict(None, devices=[64], link="nvlink-a100", measured=m, strategies=["dp"]).table
+    assert {"low", "high", "speedup", "efficiency"} <= set(none.columns) and none["low"].isna().all()
