@@ -701,3 +701,20 @@ def test_the_interval_takes_every_end_of_a_single_uncertain_input():
     assert row["low"] < row["samples_per_second"] < row["high"]
     none = predict(None, devices=[64], link="nvlink-a100", measured=m, strategies=["dp"]).table
     assert {"low", "high", "speedup", "efficiency"} <= set(none.columns) and none["low"].isna().all()
+
+
+def test_the_refusal_lists_the_models_and_the_aliases_that_are_not_names():
+    with pytest.raises(ConfigError) as e:
+        _check_strategies(["x"])
+    names = ", ".join(map(repr, known()))
+    assert str(e.value) == f"no scaling model for strategy 'x'; the predictor knows {names} and 'zero3' (fsdp)"
+
+
+def test_the_tables_columns_are_the_same_for_possible_and_impossible_rows():
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=90e6, param_bytes=90e6)
+    cols = {"strategy", "devices", "link", "samples_per_second", "low", "high", "speedup", "efficiency", "step_ms",
+            "comm_ms", "comm_exposed_ms", "dominant", "suspect", "note"}
+    none = predict(None, devices=[64], link="nvlink-a100", measured=m, strategies=["dp"]).table
+    assert set(none.columns) == cols and list(none["suspect"]) == [""]
+    some = predict(None, devices=[2], link="nvlink-a100", measured=m, strategies=["ddp"]).table
+    assert set(some.columns) == cols | {"speedup_high"}
