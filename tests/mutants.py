@@ -107,8 +107,8 @@ MODULES = (
     Module("scaling.model", "stnb/scaling/model.py"),
     Module("scaling.interval", "stnb/scaling/interval.py"),
     Module("scaling.links", "stnb/scaling/links.py"),
-    # the loopback link's fit (what the 'loopback' link's bandwidth and latency are). Left out:
-    # time_all_reduce and measure_all_reduce (ranks timing gloo, started by loopback: a launch)
+    # the loopback link's fit (what the 'loopback' link's bandwidth and latency are). Left out: loopback,
+    # measure_all_reduce, time_all_reduce (2 ranks timing gloo: a launch; test_scaling's slow measured run)
     Module("scaling.calibrate", "stnb/scaling/calibrate.py", ("x_fit",)),
     # the sentence under the time split (what dominates a step, the knob that shrinks it) and the means it
     # reads. Left out: split_bars, timeline and their helpers (the figures: plotting; sends: stnb.stepparts')
