@@ -107,8 +107,12 @@ MODULES = (
     Module("strategies.loss_sync", "stnb/strategies/loss_sync.py"),
     # the saved model: refused target, reloaded weights compared with the trained and initial ones
     Module("saving", "stnb/saving.py"),
-    # a user's trainer: what is refused, what is overridden (and said), the loss rebound to the wrapper
-    Module("prepare", "stnb/prepare.py"),
+    # a user's trainer: what is refused, what is overridden (and said), the loss rebound to the wrapper, the
+    # facts the result's config reports (drop_autocast left out: accelerate's extract_model_from_parallel does
+    # the work; test_mixed_precision_save checks its effect on a real bf16 save)
+    Module("prepare", "stnb/prepare.py", ("x_describe", "x_training_facts", "x__rows", "x_call_build",
+                                          "x_check_trainer", "x_refusals", "x_own_display", "x_apply_overrides",
+                                          "x_rebind_loss_model", "x__model_refs")),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the
