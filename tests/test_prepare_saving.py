@@ -22,6 +22,16 @@ from stnb.models import load_model, tiny_path
 from trainfns import st_args, words
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_accelerate_state_left():
+    """The trainers built here make accelerate's process-wide state; a later test that forks ranks is refused
+    while it exists (stnb.processes.forksafe), so it goes with this module."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="module")
 def tmp_module(tmp_path_factory):
     return tmp_path_factory.mktemp("prepare")
