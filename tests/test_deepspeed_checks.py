@@ -40,9 +40,16 @@ def engines(tmp_path_factory):
     os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('ds') / 'store'}", rank=0,
                             world_size=1)
-    try:
-        import deepspeed
+    import deepspeed
+    import deepspeed.comm.comm
+    import deepspeed.utils.groups
 
+    # DeepSpeed keeps its communication backend and groups in module globals, made for this process group:
+    # put back as they were, so that a later session in this process (mutmut runs several) makes its own
+    kept = {mod: {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(mod).items()
+                  if not k.startswith("__") and not callable(v) and not isinstance(v, type(os))}
+            for mod in (deepspeed.comm.comm, deepspeed.utils.groups)}
+    try:
         out = {}
         for stage in (1, 2, 3):
             m = _model()
@@ -52,6 +59,9 @@ def engines(tmp_path_factory):
         yield out
     finally:
         dist.destroy_process_group()
+        for mod, state in kept.items():
+            for k, v in state.items():
+                setattr(mod, k, v)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
