@@ -4,7 +4,7 @@ the numbers the checks compare, from real torch objects (DistributedDataParallel
 FSDP2's fully_shard on a world of one gloo process, the tiny SentenceTransformer and its SoftmaxLoss).
 
 Where a check only acts with two ranks (rank 0's weights broadcast, gradients averaged), this process is
-rank 0 of a 2-rank gloo group and a forked process is rank 1 (``_peer``), so that the check runs here.
+rank 0 of a 2-rank gloo group and a forked process is rank 1 (``peer``), so that the check runs here.
 The same checks in real launches: test_verification.py, test_zero.py, test_loss_params.py.
 """
 
@@ -46,44 +46,53 @@ def world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
-def _peer(tmp_path, peer, *args):
-    """This process joins a 2-rank gloo group as rank 0 and a forked process as rank 1, which runs
-    ``peer(*args)`` and sends back what it returns. Returns a function that collects that."""
+@pytest.fixture
+def peer(tmp_path):
+    """``peer(fn, *args)``: this process joins a 2-rank gloo group as rank 0 and a forked process as rank 1,
+    which runs ``fn(*args)`` and sends back what it returns; returns a function that collects that. After
+    the test the group is gone and rank 1 too, whatever the test did."""
     import torch.distributed as dist
 
     ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)  # a pipe, not a Queue: its send is done when os._exit comes
-    store = f"file://{tmp_path / 'store2'}"
+    started = []
 
-    def rank_1():
-        try:
-            dist.init_process_group("gloo", init_method=store, rank=1, world_size=2)
-            send.send(peer(*args))
-            dist.destroy_process_group()
-        except BaseException as e:  # noqa: BLE001 - sent to rank 0's test
-            send.send(e)
-        finally:
-            os._exit(0)
+    def start(fn, *args):
+        receive, send = ctx.Pipe(duplex=False)  # a pipe, not a Queue: its send is done when os._exit comes
+        store = f"file://{tmp_path / 'store2'}"
 
-    proc = ctx.Process(target=rank_1)
-    proc.start()
-    dist.init_process_group("gloo", init_method=store, rank=0, world_size=2)
+        def rank_1():
+            try:
+                dist.init_process_group("gloo", init_method=store, rank=1, world_size=2)
+                send.send(fn(*args))
+                dist.destroy_process_group()
+            except BaseException as e:  # noqa: BLE001 - sent to rank 0's test
+                send.send(e)
+            finally:
+                os._exit(0)
 
-    def collect():
-        try:
+        proc = ctx.Process(target=rank_1)
+        proc.start()
+        started.append(proc)
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=2)
+
+        def collect():
             if not receive.poll(60):
                 raise TimeoutError("rank 1 sent nothing in 60 s")
             got = receive.recv()
-            proc.join(30)
-        finally:
-            dist.destroy_process_group()
-            if proc.is_alive():
-                proc.kill()
-        if isinstance(got, BaseException):
-            raise got
-        return got
+            if isinstance(got, BaseException):
+                raise got
+            return got
 
-    return collect
+        return collect
+
+    yield start
+    for proc in started:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---- shared: the replicated tensors compared across ranks, the precision, the one-GPU refusal ----------
@@ -442,15 +451,6 @@ def test_watching_a_model_without_sharded_blocks_sees_nothing():
     assert watch_after_forward(m, True) == {"whole": None, "forwards_inside_backward": 0, "expected_whole": None}
 
 
-def _same_start_peer(seed):
-    from stnb.checks import tensor_digests
-    from stnb.strategies.fsdp import same_start
-
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
-    return same_start(m), tensor_digests(m)
-
-
 def _peers_model(seed, bump):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
@@ -470,11 +470,11 @@ def _same_start_peer(seed):
 
 # the parameters are compared (2 differ with another seed); when they differ, buffers are broadcast too
 @pytest.mark.parametrize("peer_seed, bump, differing", [(0, False, 0), (0, True, 0), (1, True, 2)])
-def test_fsdp_ranks_start_from_rank_0s_weights(tmp_path, peer_seed, bump, differing):
+def test_fsdp_ranks_start_from_rank_0s_weights(peer, peer_seed, bump, differing):
     from stnb.checks import tensor_digests
     from stnb.strategies.fsdp import same_start
 
-    collect = _peer(tmp_path, _same_start_peer, peer_seed)
+    collect = peer(_same_start_peer, peer_seed)
     m = _peers_model(0, bump)
     mine = same_start(m)
     theirs, their_digests, their_mean = collect()
@@ -499,7 +499,8 @@ def _softmax_trainer(seed):
 
     model = SentenceTransformer(tiny_path(), device="cpu")
     torch.manual_seed(seed)  # each rank's classifier starts its own way, as in plain sentence-transformers
-    loss = SoftmaxLoss(model, model.get_sentence_embedding_dimension(), num_labels=3)
+    loss = SoftmaxLoss(model, model.get_embedding_dimension(), num_labels=3)
+    loss.scale = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))  # a bf16 one: its gradient stays bf16
     return SimpleNamespace(model=model, model_wrapped=model, loss=loss)
 
 
@@ -512,28 +513,32 @@ def _sync_peer():
     start = w.detach().clone()
     w.grad = torch.full_like(w, 3.0)  # rank 0 sends 1.0: the mean is 2.0
     b.grad = None  # this rank's loss did not reach the bias: rank 0's alone, halved
+    trainer.loss.scale.grad = torch.full((2,), 0.5, dtype=torch.bfloat16)
     sync.sync_grads()
     return start, w.grad.clone(), b.grad.clone()
 
 
-def test_the_loss_parameters_start_from_rank_0s_and_their_gradients_are_averaged(tmp_path):
+def test_the_loss_parameters_start_from_rank_0s_and_their_gradients_are_averaged(peer):
     from stnb.strategies import LossParameterSync
 
-    collect = _peer(tmp_path, _sync_peer)
+    collect = peer(_sync_peer)
     trainer = _softmax_trainer(0)
     w, b = trainer.loss.classifier.weight, trainer.loss.classifier.bias
     sync = LossParameterSync(trainer)
-    assert sync.names() == ["loss.classifier.weight", "loss.classifier.bias"]
+    names = ["loss.scale", "loss.classifier.weight", "loss.classifier.bias"]
+    assert sync.names() == names
     w.grad = torch.full_like(w, 1.0)
     b.grad = torch.full_like(b, 4.0)
+    scale = trainer.loss.scale
+    scale.grad = torch.full((2,), 1.5, dtype=torch.bfloat16)
     sync.sync_grads()
+    assert scale.grad.dtype == torch.bfloat16 and torch.equal(scale.grad, torch.ones(2, dtype=torch.bfloat16))
     start, their_w, their_b = collect()
     assert torch.equal(start, w.detach())  # rank 1 started from rank 0's classifier
     assert torch.equal(w.grad, torch.full_like(w, 2.0)) and torch.equal(their_w, w.grad)  # a mean, not a sum
     assert torch.equal(b.grad, torch.full_like(b, 2.0)) and torch.equal(their_b, b.grad)
     assert w.grad.dtype == w.dtype
-    assert sync.describe() == {"loss_parameters": ["loss.classifier.weight", "loss.classifier.bias"],
-                               "synced": True, "steps_synced": 1}
+    assert sync.describe() == {"loss_parameters": names, "synced": True, "steps_synced": 1}
 
 
 def _none_peer():
@@ -546,10 +551,10 @@ def _none_peer():
     return trainer.loss.classifier.bias.grad, sync.steps_synced
 
 
-def test_a_gradient_no_rank_produced_stays_none_and_the_callback_syncs(tmp_path):
+def test_a_gradient_no_rank_produced_stays_none_and_the_callback_syncs(peer):
     from stnb.strategies import LossParameterSync
 
-    collect = _peer(tmp_path, _none_peer)
+    collect = peer(_none_peer)
     trainer = _softmax_trainer(0)
     sync = LossParameterSync(trainer)
     trainer.loss.classifier.weight.grad = torch.ones_like(trainer.loss.classifier.weight)
@@ -569,7 +574,14 @@ def test_one_rank_or_no_loss_parameter_syncs_nothing(world_of_one):
     w.grad = torch.full_like(w, 3.0)
     sync.sync_grads()
     assert torch.equal(w.grad, torch.full_like(w, 3.0))
-    assert sync.describe() == {"loss_parameters": ["loss.classifier.weight", "loss.classifier.bias"],
+    assert sync.describe() == {"loss_parameters": ["loss.scale", "loss.classifier.weight", "loss.classifier.bias"],
                                "synced": False, "steps_synced": 0}
     plain = SimpleNamespace(model=trainer.model, model_wrapped=trainer.model, loss=torch.nn.MSELoss())
     assert LossParameterSync(plain).describe() == {"loss_parameters": [], "synced": False, "steps_synced": 0}
+
+
+def test_without_a_process_group_the_loss_parameters_are_this_process_alone():
+    from stnb.strategies import LossParameterSync
+
+    sync = LossParameterSync(_softmax_trainer(0))
+    assert sync.world == 1 and sync.describe()["synced"] is False
