@@ -164,6 +164,14 @@ def test_a_build_using_a_loss_with_parameters_is_refused_before_any_process_star
     assert DS.build_refusal({"losses.SoftmaxLoss": losses.SoftmaxLoss}) == (
         "your build function uses SoftmaxLoss, a loss with its own trainable parameters; " + ds.LOSS_PARAMETERS_FIX)
 
+    class TemperatureLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = torch.nn.Parameter(torch.zeros(()))
+
+    assert DS.build_refusal({"losses.SoftmaxLoss": losses.SoftmaxLoss, "TemperatureLoss": TemperatureLoss}).startswith(
+        "your build function uses SoftmaxLoss, TemperatureLoss, a loss with")
+
 
 # ---- in the rank --------------------------------------------------------------------------------------
 
@@ -200,6 +208,16 @@ def test_a_users_trainer_is_refused_what_deepspeed_cannot_honour(tmp_path):
     t.args.hf_deepspeed_config = None
     t.args.deepspeed = "ds_config.json"  # a file the trainer reads itself
     assert DS.refusals(t, cfg) == []
+    t.args.deepspeed, t.args.use_cpu = {"zero_optimization": {"stage": 3}}, True  # every problem, not the last
+    assert [p[:30] for p in DS.refusals(t, cfg)] == ["use_cpu=True in your arguments", "zero_optimization.stage=3 in t"]
+
+    class FourParameters(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = (torch.nn.Parameter(torch.zeros(1)) for _ in range(4))
+
+    many = _user_trainer(tmp_path, loss=FourParameters())
+    assert DS.refusals(many, cfg)[0].startswith("your loss has its own trainable parameters (loss.a, loss.b, loss.c); ")
 
 
 def test_a_loss_with_parameters_and_a_ready_optimizer_are_refused_in_the_rank(tmp_path):
@@ -279,6 +297,7 @@ def test_zero3_partitions_read_from_a_real_engine(engines):
 def test_the_step_check_reads_the_partition_and_the_gradients_at_the_step(engines, stage):
     engine = engines[stage]
     t = _trainer(engine, stage)
+    assert "the gradients at the first optimizer step were not observed" in DS.check_step(t, 1)[1]  # nothing watched
     DS.on_first_step(t, t.stnb_config, 1)
     before, problems = DS.check_step(t, 1)
     if stage != 3 or not before["state_numel"]:
@@ -374,5 +393,9 @@ def test_zero3_shards_add_up_to_the_model_with_each_parameters_padding():
                        ["the ranks' parameter partitions hold 106 values, the model has 100"])
     assert z3(99)[1] == ["the ranks' parameter partitions hold 99 values, the model has 100"]
     assert z3(101, n=None)[0]["shards_add_up"] is True and z3(102, n=None)[0]["shards_add_up"] is False
+    unrecorded = [_part(50, total=100, zero_stage_seen=3, total_param_count=100, local_param_count=99,
+                        ds_partitioned_params=3), _part(50, total=100)]
+    assert DS.check_ranks(_ranks(*unrecorded), 2)[1] == ["the ranks' parameter partitions hold 99 values, the model "
+                                                         "has 100"]  # a rank without a count holds nothing
     assert "shards_add_up" not in DS.check_ranks(_ranks(_part(50, total=100, local_param_count=1), _part(50, total=100)),
                                                  2)[0]

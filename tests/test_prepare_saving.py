@@ -73,6 +73,7 @@ def test_a_build_function_is_named_by_its_module_and_name():
 
     obj = Callable()
     assert prepare.describe(obj) == f"{__name__}.Callable"  # an instance: its class's name
+    assert prepare.describe(SimpleNamespace(__name__="build_it", __module__="mine")) == "mine.build_it"
     nameless = SimpleNamespace(__module__="mine")
     assert prepare.describe(nameless) == "mine.SimpleNamespace"
 
@@ -117,6 +118,12 @@ def test_check_trainer_names_what_was_returned_and_what_to_return(tmp_module):
         f"{model_types.known_trainers()}; end it with "
         + " or ".join(f"`return {t.trainer}(...)`" for t in model_types.TYPES))
     assert refused(7).startswith("your build function build() returned int; stnb trains the")
+
+    class NotATrainer:  # another library's trainer holding a sentence-transformers model
+        model = load_model(tiny_path())
+
+    assert refused(NotATrainer()) == (f"your build function build() returned NotATrainer, not a "
+                                      f"SentenceTransformerTrainer; end it with `{st.example}`")
     assert "(it returned the result" not in refused(7)
 
     trainer = _trainer(tmp_module)
@@ -163,6 +170,16 @@ def test_training_facts_are_what_the_users_trainer_trains_with(tmp_module):
     assert prepare.training_facts(t)["train_size"] is None  # a dataset without a length: not counted
     t.train_dataset = IterableDataset.from_generator(rows)
     assert prepare.training_facts(t)["train_size"] is None
+    # no base model named and no folder it was loaded from: the model's class
+    t.model.model_card_data.base_model = None
+    t.model[0].auto_model.name_or_path = ""
+    assert prepare.training_facts(t)["model"] == "SentenceTransformer"
+    first = t.model._modules["0"]
+    t.model._modules["0"] = torch.nn.Identity()  # a first module that is not a transformer
+    try:
+        assert prepare.training_facts(t)["model"] == "SentenceTransformer"
+    finally:
+        t.model._modules["0"] = first
 
 
 # ---- refused, overridden ------------------------------------------------------------------------------
@@ -235,6 +252,7 @@ def test_every_reference_the_loss_holds_to_the_model_is_rebound_to_the_wrapper(t
             super().__init__()
             self.model, self.encoder = model, model
             self.inner = torch.nn.ModuleDict({"m": model})
+            self.shared = self.inner  # one holder under two names: both paths are named
 
     t = _trainer(tmp_path, loss=TwoRefs)
     assert prepare.rebind_loss_model(t) == []  # not wrapped: nothing to rebind
@@ -243,11 +261,11 @@ def test_every_reference_the_loss_holds_to_the_model_is_rebound_to_the_wrapper(t
         t.model_wrapped = torch.nn.parallel.DistributedDataParallel(t.model)
         changed = prepare.rebind_loss_model(t)
         # listed once per module holding it (encoder, the same child as model on the same owner, is rebound too)
-        assert sorted(changed) == ["inner.m", "model"]
+        assert sorted(changed) == ["inner.m", "model", "shared.m"]
         assert t.loss.model is t.loss.encoder is t.loss.inner["m"] is t.model_wrapped
         assert prepare.rebind_loss_model(t) == []  # already the wrapper
-        t.loss = {"a": losses.MultipleNegativesRankingLoss(t.model), "b": TwoRefs(t.model), "c": "not a module"}
-        assert sorted(prepare.rebind_loss_model(t)) == ["inner.m", "model", "model"]
+        t.loss = {"c": "not a module", "a": losses.MultipleNegativesRankingLoss(t.model), "b": TwoRefs(t.model)}
+        assert sorted(prepare.rebind_loss_model(t)) == ["inner.m", "model", "model", "shared.m"]
         assert t.loss["a"].model is t.model_wrapped and t.loss["b"].inner["m"] is t.model_wrapped
     finally:
         dist.destroy_process_group()

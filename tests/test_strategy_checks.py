@@ -142,9 +142,11 @@ def test_one_gpu_under_a_ddp_wrapper_strategy_is_refused_with_the_fix():
 
 def test_ddp_refuses_static_graph_with_accumulation_before_and_in_the_rank(tmp_path):
     ddp = strategies.get("ddp")
-    with pytest.raises(ConfigError, match=r"^static_graph=True cannot be combined with gradient_accumulation_steps "
-                                          r"> 1: DDP's static graph breaks under no_sync\(\)"):
+    with pytest.raises(ConfigError) as e:
         ddp.validate(TrainConfig(strategy="ddp", static_graph=True, gradient_accumulation_steps=2))
+    assert str(e.value) == ("static_graph=True cannot be combined with gradient_accumulation_steps > 1: DDP's static "
+                            "graph breaks under no_sync() (pytorch/pytorch#143580: an INTERNAL ASSERT on the first "
+                            "backward); use static_graph=False when accumulating gradients")
     ddp.validate(TrainConfig(strategy="ddp", static_graph=True, gradient_accumulation_steps=1))
     ddp.validate(TrainConfig(strategy="ddp", static_graph=False, gradient_accumulation_steps=4))
 
@@ -240,6 +242,9 @@ def test_zero1_refuses_embedding_rows_and_what_it_cannot_shard(tmp_path):
     ready = torch.optim.SGD(_model().parameters(), lr=0.1)
     assert z.refusals(SimpleNamespace(args=st_args(str(tmp_path)), optimizer=None), cfg) == []
     assert z.refusals(SimpleNamespace(args=st_args(str(tmp_path), optim="sgd"), optimizer=None), cfg) == []
+    as_text = st_args(str(tmp_path))
+    as_text.optim = "adafactor"  # set after construction: a plain string, not transformers' enum
+    assert z.refusals(SimpleNamespace(args=as_text, optimizer=None), cfg)[0].startswith("optim='adafactor': ")
     assert z.refusals(SimpleNamespace(args=st_args(str(tmp_path), optim="adafactor"), optimizer=ready), cfg) == [
         "your trainer came with a ready optimizer (SGD); zero1 builds the optimizer itself to shard its state: "
         "pass optim=... in the training arguments instead of optimizers=(...)",
@@ -329,6 +334,9 @@ def test_fsdp_refuses_the_trainers_own_checkpoints(tmp_path):
     for name, label in (("fsdp", "FSDP (ZeRO-3)"), ("zero2", "ZeRO-2")):
         s = strategies.get(name)
         assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path))), None) == []
+        as_text = st_args(str(tmp_path))
+        as_text.save_strategy = "epoch"  # set after construction: a plain string, not transformers' enum
+        assert s.refusals(SimpleNamespace(args=as_text), None)[0].startswith("save_strategy='epoch' with ")
         assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps")), None) == [
             f"save_strategy='steps' with {label}: the trainer's checkpoints (at least one, at the end of training) "
             "cannot save a model sharded before training; set save_strategy='no' in your arguments, and "
@@ -435,7 +443,8 @@ def test_fsdp_step_check_needs_gradients_and_an_observed_forward(world_of_one):
             return grad
 
     Recompute.apply(torch.ones(3, requires_grad=True)).sum().backward()
-    assert seen["forwards_inside_backward"] == 1 and seen["whole"] is None
+    Recompute.apply(torch.ones(3, requires_grad=True)).sum().backward()
+    assert seen["forwards_inside_backward"] == 2 and seen["whole"] is None
     assert f.check_step(trainer, 1)[1] == ["no gradient existed after the first backward"]
     # a frozen parameter has no gradient and is not missed; a plain (whole) gradient is named
     for p in model.parameters():
@@ -476,7 +485,9 @@ def test_fsdp_ranks_start_from_rank_0s_weights(peer, peer_seed, bump, differing)
 
     collect = peer(_same_start_peer, peer_seed)
     m = _peers_model(0, bump)
+    own = tensor_digests(m)
     mine = same_start(m)
+    assert tensor_digests(m) == own  # rank 0's weights are the ones every rank starts from
     theirs, their_digests, their_mean = collect()
     assert mine == theirs == {"tensors_differing_before": differing, "broadcast": bool(differing), "identical": True}
     assert their_digests == tensor_digests(m)  # rank 1 holds rank 0's weights now
@@ -524,7 +535,9 @@ def test_the_loss_parameters_start_from_rank_0s_and_their_gradients_are_averaged
     collect = peer(_sync_peer)
     trainer = _softmax_trainer(0)
     w, b = trainer.loss.classifier.weight, trainer.loss.classifier.bias
+    own = w.detach().clone()
     sync = LossParameterSync(trainer)
+    assert torch.equal(w.detach(), own)  # rank 0's classifier is the one every rank starts from
     names = ["loss.scale", "loss.classifier.weight", "loss.classifier.bias"]
     assert sync.names() == names
     w.grad = torch.full_like(w, 1.0)
@@ -548,6 +561,7 @@ def _none_peer():
     sync = LossParameterSync(trainer)
     trainer.loss.classifier.weight.grad = torch.ones_like(trainer.loss.classifier.weight)
     sync.callback().on_pre_optimizer_step(None, None, None)
+    sync.sync_grads()
     return trainer.loss.classifier.bias.grad, sync.steps_synced
 
 
@@ -559,10 +573,11 @@ def test_a_gradient_no_rank_produced_stays_none_and_the_callback_syncs(peer):
     sync = LossParameterSync(trainer)
     trainer.loss.classifier.weight.grad = torch.ones_like(trainer.loss.classifier.weight)
     sync.callback().on_pre_optimizer_step(None, None, None)
+    sync.sync_grads()
     their_bias, their_steps = collect()
     assert trainer.loss.classifier.bias.grad is None and their_bias is None
     assert torch.equal(trainer.loss.classifier.weight.grad, torch.ones_like(trainer.loss.classifier.weight))
-    assert sync.steps_synced == their_steps == 1
+    assert sync.steps_synced == their_steps == 2
 
 
 def test_one_rank_or_no_loss_parameter_syncs_nothing(world_of_one):
@@ -585,3 +600,67 @@ def test_without_a_process_group_the_loss_parameters_are_this_process_alone():
 
     sync = LossParameterSync(_softmax_trainer(0))
     assert sync.world == 1 and sync.describe()["synced"] is False
+
+
+def test_without_a_process_group_fsdp_has_nothing_to_broadcast():
+    from stnb.strategies.fsdp import same_start
+
+    assert same_start(_model()) == {"tensors_differing_before": 0, "broadcast": False, "identical": True}
+
+
+def _broadcast_lost_peer():
+    from stnb.errors import VerificationError
+    from stnb.strategies.fsdp import same_start
+
+    try:
+        same_start(_peers_model(1, False))
+    except VerificationError as e:
+        return str(e)
+    return "no error"
+
+
+def test_weights_still_differing_after_the_broadcast_stop_the_run(peer, monkeypatch):
+    import torch.distributed as dist
+
+    from stnb.errors import VerificationError
+    from stnb.strategies.fsdp import same_start
+
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **kw: None)  # a broadcast that sends nothing (both ranks)
+    collect = peer(_broadcast_lost_peer)
+    with pytest.raises(VerificationError) as e:
+        same_start(_peers_model(0, False))
+    assert str(e.value) == collect() == ("after broadcasting rank 0's weights, 2 tensor(s) still differ across ranks, "
+                                         "first '0.weight'")
+
+
+def test_fsdp_prepared_details_are_the_exact_local_count_and_the_ideal_share(world_of_one):
+    from torch.distributed.fsdp import fully_shard
+
+    m = _model()
+    fully_shard(m)
+    details, problems = strategies.get("fsdp").check_prepared(SimpleNamespace(model=m, model_wrapped=m), 2)
+    assert details == {"expected_local_param_count": 26, "ideal_fraction": 0.5}
+    assert problems  # a mesh of one where 2 ranks were asked: named by shard_problems
+
+
+def test_fsdp_step_check_counts_each_gradients_local_shard(world_of_one):
+    """A gradient shard smaller than its layout gives this rank (2 of 3 rows where a mesh of one holds all 3):
+    the count is of the local shard, and the check names it as a gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = _model()
+    w = m[0].weight  # (3, 5)
+    m[0].weight = torch.nn.Parameter(DTensor.from_local(w[:2].detach().clone(), mesh, [Shard(0)], run_check=False,
+                                                        shape=w.shape, stride=w.stride()))
+    m[0].weight.grad = DTensor.from_local(torch.ones(2, 5), mesh, [Shard(0)], run_check=False, shape=w.shape,
+                                          stride=w.stride())
+    m[1].weight.grad = torch.ones(2, 3)  # a whole (plain) gradient
+    trainer = SimpleNamespace(model=m, stnb_after_forward={"whole": False, "expected_whole": False})
+    details, problems = strategies.get("fsdp").check_step(trainer, 1)
+    assert details == {"grad_local_count": 16, "grad_expected_local_count": 15, "grads_checked": 2,
+                       "params_whole_after_forward": False}
+    assert problems == ["1 gradient(s) are not sharded, e.g. ['1.weight']",
+                        "gradient '0.weight': this rank holds 10 values, its shard ([Shard(dim=0)] of global shape "
+                        "[3, 5]) holds 15"]
