@@ -363,6 +363,9 @@ def test_fsdp_shards_must_add_up_to_the_model():
         {"shards_add_up": False}, ["the ranks' local shards hold 52 parameter values, the model has 26"])
     assert f.check_ranks(_ranks({"local_param_count": 26, "total_param_count": 26}, {"total_param_count": 26}), 2) == (
         {"shards_add_up": True}, [])
+    # the model's size is rank 0's count
+    assert f.check_ranks(_ranks({"local_param_count": 13, "total_param_count": 26},
+                                {"local_param_count": 13, "total_param_count": 30}), 2) == ({"shards_add_up": True}, [])
 
 
 def _tiny_sharded(reshard: bool):
