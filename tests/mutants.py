@@ -113,6 +113,42 @@ MODULES = (
     # the sentence under the time split (what dominates a step, the knob that shrinks it) and the means it
     # reads. Left out: split_bars, timeline and their helpers (the figures: plotting; sends: stnb.stepparts')
     Module("plots/timesplit", "stnb/plots/timesplit.py", ("x_means", "x_knob_hints", "x_advice")),
+    # ---- issue 33 item 3 (part A): what decides whether a run is reported verified -------------------
+    # each strategy's own checks and refusals. Left out as wiring or as the predictor's: prepare /
+    # apply_ddp / ddp_handler / shard_fsdp / prefetch / keep_shards_apart / on_first_step / full_model
+    # (they hand torch and accelerate the strategy; what they produce is what the checks below observe),
+    # step_time and the *_step cost models (the predictor's, checked by test_scaling), the facts
+    # (available, held, rank_env, trainer_arguments: a run's setup, checked by the launch tests)
+    Module("strategies.base", "stnb/strategies/base.py", ("x_replicated_check", "x_mixed_precision",
+                                                          "xǁStrategyǁworld_refusal")),
+    Module("strategies.ddp", "stnb/strategies/ddp.py", (
+        "xǁDistributedDataParallelǁvalidate", "xǁDistributedDataParallelǁrefusals",
+        "xǁDistributedDataParallelǁcheck_prepared", "xǁDistributedDataParallelǁcheck_ranks",
+        "x_check_ddp_wrapper", "x_every_parameter_used_by_design", "x_ddp_kwargs")),
+    Module("strategies.zero1", "stnb/strategies/zero1.py", (
+        "xǁZero1ǁvalidate", "xǁZero1ǁrefusals", "xǁZero1ǁcheck_prepared", "xǁZero1ǁcheck_step",
+        "xǁZero1ǁcheck_ranks")),
+    # zero2 is fsdp's checks with reshard_after_forward off: its one decision is that
+    Module("strategies.zero2", "stnb/strategies/zero2.py", ("xǁZero2ǁreshard_after_forward",)),
+    Module("strategies.fsdp", "stnb/strategies/fsdp.py", (
+        "xǁFullyShardedDataParallelǁreshard_after_forward", "xǁFullyShardedDataParallelǁvalidate",
+        "xǁFullyShardedDataParallelǁrefusals", "xǁFullyShardedDataParallelǁcheck_prepared",
+        "xǁFullyShardedDataParallelǁcheck_step", "xǁFullyShardedDataParallelǁcheck_ranks",
+        "x_reshard_plan", "x_watch_after_forward", "x_same_start")),
+    Module("strategies.deepspeed", "stnb/strategies/deepspeed.py", (
+        "x_stage_of", "x_contradictions", "xǁDeepSpeedǁvalidate", "xǁDeepSpeedǁcheck_recipe",
+        "xǁDeepSpeedǁbuild_refusal", "xǁDeepSpeedǁrefusals", "xǁDeepSpeedǁcheck_prepared",
+        "xǁDeepSpeedǁcheck_step", "xǁDeepSpeedǁcheck_ranks", "x_stage3_partitions")),
+    # the loss's own parameters: broadcast from rank 0, gradients averaged over the ranks
+    Module("strategies.loss_sync", "stnb/strategies/loss_sync.py"),
+    # the saved model: refused target, reloaded weights compared with the trained and initial ones
+    Module("saving", "stnb/saving.py"),
+    # a user's trainer: what is refused, what is overridden (and said), the loss rebound to the wrapper, the
+    # facts the result's config reports (drop_autocast left out: accelerate's extract_model_from_parallel does
+    # the work; test_mixed_precision_save checks its effect on a real bf16 save)
+    Module("prepare", "stnb/prepare.py", ("x_describe", "x_training_facts", "x__rows", "x_call_build",
+                                          "x_check_trainer", "x_refusals", "x_own_display", "x_apply_overrides",
+                                          "x_rebind_loss_model", "x__model_refs")),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the
