@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # No hub here (and none needed): every model and dataset in the tests is local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -11,6 +13,18 @@ from cluster_engines import ray_cluster, slurm_cluster  # noqa: E402,F401
 # the runtime that already has torch (the GPU image, Colab), built once for the tests that install into it
 from standin import image_runtime  # noqa: E402,F401
 from tiers import order_and_mark  # noqa: E402
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A torch.distributed gloo group of one process (this one), for the checks that ask the group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

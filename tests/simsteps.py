@@ -100,6 +100,14 @@ def trainer_for(model, backward_tail=lambda: None):
                            get_batch_samples=fetch)
 
 
+def attached(model, backward_tail=lambda: None):
+    """A timer on the model's simulated clock, attached (no DDP hook) to a trainer of the model: (timer, trainer)."""
+    timer = StepTimer(clock=model.clock, enabled=True)
+    tr = trainer_for(model, backward_tail)
+    timer.attach(tr, "none")
+    return timer, tr
+
+
 def one_step(timer, tr, model, calls=2):
     """A training step: fetch the batches, ``calls`` forwards (like a cached loss: the first ones without
     gradients, the last one backpropagated), backward, clipping, optimizer.step, the rest."""
@@ -121,9 +129,7 @@ def ddp_timer(clock, hook_name="none"):
     """A timer attached as for DDP: bucket A handed over once layer 1's gradients are in (done once layer 0's
     are), bucket B, the last, once backward's compute ended; B's all-reduce takes TAIL after it."""
     model = Net(clock)
-    timer = StepTimer(clock=clock, enabled=True)
     state = []
-    hook = timer.timed(pending)
 
     def tail():
         hook(state, Bucket())  # the last bucket: backward compute ends here
@@ -132,8 +138,8 @@ def ddp_timer(clock, hook_name="none"):
 
     model.during = {"layer 1": lambda: hook(state, Bucket()),
                     "layer 0": lambda: state[-1][0].set_result(state[-1][1].buffer())}
-    tr = trainer_for(model, tail)
-    timer.attach(tr, "none")
+    timer, tr = attached(model, tail)
+    hook = timer.timed(pending)  # the closures above call it once a step runs
     timer.hook, timer.comm = hook_name, "DDP bucket hooks"  # what attach sets for a DDP-wrapped model
     return timer, tr, model
 

@@ -36,17 +36,6 @@ def _ranks(*verifications, digests=None) -> list:
 
 
 @pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def peer(tmp_path):
     """``peer(fn, *args)``: this process joins a 2-rank gloo group as rank 0 and a forked process as rank 1,
     which runs ``fn(*args)`` and sends back what it returns; returns a function that collects that. After

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, Net, SimClock, Takes,
-                      ddp_timer, one_step, pending, trainer_for)
+                      attached, ddp_timer, one_step, pending)
 from stnb.timesplit import PHASES, WIRE_BYTES, StepTimer, _union, builtin_hook, combine, problems, table
 
 
@@ -126,9 +126,7 @@ def test_fsdp_forward_all_gathers_are_exposed_communication_not_forward():
     """FSDP: the unit's all-gather (between the two pre-hooks attach puts around FSDP's) leaves forward."""
     clock = SimClock()
     model = Net(clock)
-    timer = StepTimer(clock=clock, enabled=True)
-    tr = trainer_for(model)
-    timer.attach(tr, "none")
+    timer, tr = attached(model)
     gather = 0.07
     for unit in model.encoder.layer:  # what attach registers on each FSDP unit
         unit.register_forward_pre_hook(timer._gather_start, prepend=True)
@@ -153,9 +151,7 @@ def test_fsdp_forward_all_gathers_are_exposed_communication_not_forward():
 def test_a_single_device_step_has_no_communication_and_forward_ends_where_backward_starts():
     clock = SimClock()
     model = Net(clock)
-    timer = StepTimer(clock=clock, enabled=True)
-    tr = trainer_for(model)
-    timer.attach(tr, "none")
+    timer, tr = attached(model)
     assert timer.hook is None and timer.comm is None
     timer.on_step_begin(clock.now)
     tr.get_batch_samples()
@@ -453,9 +449,7 @@ class Plain(torch.nn.Module):
 def test_readiness_needs_a_backward_that_took_time_and_a_group_never_ready_is_none():
     clock = SimClock()
     model = Plain(clock)
-    timer = StepTimer(clock=clock, enabled=True)
-    tr = trainer_for(model)
-    timer.attach(tr, "none")
+    timer, tr = attached(model)
     assert [g["name"] for g in timer.groups] == ["layer 0", "other"]
     timer.on_step_begin(clock.now)
     one_step(timer, tr, model, calls=1)  # backward: no simulated time
@@ -474,9 +468,7 @@ def test_readiness_needs_a_backward_that_took_time_and_a_group_never_ready_is_no
 def test_an_optimizer_step_begun_but_not_ended_is_not_reported():
     clock = SimClock()
     model = Plain(clock)
-    timer = StepTimer(clock=clock, enabled=True)
-    tr = trainer_for(model)
-    timer.attach(tr, "none")
+    timer, tr = attached(model)
     timer.on_step_begin(clock.now)
     model(torch.ones(3)).sum()
     tr.accelerator.backward(model(torch.ones(3)).sum())
@@ -528,9 +520,7 @@ def test_the_split_is_on_unless_stnb_time_split_is_off(monkeypatch):
 def test_a_backward_stnb_did_not_wrap_is_not_timed():
     clock = SimClock()
     model = Net(clock)
-    timer = StepTimer(clock=clock, enabled=True)
-    tr = trainer_for(model)
-    timer.attach(tr, "none")
+    timer, tr = attached(model)
     timer.on_step_begin(clock.now)
     model(torch.ones(2, 3)).sum().backward()  # a training step calling backward itself, not the accelerator's
     clock.advance(REST)

@@ -38,17 +38,6 @@ def _row_shard(p, mesh, rows: int | None = None):
                               stride=p.stride())
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_single_reports_what_it_saw():
     m = _model()
     info = strategies.verify("single", m, m, 1, world=ALONE)
