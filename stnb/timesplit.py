@@ -120,6 +120,8 @@ class StepTimer:
         self._data_wait = None      # host seconds the trainer waited for this step's batches (get_batch_samples)
         self.groups = []            # gradient groups: {"name", "params", "numel"} (``grad_ready`` per step)
         self._pending = []          # steps whose marks are not all resolved into seconds yet (CUDA)
+        self._grad_hooks = []       # the post-accumulate-grad hooks' handles, one per trainable parameter
+        self._seen = {}             # parameter index -> group, in the order their gradients arrived (None: pruned)
         self._reset()
 
     def _reset(self):
@@ -226,7 +228,9 @@ class StepTimer:
 
     def _hook_gradients(self, model) -> None:
         """A post-accumulate-grad hook on every trainable parameter: the mark of each group's last gradient
-        (groups: the embeddings, each layer, the rest), the order DDP's buckets fill in."""
+        (groups: the embeddings, each layer, the rest), the order DDP's buckets fill in. After the first
+        step whose gradients arrived, only the parameter each group saw last keeps its hook (``_prune``):
+        a mark costs host time (on CUDA an event), and a model has hundreds of parameters but ~14 groups."""
         groups: dict = {}
         for name, p in model.named_parameters():
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
@@ -234,11 +238,25 @@ class StepTimer:
                 g = groups.setdefault(key, {"name": key, "params": 0, "numel": 0})
                 g["params"] += 1
                 g["numel"] += p.numel()
-                p.register_post_accumulate_grad_hook(lambda _p, key=key: self._grad_ready(key))
+                i = len(self._grad_hooks)
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, key=key, i=i: self._grad_ready(key, i)))
         self.groups = list(groups.values())
 
-    def _grad_ready(self, key) -> None:
+    def _grad_ready(self, key, i) -> None:
         self._ready[key] = self.clock.mark()
+        if self._seen is not None:  # until pruned: the parameters whose gradients came, the latest last
+            self._seen.pop(i, None)
+            self._seen[i] = key
+
+    def _prune(self) -> None:
+        """After a step whose gradients arrived: keep the hook of each group's last parameter to get its
+        gradient (its mark overwrote the others'); a parameter whose gradient never came keeps its hook."""
+        last = {key: i for i, key in self._seen.items()}  # insertion order: the last index per group wins
+        for i, key in self._seen.items():
+            if last[key] != i:
+                self._grad_hooks[i].remove()
+        self._seen = None
 
     def _forward_pre(self, module, args):
         if module.training:
@@ -285,6 +303,8 @@ class StepTimer:
                   "host": dict(self._host, step=now - self._prev_host) if self._prev_host is not None else None,
                   "ready": (self._bwd_start, dict(self._ready))}
         self._pending.append((self._prev_end, end, self._marks, self._buckets, self._gathers, counts))
+        if self._seen:  # the first step whose gradients arrived: one hook per gradient group from here on
+            self._prune()
         self._prev_end, self._prev_host, self._data_wait = end, now, None
         self._reset()
         while self._pending and self.clock.done(self._pending[0][1]):  # CUDA: steps the GPU has finished

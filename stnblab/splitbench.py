@@ -5,6 +5,8 @@
     python -m stnb split --overhead       throughput with the split on and off (STNB_TIME_SPLIT=off),
                                           alternated, medians of repeats
     python -m stnb split --fsdp           DDP, FSDP and FSDP without resharding after forward, side by side
+    python -m stnb split --hooks          the gradient-ready hooks' cost: a backward with none, with one per
+                                          parameter (the first step), with one per gradient group (the rest)
     python -m stnb split --show RESULTS   the split of every run in a results file
 
 Each run is a real 2-rank gloo run of stnb's recipe (``--model``, default the bundled MiniLM).
@@ -96,12 +98,55 @@ def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: i
             "own_share": cost / statistics.median(steps)}
 
 
+def hook_cost(layers: int = 12, linears: int = 8, repeats: int = 400) -> dict:
+    """Median seconds of one backward of a stack of ``layers`` x ``linears`` tiny Linear layers (named as an
+    encoder's, so each layer is one gradient group) without the time split's gradient hooks, with one per
+    parameter, and after ``StepTimer._prune`` (one per group): the hooks' own host cost, on this process's
+    clock (a CUDA run adds an event record per mark)."""
+    import time
+
+    import torch
+
+    from stnb.timesplit import HostClock, StepTimer
+
+    def stack():
+        m = torch.nn.Module()
+        m.encoder = torch.nn.Module()
+        m.encoder.layer = torch.nn.ModuleList(
+            [torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(linears)]) for _ in range(layers)])
+        return m
+
+    def backward(m):
+        h = torch.ones(1, 2)
+        for layer in m.encoder.layer:
+            h = layer(h)
+        h.sum().backward()
+
+    plain, every, pruned = stack(), stack(), stack()
+    timers = [StepTimer(clock=HostClock(), enabled=True) for _ in range(2)]
+    for timer, m in zip(timers, (every, pruned)):
+        timer._hook_gradients(m)
+    timers[1]._seen = {}
+    backward(pruned)
+    timers[1]._prune()  # what the first step's end does
+    times = {"none_s": [], "every_parameter_s": [], "one_per_group_s": []}
+    for _ in range(repeats):  # interleaved: the machine's drift falls on all three alike
+        for key, m in zip(times, (plain, every, pruned)):
+            start = time.perf_counter()
+            backward(m)
+            times[key].append(time.perf_counter() - start)
+    return {"parameters": sum(1 for _ in every.parameters()), "groups": len(timers[0].groups),
+            "hooks_left": sum(len(p._post_accumulate_grad_hooks or {}) for p in pruned.parameters()),
+            **{k: statistics.median(v) for k, v in times.items()}}
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("split", help="the time split's benchmarks: communication share, overhead")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--comm-share", action="store_true")
     what.add_argument("--overhead", action="store_true")
     what.add_argument("--fsdp", action="store_true", help="DDP, FSDP and FSDP without resharding, split side by side")
+    what.add_argument("--hooks", action="store_true", help="the gradient-ready hooks' cost per backward")
     what.add_argument("--show", metavar="RESULTS")
     p.add_argument("--model", default="minilm")
     p.add_argument("--steps", type=int, default=10)
@@ -129,6 +174,12 @@ def cmd_split(a) -> int:
         print(f"overhead by throughput: {o['overhead']:+.1%} (run-to-run noise on a shared machine included)")
         print(f"the split's own code: {o['own_cost_s'] * 1e6:.0f} us per step ({o['buckets']} buckets), "
               f"{o['own_share']:.4%} of the median step ({o['median_step_s'] * 1e3:.0f} ms)")
+    elif a.hooks:
+        o = hook_cost()
+        per = (o["every_parameter_s"] - o["none_s"]) / o["parameters"]
+        print(f"backward of {o['parameters']} parameters in {o['groups']} gradient groups (median of 400): "
+              f"{o['none_s'] * 1e6:.0f} us without hooks, {o['every_parameter_s'] * 1e6:.0f} us with one per parameter "
+              f"({per * 1e6:+.2f} us a hook), {o['one_per_group_s'] * 1e6:.0f} us with one per group")
     else:
         from stnb.results import RunResult, load_results
 

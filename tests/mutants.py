@@ -84,7 +84,7 @@ MODULES = (
     # and DDP/FSDP: only a launch reaches it; the slow tests/test_timesplit.py runs check what it feeds),
     # the clocks (perf_counter; CUDA events need a GPU) and own_cost (the timer's overhead, a bench figure)
     Module("timesplit", "stnb/timesplit.py", ("xǁStepTimerǁ__init__", "xǁStepTimerǁ_reset", "xǁStepTimerǁtimed",
-                                              "xǁStepTimerǁ_hook_gradients", "xǁStepTimerǁ_grad_ready",
+                                              "xǁStepTimerǁ_hook_gradients", "xǁStepTimerǁ_grad_ready", "xǁStepTimerǁ_prune",
                                               "xǁStepTimerǁ_forward_pre", "xǁStepTimerǁ_gather_start",
                                               "xǁStepTimerǁ_gather_end", "xǁStepTimerǁon_step_begin",
                                               "xǁStepTimerǁon_pre_optimizer_step", "xǁStepTimerǁon_optimizer_step",

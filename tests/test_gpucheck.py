@@ -203,7 +203,7 @@ def test_report_counts_speedups_and_exit_code(tmp_path):
     plan = gpucheck.plan(Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
     plan = [c for c in plan if c.name in {"hardware", "single bf16", "single fp16", "ddp x2 bf16"}]
     ok = gpucheck.build(m, plan, _outcomes(), 100.0, 130.0)
-    assert ok["counts"] == {"passed": 3, "failed": 0, "skipped": 1} and gpucheck.exit_code(ok) == 0
+    assert ok["counts"] == {"passed": 3, "failed": 0, "skipped": 1, "inconclusive": 0} and gpucheck.exit_code(ok) == 0
     assert ok["speedups"] == [{"name": "ddp x2 bf16", "strategy": "ddp", "gpus": 2, "samples_per_second": 1900.0,
                                "speedup": 1.9, "efficiency": 0.95}]
     text = gpucheck.table(ok)
@@ -277,7 +277,7 @@ def test_cli_without_gpu_says_why_and_passes_nothing(tmp_path):
     assert "no GPU" in out.stdout and "Nothing was run; no check passed" in out.stdout
     if not torch.version.cuda:
         assert "CPU-only" in out.stdout and "TORCH_INDEX_URL" in out.stdout
-    assert rep["counts"] == {"passed": 0, "failed": 0, "skipped": 0} and rep["outcomes"] == []
+    assert rep["counts"] == {"passed": 0, "failed": 0, "skipped": 0, "inconclusive": 0} and rep["outcomes"] == []
     assert rep["machine"]["no_gpu_reason"] and "PASSED" not in out.stdout
 
 
@@ -320,16 +320,42 @@ def test_one_rank_fsdp_and_allreduce_checks_on_cpu():
 def test_ratio_check_runs_the_plain_script_and_stnb_on_cpu():
     p = dict(planning.RATIO, model="tiny", steps=6, warmup_steps_excluded=2, per_device_batch_size=4,
              max_seq_length=32, train_size=64, device="cpu", mixed_precision="no", goal=0.0, repeats=1)
+    before = os.environ.get("STNB_TIME_SPLIT")
     out = checks.RUNNERS["ratio"](gpucheck.Check("ratio", "ratio", dict(p, strategy="single")), Machine())
     assert out.status == "passed", out.error
     m = out.metrics
     assert m["plain_runs"][0] > 0 and m["stnb_runs"][0] > 0
     # like with like: both trainers logged (read the loss of) every step, as stnb's recipe does
-    assert m["logged_steps"] == {"plain": [p["steps"]], "stnb": [p["steps"]]}
+    assert m["logged_steps"]["plain"] == m["logged_steps"]["stnb"] == [p["steps"]]
     # the ratio is of median step times over the measured steps, not of one run's mean
-    assert m["measured_steps"] == {"plain": p["steps"] - p["warmup_steps_excluded"]} | {
-        "stnb": p["steps"] - p["warmup_steps_excluded"]}
+    measured = p["steps"] - p["warmup_steps_excluded"]
+    assert m["measured_steps"] == {"plain": measured, "stnb": measured, "stnb_split_off": measured}
     assert m["ratio"] == pytest.approx(m["samples_per_second"] / m["plain_samples_per_second"])
+    # the third arm: stnb with its time split off, so a gap can be told apart from the split's own cost
+    assert m["split_off_ratio"] == pytest.approx(m["split_off_samples_per_second"] / m["plain_samples_per_second"])
+    assert m["logged_steps"]["stnb_split_off"] == [p["steps"]] and "time split off" in out.detail
+    assert m["time_split_methods"] == {"stnb": "clock readings (CPU)", "stnb_split_off": "off (STNB_TIME_SPLIT=off)"}
+    assert os.environ.get("STNB_TIME_SPLIT") == before
+    assert m["noise"] is None and all(len(v) == 1 for v in m["run_median_steps"].values())  # one run per arm
+
+
+def test_a_ratio_inside_its_runs_noise_is_inconclusive_never_passed():
+    """The H200's three ratio rows (2026-11-26, the mpnet-base shape, 2 runs per arm): identical runs' median
+    steps differed by up to 57%, so 0.993, 0.836 and 1.167 say nothing about a 0.98 goal."""
+    assert checks.ratio_noise({"plain": [0.08, 0.10], "stnb": [0.09, 0.09]}) == pytest.approx(0.25)
+    assert checks.ratio_noise({"plain": [0.08], "stnb": [0.09, 0.09]}) is None  # an arm ran once: unknown
+    assert checks.ratio_verdict(0.993, 0.12, 0.98)[0] == "inconclusive"
+    assert checks.ratio_verdict(0.836, 0.57, 0.98)[0] == "inconclusive"
+    assert checks.ratio_verdict(1.167, 0.21, 0.98)[0] == "inconclusive"
+    assert checks.ratio_verdict(1.0, 0.01, 0.98) == ("passed", "")  # 1.0 / 1.01 >= 0.98
+    status, error = checks.ratio_verdict(0.9, 0.05, 0.98)  # 0.9 * 1.05 < 0.98: a gap beyond the noise
+    assert status == "failed" and "beyond the runs' noise of 5.0%" in error
+    assert checks.ratio_verdict(0.99, None, 0.98)[0] == "inconclusive"
+    assert checks.ratio_verdict(0.5, None, 0.0) == ("passed", "")  # the CPU row's goal: only that it runs
+    O = gpucheck.Outcome
+    rep = gpucheck.report.build(Machine(gpus=[{"index": 0}]), [], [O("a", "train", "passed"), O("r", "ratio", "inconclusive")],
+                                0.0, 1.0)
+    assert rep["counts"]["inconclusive"] == 1 and "INCONCLUSIVE" in rep["verdict"] and gpucheck.exit_code(rep) == 1
 
 
 def test_gpu_check_watches_who_starts_cuda_from_its_start(monkeypatch, tmp_path):

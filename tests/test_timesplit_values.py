@@ -537,3 +537,70 @@ def test_combine_keeps_each_ranks_other_fields():
                     {"method": "m", "steps": [{"backward_compute_end": 1.1, "comm_exposed": 0.2}]}])
     assert a["method"] == "clock readings (CPU)" and a["comm"] == "DDP bucket hooks" and b["method"] == "m"
     assert combine([]) == []
+
+
+class Split(torch.nn.Module):
+    """One layer whose two halves get their gradients GRAD_STEP apart: ``second``'s first, then ``first``'s."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.encoder = torch.nn.Module()
+        self.encoder.layer = torch.nn.ModuleList([torch.nn.Module()])
+        self.encoder.layer[0].first = torch.nn.Linear(3, 3)
+        self.encoder.layer[0].second = torch.nn.Linear(3, 1)
+        self.head = torch.nn.Linear(1, 1)
+        self.head_only = False  # a step whose loss reaches the head alone (layer 0 gets no gradient)
+
+    def forward(self, x):
+        self.clock.advance(FORWARD)
+        if self.head_only:
+            return self.head(x[:, :1])
+        layer = self.encoder.layer[0]
+        h = Takes.apply(layer.first(x), lambda: self.clock.advance(GRAD_STEP))  # between the halves' gradients
+        h = Takes.apply(layer.second(h), lambda: self.clock.advance(GRAD_STEP))  # after the head's
+        return self.head(h)
+
+
+def hooked(model) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_after_the_first_step_each_gradient_group_keeps_the_hook_of_its_last_parameter():
+    clock = SimClock()
+    model = Split(clock)
+    timer, tr = attached(model)
+    assert [(g["name"], g["params"]) for g in timer.groups] == [("layer 0", 4), ("other", 2)]
+    assert hooked(model) == 6
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model, calls=1)
+    assert hooked(model) == 2  # one per group: a mark costs host time (a CUDA event on a GPU) at every step
+    for _ in range(2):
+        clock.advance(0.5)
+        one_step(timer, tr, model, calls=1)
+    first, *later = (st["grad_ready"] for st in timer.steps)
+    # layer 0 is ready when `first`'s gradients come (its last), at the end of backward; the head at its start
+    assert first == pytest.approx([1.0, 0.0])
+    assert later == [pytest.approx(first)] * 2
+
+
+def test_a_parameter_whose_gradient_never_came_keeps_its_hook():
+    clock = SimClock()
+    model = Split(clock)
+    timer, tr = attached(model)
+    timer.on_step_begin(clock.now)
+    model.head_only = True
+    one_step(timer, tr, model, calls=1)  # a step through the head alone: layer 0 got no gradient
+    assert hooked(model) == 5  # the head's two parameters: one hook left; layer 0's four kept
+    model.head_only = False
+    clock.advance(0.5)
+    one_step(timer, tr, model, calls=1)
+    assert timer.steps[-1]["grad_ready"] == [pytest.approx(1.0), pytest.approx(0.0)]
+
+
+def test_the_hook_benchmark_times_a_backward_with_every_parameter_hooked_and_one_per_group():
+    from stnblab.splitbench import hook_cost
+
+    o = hook_cost(layers=3, linears=2, repeats=3)
+    assert (o["parameters"], o["groups"], o["hooks_left"]) == (12, 3, 3)
+    assert min(o["none_s"], o["every_parameter_s"], o["one_per_group_s"]) > 0

@@ -8,6 +8,7 @@ tests run the same functions with gloo ranks on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -306,9 +307,10 @@ def _plain_run(p: dict, model_path: str) -> dict:
 
 def check_ratio(check, machine) -> Outcome:
     """Plain sentence-transformers and stnb.run(strategy='single'), same model, data, batch, precision
-    and logging (every step, as stnb's recipe logs), interleaved (plain, stnb, stnb, plain, ...). The
-    ratio is that of the median step times, pooled over the measured steps of every repeat (a median
-    is not moved by the odd slow step: a collection, a first-time kernel)."""
+    and logging (every step, as stnb's recipe logs), interleaved (plain, stnb, stnb without its time split,
+    then the reverse order). The ratio is that of the median step times, pooled over the measured steps of
+    every repeat (a median is not moved by the odd slow step: a collection, a first-time kernel). The third
+    arm (``STNB_TIME_SPLIT=off``) says how much of a gap the time split's marks and hooks make."""
     from stnb.models import resolve_model
     from stnb.runner import run
 
@@ -316,34 +318,83 @@ def check_ratio(check, machine) -> Outcome:
     cfg = train_config(p)
     model_path = resolve_model(cfg.model)
     warm = p["warmup_steps_excluded"]
-    plain, ours, plain_steps, our_steps, logged, last = [], [], [], [], {"plain": [], "stnb": []}, None
+    runs, steps, logged = ({k: [] for k in RATIO_ARMS} for _ in range(3))
+    last, methods, levels = None, {}, {k: [] for k in RATIO_ARMS}
     for i in range(p["repeats"]):
-        order = ("plain", "stnb") if i % 2 == 0 else ("stnb", "plain")
-        for who in order:
+        for who in (RATIO_ARMS if i % 2 == 0 else RATIO_ARMS[::-1]):
             if who == "plain":
                 data = _plain_run(p, model_path)
-                plain.append(data["samples_per_second"])
-                plain_steps += data["step_times"]
-                logged["plain"].append(data["logged_steps"])
-            else:
-                last = run(cfg, echo=False)
-                problems = _judge_training(last, check)
-                if problems:
-                    return Outcome(check.name, check.kind, "failed", error="stnb run: " + "; ".join(problems))
-                ours.append(last.samples_per_second)
-                our_steps += last.step_times[warm:]
-                logged["stnb"].append(len(last.losses))
+                runs[who].append(data["samples_per_second"])
+                steps[who] += data["step_times"]
+                logged[who].append(data["logged_steps"])
+                levels[who].append(statistics.median(data["step_times"]))
+                continue
+            with _time_split(who == "stnb"):
+                result = run(cfg, echo=False)
+            problems = _judge_training(result, check) if who == "stnb" else []
+            if problems:
+                return Outcome(check.name, check.kind, "failed", error="stnb run: " + "; ".join(problems))
+            last = result if who == "stnb" else last
+            methods[who] = (result.time_split[0] or {}).get("method") if result.time_split else None
+            runs[who].append(result.samples_per_second)
+            steps[who] += result.step_times[warm:]
+            levels[who].append(statistics.median(result.step_times[warm:]))
+            logged[who].append(len(result.losses))
     batch = p["per_device_batch_size"]
-    plain_sps, our_sps = batch / statistics.median(plain_steps), batch / statistics.median(our_steps)
-    ratio = our_sps / plain_sps
-    metrics = dict(_result_metrics(last, 1), samples_per_second=our_sps, ratio=ratio,
-                   plain_samples_per_second=plain_sps, stnb_runs=ours, plain_runs=plain,
-                   measured_steps={"plain": len(plain_steps), "stnb": len(our_steps)}, logged_steps=logged)
-    ok = ratio >= p["goal"]
-    return Outcome(check.name, check.kind, "passed" if ok else "failed", metrics=metrics,
-                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; median step of {len(our_steps)} / "
-                          f"{len(plain_steps)} measured steps: {our_sps:.1f} vs {plain_sps:.1f} samples/s)",
-                   error="" if ok else f"stnb / plain = {ratio:.3f} < {p['goal']}")
+    sps = {k: batch / statistics.median(v) for k, v in steps.items()}
+    ratio = sps["stnb"] / sps["plain"]
+    metrics = dict(_result_metrics(last, 1), samples_per_second=sps["stnb"], ratio=ratio,
+                   plain_samples_per_second=sps["plain"], split_off_samples_per_second=sps["stnb_split_off"],
+                   split_off_ratio=sps["stnb_split_off"] / sps["plain"], stnb_runs=runs["stnb"],
+                   plain_runs=runs["plain"], split_off_runs=runs["stnb_split_off"],
+                   measured_steps={k: len(v) for k, v in steps.items()}, logged_steps=logged,
+                   time_split_methods=methods, run_median_steps=levels, noise=ratio_noise(levels))
+    status, error = ratio_verdict(ratio, metrics["noise"], p["goal"])
+    noise = "unknown (one run per arm)" if metrics["noise"] is None else f"{metrics['noise']:.1%}"
+    return Outcome(check.name, check.kind, status, metrics=metrics,
+                   detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; median step of {len(steps['stnb'])} / "
+                          f"{len(steps['plain'])} measured steps: {sps['stnb']:.1f} vs {sps['plain']:.1f} samples/s; "
+                          f"time split off: {metrics['split_off_ratio']:.3f}; run-to-run noise {noise})",
+                   error=error)
+
+
+def ratio_noise(levels: dict) -> float | None:
+    """How far identical runs of one arm disagree: the largest (slowest / fastest) - 1 of the runs' median
+    step times over the arms; None where an arm ran once (nothing to compare)."""
+    spreads = [max(v) / min(v) - 1 for v in levels.values() if len(v) >= 2]
+    return max(spreads) if spreads and all(len(v) >= 2 for v in levels.values()) else None
+
+
+def ratio_verdict(ratio: float, noise: float | None, goal: float) -> tuple:
+    """(status, error) of a speed ratio measured with ``noise`` (``ratio_noise``): passed when even a
+    ratio ``noise`` lower meets the goal, failed when even one ``noise`` higher misses it, else
+    inconclusive (fail closed: a ratio inside the noise is not a pass). Unknown noise decides only a
+    goal of 0."""
+    if goal <= 0:
+        return "passed", ""
+    if noise is None:
+        return "inconclusive", f"stnb / plain = {ratio:.3f}: one run per arm, so its noise is unknown"
+    if ratio / (1 + noise) >= goal:
+        return "passed", ""
+    if ratio * (1 + noise) < goal:
+        return "failed", f"stnb / plain = {ratio:.3f} < {goal} (beyond the runs' noise of {noise:.1%})"
+    return "inconclusive", (f"stnb / plain = {ratio:.3f}, but identical runs differed by {noise:.1%}: the goal "
+                            f"({goal}) is inside the noise; rerun on an idle machine")
+
+
+#: the ratio row's arms: plain sentence-transformers, stnb, stnb with its time split off (STNB_TIME_SPLIT=off)
+RATIO_ARMS = ("plain", "stnb", "stnb_split_off")
+
+
+@contextlib.contextmanager
+def _time_split(on: bool):
+    """STNB_TIME_SPLIT for the runs inside (the ranks read it), put back after."""
+    before = os.environ.get("STNB_TIME_SPLIT")
+    os.environ["STNB_TIME_SPLIT"] = "on" if on else "off"
+    try:
+        yield
+    finally:
+        os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
 
 
 def st_docs_options(check, folder: str):

@@ -21,7 +21,7 @@ from stnb import strategies
 TRAIN = dict(model="minilm", per_device_batch_size=32, max_seq_length=128, steps=30, warmup_steps_excluded=5,
              train_size=2000, dev_size=64, timeout=180.0, stall_timeout=60.0)
 # plain sentence-transformers vs stnb: more steps, so per-step overheads show in the ratio; the ratio is
-# of median step times over every repeat's measured steps (2 x 280 per side)
+# of median step times over every repeat's measured steps (2 x 280 per arm: plain, stnb, stnb with its time split off)
 RATIO = dict(TRAIN, steps=300, warmup_steps_excluded=20, evaluate=False)
 RATIO_GOAL = 0.98
 RATIO_REPEATS = 2
@@ -126,7 +126,7 @@ def plan(machine: Machine) -> list:
     if n == 1:
         checks.append(Check("fault: a peer is aborted (x2 nccl)", "fault", {"fault": "raise", "nproc": 2}, gpus=2,
                             skip=ONE_GPU_PEER_ABORT))
-    # the multi-GPU rows next, before the 1-GPU extras and the long rows (ratio: 4 x 300 steps, st-docs):
+    # the multi-GPU rows next, before the 1-GPU extras and the long rows (ratio: 6 x 300 steps, st-docs):
     # on 2x T4 the 450 s budget ran out before them when they came last
     if n >= 2:
         multi = dict(one, mixed_precision=dist_mp)

@@ -6,12 +6,15 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-STATUSES = ("passed", "failed", "skipped")
+#: inconclusive: ran, but what it measured cannot tell pass from fail (a speed ratio inside the run-to-run
+#: noise of its own repeats); never counted as passed, and gpu-check exits 1 on it (fail closed)
+STATUSES = ("passed", "failed", "skipped", "inconclusive")
 
 
 @dataclass
 class Outcome:
-    """What one check did. ``status``: passed | failed | skipped (not applicable here, with the reason)."""
+    """What one check did. ``status``: passed | failed | skipped (not applicable here, with the reason) |
+    inconclusive (it ran; its measurement cannot decide)."""
 
     name: str
     kind: str
@@ -61,6 +64,9 @@ def build(machine, checks: list, outcomes: list, started: float, finished: float
         verdict = f"no GPU: {machine.no_gpu_reason}. Nothing was run; no check passed."
     elif counts["failed"] or missing:
         verdict = f"{counts['failed'] + len(missing)} of {len(checks)} planned check(s) FAILED"
+    elif counts["inconclusive"]:
+        verdict = (f"{counts['passed']} check(s) passed, {counts['inconclusive']} INCONCLUSIVE (the measurement "
+                   "could not decide: see its row)")
     else:
         verdict = (f"all {counts['passed']} runnable check(s) passed"
                    + (f" ({counts['skipped']} skipped, each with its reason)" if counts["skipped"] else ""))
@@ -79,8 +85,9 @@ def build(machine, checks: list, outcomes: list, started: float, finished: float
 
 
 def exit_code(report: dict) -> int:
-    """1 when any planned check failed or did not run; 0 otherwise (also without a GPU)."""
-    return 1 if report["counts"]["failed"] or report["not_run"] else 0
+    """1 when any planned check failed, did not run or could not decide; 0 otherwise (also without a GPU)."""
+    counts = report["counts"]
+    return 1 if counts["failed"] or counts.get("inconclusive") or report["not_run"] else 0
 
 
 def _f(v, spec):
