@@ -34,7 +34,9 @@ backward, ``optimizer.step`` and the step beside the device's events; ``host_clo
 
 FSDP (``fully_shard``) all-gathers a unit's parameters in its own forward pre-hook: two more pre-hooks
 around it (one before, one after FSDP's) time each unit's forward all-gather, blocking on CPU, so it
-counts as exposed communication. Backward's all-gathers and reduce-scatters run in autograd hooks
+counts as exposed communication. On CUDA those marks are the compute stream's wait for a gather FSDP2
+issued (prefetched) on its own stream: exposed, while ``comm_total`` and ``comm_overlapped`` are None
+(not measured), never 0. Backward's all-gathers and reduce-scatters run in autograd hooks
 stnb does not reach: they stay in ``backward_compute``, and ``comm`` says so.
 
 The readings are marks of a clock: on CPU ``time.perf_counter`` (what the CPU does is what gloo
@@ -158,7 +160,9 @@ class StepTimer:
         for unit in fsdp_units(wrapped):  # around FSDP's own pre-forward hook: the unit's all-gather
             unit.register_forward_pre_hook(self._gather_start, prepend=True)
             unit.register_forward_pre_hook(self._gather_end)
-            self.comm = "FSDP forward all-gathers (backward's all-gathers and reduce-scatters stay in backward)"
+            self.comm = "FSDP forward all-gathers (backward's all-gathers and reduce-scatters stay in backward)" + (
+                "; on CUDA the compute stream's wait for them only (FSDP runs them on its own stream: their time "
+                "in flight and overlap are not measured)" if device == "cuda" else "")
         backward = trainer.accelerator.backward
 
         def timed_backward(loss, **kw):
@@ -347,7 +351,10 @@ class StepTimer:
             gathered = sum(e - b for b, e in spans)
             rec["forward"] -= gathered
             rec["comm_exposed"] += gathered
-            rec["comm_total"], rec["comm_overlapped"] = gathered, 0.0
+            # CPU: the gather ran inside the span. CUDA: the span is the compute stream's wait for a gather FSDP2
+            # ran (prefetched) on its own stream: its time in flight, and so its overlap, was not measured
+            on_host = isinstance(self.clock, HostClock)
+            rec["comm_total"], rec["comm_overlapped"] = (gathered, 0.0) if on_host else (None, None)
             rec["comm_spans"] = spans
             rec["gathers"] = len(spans)
         if self.hook is not None:

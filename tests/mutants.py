@@ -167,7 +167,8 @@ RANK_TESTS = {
     "stnb.strategies.tensors.x_param_counts": _FSDP_RANKS, "stnb.strategies.tensors.x_local_numel": _FSDP_RANKS,
     "stnb.strategies.tensors.x_shard_problems": _FSDP_RANKS,
     **{f"stnb.processes.channel.xǁChannelǁ{m}": _LAUNCH_RANKS
-       for m in ("check_in", "set_state", "bump", "report", "write_result", "write_error", "mark_progress")},
+       for m in ("check_in", "set_up", "set_state", "bump", "report", "write_result", "write_error",
+                 "mark_progress")},
 }
 RANK_TEST_TIMEOUT_S = 300
 

@@ -30,6 +30,17 @@ class SimClock(HostClock):
         self.now += seconds
 
 
+class DeviceSimClock:
+    """SimClock's readings as a device clock (not the host's, like CUDA events): what a GPU run's split sees."""
+
+    method = "simulated device clock"
+    mark, advance, done, settle = SimClock.mark, SimClock.advance, HostClock.done, HostClock.settle
+    seconds = HostClock.seconds
+
+    def __init__(self):
+        self.now = 0.0
+
+
 class Takes(torch.autograd.Function):
     """Identity whose backward runs ``work`` (advancing the clock) before the gradients flow on."""
 

@@ -240,3 +240,40 @@ def test_11_overall_timeout(tmp):
         assert f"--- stack of rank {r} ---" in e.rank_traceback
     assert e.rank_traceback.count("in sleep_silent") >= 2
     _common(out)
+
+
+def _slow_setup(monkeypatch, seconds: float | None):
+    """Joining the process group takes ``seconds`` in one C call (None: forever), as creating a CUDA context and
+    NCCL's first communicator can: the forked ranks inherit the patched join, the Python stack does not move."""
+    import time
+
+    from stnb.processes import rank as rank_mod
+
+    join = rank_mod._join_world
+
+    def slow_join(opts, rank, local_rank):
+        time.sleep(seconds if seconds is not None else 3600)
+        join(opts, rank, local_rank)
+
+    monkeypatch.setattr(rank_mod, "_join_world", slow_join)
+
+
+def test_setting_up_longer_than_the_stall_limit_is_not_a_stall(monkeypatch):
+    """Issue 32 item 4.8: the stall limit counted from check-in, so a first NCCL communicator that took longer
+    than stall_timeout stopped a healthy launch (gpu-check's stall row could fail at setup, not at its fault)."""
+    _slow_setup(monkeypatch, 4.0)
+    res = fc.cpu_launch(rankfns.rank_value, 1, num_processes=2, echo=False, stall_timeout=2.0, start_method="fork")
+    assert res == [0, 1]
+
+
+def test_a_setup_that_never_ends_is_a_stall_named_as_setup(monkeypatch):
+    from stnb.processes import watchdog
+
+    _slow_setup(monkeypatch, None)
+    monkeypatch.setattr(watchdog, "MIN_START_S", 3.0)  # what a rank setting up gets at least (60 s)
+    with pytest.raises(LaunchError) as info:
+        fc.cpu_launch(rankfns.rank_value, 1, num_processes=2, echo=False, stall_timeout=1.0, start_method="fork")
+    e = info.value
+    assert e.kind == "stalled" and e.ranks == [0, 1]
+    assert "rank(s) 0, 1 stalled while setting up" in str(e) and "no progress for 3 s" in str(e)
+    assert "in slow_join" in e.rank_traceback

@@ -95,10 +95,13 @@ def test_channel_rows_are_per_rank():
         assert [s.step for s in states] == [0, 7, 4]
         assert [s.total for s in states] == [0, 40, 0]
         assert [s.loss for s in states] == [None, 0.5, None]
-        assert [s.state for s in states] == ["starting", "starting", "running"]
+        assert [s.state for s in states] == ["starting", "starting", "setting up"]
         assert [ch.heartbeats(r) for r in range(3)] == [0.0, 1.0, 2.0]
         assert ch.pids() == {2: os.getpid()} and not ch.started(0) and ch.started(2)
         assert 0.0 <= states[2].seconds_since_progress < 60
+        ch.mark_progress(2, time.time() - 100)
+        ch.set_up(2)  # joined its world: running, and the stall limit counts from now
+        assert ch.states()[2].state == "running" and ch.states()[2].seconds_since_progress < 60
         ch.set_state(1, 3.0)
         ch.set_state(0, 2.0)
         assert [s.state for s in ch.states()] == ["done", "failed", "running"]

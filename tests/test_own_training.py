@@ -383,3 +383,35 @@ def test_cached_mnrl_gathering_across_ranks_with_prompts(tmp_path, strategy):
     assert res.verified, res.reason
     assert res.config["loss"] == "CachedMultipleNegativesRankingLoss" and len(res.losses) == 3
     assert all(r["loss_model"]["ok"] for r in res.verification["ranks"])
+
+
+def build_first_step_overflows(outdir: str):
+    """fp16's first steps: the loss scaler finds inf gradients and skips the update. accelerate keeps no scaler on
+    CPU, so torch's CPU GradScaler stands in where accelerate keeps it (the trainer's optimizer and backward use
+    it), and the loss is inf at the first step, as an fp16 loss under too high a scale overflows."""
+    import torch
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer import losses
+
+    class FirstCallInf(losses.MultipleNegativesRankingLoss):
+        calls = 0
+
+        def forward(self, features, labels):
+            self.calls += 1
+            loss = super().forward(features, labels)
+            return loss * float("inf") if self.calls == 1 else loss
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    trainer = SentenceTransformerTrainer(model=model, args=_args(os.path.join(outdir, "out")), train_dataset=_triplets(),
+                                         loss=FirstCallInf(model))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    return trainer
+
+
+def test_a_first_step_the_loss_scaler_skipped_is_not_the_step_checked(tmp_path):
+    """Issue 32 item 4.2: under fp16 the first steps can overflow and be skipped; zero1's check then found "no
+    optimizer state after the first step". The step check runs at the first step that updated something."""
+    res = stnb.run(functools.partial(build_first_step_overflows, str(tmp_path)), strategy="zero1", echo=False, **FAST)
+    assert res.verified, res.reason
+    assert [v["steps_skipped_before_step_check"] for v in res.verification["ranks"]] == [1, 1]
+    assert all(v["optimizer_state_params"] > 0 for v in res.verification["ranks"])

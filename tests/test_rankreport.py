@@ -125,6 +125,14 @@ def test_every_check_of_a_rank_reaches_its_one_verification_record():
     assert v["problems"][2] == ("per_device_train_batch_size was overridden to 4, but the loss's first batch "
                                 "had 2 rows")
     assert "batch_override" not in checks().record({}, [loss_inputs(rows=2, asked=None)])  # nothing overridden
+    # fp16's loss scaler skipped the first steps: checked at the first that updated; skipped all: not verified
+    assert v["steps_skipped_before_step_check"] == 0 and good.record({}, [])["steps_skipped_before_step_check"] == 0
+    assert checks(step_check=({}, []), skipped_steps=2).record({}, [])["ok"] is True
+    skipped = checks(skipped_steps=3).record({}, [])
+    assert skipped["ok"] is False and skipped["problems"] == [
+        "the loss scaler skipped every optimizer step (3: inf/nan gradients under fp16), so nothing was updated and "
+        "the strategy's step check never ran; train more steps, lower the learning rate, or use bf16"]
+    assert checks().record({}, [])["ok"] is True  # no optimizer step at all (a step that never ended): not this
     never = checks(prepared=None).record(facts, [allocator, first])
     assert never == {}
     res = merge(_cfg(), [RankReport(**dict(REQUIRED, verification=never))], device="cpu")

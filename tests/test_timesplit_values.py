@@ -7,8 +7,8 @@ gloo's clock."""
 import pytest
 import torch
 
-from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, Net, SimClock, Takes,
-                      attached, ddp_timer, one_step, pending)
+from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, DeviceSimClock, Net,
+                      SimClock, Takes, attached, ddp_timer, one_step, pending)
 from stnb.timesplit import PHASES, WIRE_BYTES, StepTimer, _union, builtin_hook, combine, problems, table
 
 
@@ -120,6 +120,34 @@ def test_builtin_hooks_are_torchs_and_stnbs_own_register_themselves():
     assert builtin_hook("none") is d.allreduce_hook
     assert builtin_hook("fp16") is d.fp16_compress_hook and builtin_hook("bf16") is d.bf16_compress_hook
     assert builtin_hook("embedding_rows") is None
+
+
+def fsdp_step(clock, gather):
+    """One step of a model whose layers are FSDP units: each unit's all-gather takes ``gather`` (timer, model, step)."""
+    model = Net(clock)
+    timer, tr = attached(model)
+    for unit in model.encoder.layer:  # what attach registers on each FSDP unit
+        unit.register_forward_pre_hook(timer._gather_start, prepend=True)
+        unit.register_forward_pre_hook(lambda m, a: clock.advance(gather))  # FSDP's own all-gather
+        unit.register_forward_pre_hook(timer._gather_end)
+    timer.comm = "FSDP forward all-gathers"
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model, calls=1)
+    return timer, model, timer.steps[0]
+
+
+def test_on_a_gpu_fsdps_gathers_in_flight_and_their_overlap_are_not_measured():
+    """Issue 32 item 4.9: on CUDA the marks are events on the compute stream, so the span around a unit's
+    all-gather is the stream's wait for it (exposed), while FSDP2 runs the gather itself, prefetched, on its own
+    stream: comm_overlapped 0.0 (and comm_total = the wait) claimed what was not measured. On CPU the gather runs
+    inside the span (0.0 overlapped is what happened)."""
+    gather = 0.07
+    _, _, st = fsdp_step(DeviceSimClock(), gather)
+    assert st["comm_exposed"] == pytest.approx(2 * gather) and st["forward"] == pytest.approx(FORWARD)
+    assert st["comm_total"] is None and st["comm_overlapped"] is None and st["gathers"] == 2
+    assert sum(st[p] for p in PHASES) == pytest.approx(st["step"])
+    _, _, host = fsdp_step(SimClock(), gather)
+    assert host["comm_total"] == pytest.approx(2 * gather) and host["comm_overlapped"] == 0.0
 
 
 def test_fsdp_forward_all_gathers_are_exposed_communication_not_forward():
@@ -604,3 +632,29 @@ def test_the_hook_benchmark_times_a_backward_with_every_parameter_hooked_and_one
     o = hook_cost(layers=3, linears=2, repeats=3)
     assert (o["parameters"], o["groups"], o["hooks_left"]) == (12, 3, 3)
     assert min(o["none_s"], o["every_parameter_s"], o["one_per_group_s"]) > 0
+
+
+def test_a_parameter_whose_gradient_comes_again_later_in_the_step_is_the_one_kept():
+    """Two backwards in a step (gradient accumulation, a cached loss): the group's mark is its latest gradient,
+    so the parameter kept is the one whose gradient came last in the step, not last in the first backward."""
+    clock = SimClock()
+    model = Split(clock)
+    timer, tr = attached(model)
+    second = model.encoder.layer[0].second
+
+    def step():
+        tr.get_batch_samples()
+        tr.accelerator.backward(model(torch.ones(2, 3)).sum())  # layer 0: `second`'s gradient, then `first`'s
+        part = Takes.apply(second(torch.ones(2, 3)), lambda: clock.advance(GRAD_STEP))
+        tr.accelerator.backward(part.sum())  # `second`'s gradient again, at the end of this backward
+        timer.on_pre_optimizer_step()
+        timer.on_optimizer_step()
+        timer.on_step_end(clock.now)
+
+    timer.on_step_begin(clock.now)
+    for _ in range(3):
+        step()
+        clock.advance(0.5)
+    first, *later = (st["grad_ready"] for st in timer.steps)
+    assert first == pytest.approx([1.0, 0.0])  # the latest backward's start: layer 0 ready at its end
+    assert later == [pytest.approx(first)] * 2

@@ -17,6 +17,13 @@ class Instrument(TrainerCallback):
         return {}, []
 
 
+def step_was_skipped(trainer) -> bool:
+    """Whether the optimizer step that just ran updated nothing: under fp16 the loss scaler (torch's GradScaler
+    through accelerate, DeepSpeed's own) found inf/nan gradients and skipped it, as it does on the first steps
+    while the scale comes down (``Accelerator.optimizer_step_was_skipped``)."""
+    return bool(getattr(getattr(trainer, "accelerator", None), "optimizer_step_was_skipped", False))
+
+
 def reports(instruments) -> dict:
     """Every instrument's RankReport fields, in one dict; ValueError when two report the same field."""
     out = {}

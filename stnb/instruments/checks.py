@@ -6,14 +6,15 @@ At the first step's begin (the trainer has wrapped the model): the strategy's ow
 against what the strategy promises and the world asked for (``strategies.verify_prepared``, a
 collective; it raises ``VerificationError``), and the loss pointed at the module that trains
 (``prepare.rebind_loss_model``, sentence-transformers #3023), which the first step must then call. After
-the first optimizer step: the strategy's step check (gradients, optimizer state) and every parameter the
-optimizer updates, named (the model's or the loss's).
+the first optimizer step that updated something (fp16's loss scaler skips the first steps whose gradients
+overflow: ``steps_skipped_before_step_check`` counts them): the strategy's step check (gradients, optimizer
+state) and every parameter the optimizer updates, named (the model's or the loss's).
 """
 
 from __future__ import annotations
 
 from .. import prepare, strategies
-from .base import Instrument
+from .base import Instrument, step_was_skipped
 
 
 class FirstStepChecks(Instrument):
@@ -34,6 +35,7 @@ class FirstStepChecks(Instrument):
         self._hook = None
         self.step_check: tuple | None = None    # after the first optimizer step: (details, problems)
         self.trained_parameters: dict | None = None  # what the optimizer updates: the model's and the loss's
+        self.skipped_steps = 0                  # optimizer steps the loss scaler skipped before the step check
 
     def on_step_begin(self, args, state, control, **kw):
         if self.prepared is not None:
@@ -58,6 +60,9 @@ class FirstStepChecks(Instrument):
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
         if self.step_check is None and self.prepared is not None:
+            if step_was_skipped(self.trainer):  # fp16's loss scaler found inf/nan gradients: nothing updated yet
+                self.skipped_steps += 1
+                return
             self._check_first_step(optimizer)
 
     def _check_first_step(self, optimizer) -> None:
@@ -82,11 +87,16 @@ class FirstStepChecks(Instrument):
 
     def verification(self) -> tuple[dict, list]:
         v, problems = {"loss_model": self.loss_model, "device_seen": self.device_seen}, []
+        v["steps_skipped_before_step_check"] = self.skipped_steps
         if self.step_check is not None:
             info, step_problems = self.step_check
             v.update(info)
             v["trained_parameters"] = self.trained_parameters
             problems += step_problems
+        elif self.skipped_steps:
+            problems.append(f"the loss scaler skipped every optimizer step ({self.skipped_steps}: inf/nan gradients "
+                            "under fp16), so nothing was updated and the strategy's step check never ran; train "
+                            "more steps, lower the learning rate, or use bf16")
         if (self.loss_model or {}).get("ok") is False:  # checked at the first step's end
             problems.append(f"the loss never called the {self.loss_model['trains']} that trains in the first step: "
                             "it holds its own reference to the model; store the model as `self.model` in the loss")

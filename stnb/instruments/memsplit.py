@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from .. import memory
 from ..memsplit import MemorySplit
-from .base import Instrument
+from .base import Instrument, step_was_skipped
 
 
 class MemoryUse(Instrument):
@@ -51,7 +51,7 @@ class MemoryUse(Instrument):
         self.train_peak = self.peak.phase_peak()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
-        if self.breakdown is None:
+        if self.breakdown is None and not step_was_skipped(self.trainer):  # a skipped step made no optimizer state
             self.breakdown = memory.measure(self.trainer.model, optimizer, self.strategy.held_bytes(self.trainer))
 
     def report(self) -> dict:

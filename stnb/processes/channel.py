@@ -26,8 +26,10 @@ from ..files import write_atomic
 _BEAT, _STEP, _TOTAL, _LOSS, _STATE, _PID, _BEATS = range(7)
 _SLOTS = 7
 
-STARTING, RUNNING, DONE, FAILED = 0.0, 1.0, 2.0, 3.0
-_STATE_NAMES = {STARTING: "starting", RUNNING: "running", DONE: "done", FAILED: "failed"}
+#: SETTING_UP: checked in, joining the process group (on GPUs: the CUDA context, NCCL's communicator), not yet
+#: running the function; the stall limit does not count there (a first NCCL collective can take longer)
+STARTING, RUNNING, DONE, FAILED, SETTING_UP = 0.0, 1.0, 2.0, 3.0, 4.0
+_STATE_NAMES = {STARTING: "starting", RUNNING: "running", DONE: "done", FAILED: "failed", SETTING_UP: "setting up"}
 
 
 @dataclass
@@ -75,8 +77,13 @@ class Channel:
 
     # rank side ---------------------------------------------------------------------------
     def check_in(self, rank: int) -> None:
-        """The rank is alive and running: its pid, and progress as of now."""
+        """The rank is alive and setting up: its pid, and progress as of now."""
         self._set(rank, _PID, os.getpid())
+        self._set(rank, _BEAT, time.time())
+        self._set(rank, _STATE, SETTING_UP)
+
+    def set_up(self, rank: int) -> None:
+        """The rank joined its world and runs the function: the stall limit counts from now."""
         self._set(rank, _BEAT, time.time())
         self._set(rank, _STATE, RUNNING)
 

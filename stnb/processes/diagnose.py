@@ -125,6 +125,14 @@ def raised_then_peers_stalled(ev: Evidence):
 
 def stalled(ev: Evidence):
     wd = ev.watchdog
+    if wd.reason == "stalled" and wd.setting_up:
+        ranks = [ev.base + r for r in wd.stalled]
+        return ev.error(
+            f"rank(s) {', '.join(str(ev.base + r) for r in wd.setting_up)} stalled while setting up (joining the "
+            f"process group; on GPUs starting CUDA and NCCL's communicator): no progress for "
+            f"{wd.setup_limit:g} s. All ranks were stopped; each rank's stack follows. A peer "
+            "that never joined, an unreachable MASTER_ADDR or a blocked port are the usual causes.",
+            rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
     if wd.reason == "stalled":
         ranks = [ev.base + r for r in wd.stalled]
         return ev.error(

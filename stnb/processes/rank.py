@@ -163,6 +163,7 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     try:
         if opts.init_distributed and not dist.is_initialized():
             _join_world(opts, rank, local_rank)
+        ch.set_up(local_rank)
         result = opts.call()
         try:
             data = result_bytes(result, spawned=ctx.start_method == "spawn")

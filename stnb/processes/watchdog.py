@@ -4,7 +4,8 @@ Every 20 ms it looks for ranks whose process ended without a result or an error 
 elastic never reports a rank that exits with code 0, and its peers would wait for it forever);
 every 100 ms it relays the ranks' output, calls ``on_progress`` and enforces the limits: the
 overall ``timeout``, ranks that never start, and the stall detector (no running rank's Python
-stack moved and no heartbeat for ``stall_timeout`` seconds). To stop a launch it dumps every
+stack moved and no heartbeat for ``stall_timeout`` seconds; a rank still setting up, joining the
+process group, gets at least ``MIN_START_S``). To stop a launch it dumps every
 rank's stack (faulthandler, SIGUSR1) and kills the ranks; it records why in ``reason``,
 ``stalled`` and ``stacks`` for the diagnosis.
 """
@@ -17,7 +18,7 @@ import threading
 import time
 import traceback
 
-from .channel import RUNNING, Channel
+from .channel import RUNNING, SETTING_UP, Channel
 from .output import OutputRelay
 from .supervise import kill_tree, process_ended
 
@@ -45,6 +46,8 @@ class Watchdog(threading.Thread):
         self.stop_event = threading.Event()
         self.reason: str | None = None  # 'timeout' | 'not started' | 'stalled' | 'exited'
         self.stalled: list = []
+        self.setting_up: list = []  # of the stalled ranks, those still setting up (joining the process group)
+        self.setup_limit: float | None = None  # the seconds those were given (max(stall_timeout, MIN_START_S))
         self.stacks: dict = {}
         self._checked_in = False
         self._last_progress_call = 0.0
@@ -134,9 +137,14 @@ class Watchdog(threading.Thread):
             if now - self.start_time > max(self.stall_timeout, MIN_START_S):
                 self._halt("not started", stalled=[r for r in range(self.nproc) if not self.ch.started(r)])
         elif self.stall_timeout is not None:
-            running = [r for r in range(self.nproc) if self.ch.state(r) == RUNNING]
-            if running and all(now - self.ch.last_progress(r) > self.stall_timeout for r in running):
-                self._halt("stalled", stalled=sorted(running))
+            # a rank setting up (the CUDA context, the process group, NCCL's first communicator) gets at
+            # least MIN_START_S like a rank starting; a running rank the stall limit
+            limits = {r: self.stall_timeout if s == RUNNING else max(self.stall_timeout, MIN_START_S)
+                      for r, s in ((r, self.ch.state(r)) for r in range(self.nproc)) if s in (RUNNING, SETTING_UP)}
+            if limits and all(now - self.ch.last_progress(r) > limit for r, limit in limits.items()):
+                self.setting_up = sorted(r for r in limits if self.ch.state(r) == SETTING_UP)
+                self.setup_limit = max(self.stall_timeout, MIN_START_S)
+                self._halt("stalled", stalled=sorted(limits))
 
     def _report_progress(self) -> None:
         try:
