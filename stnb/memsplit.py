@@ -21,7 +21,8 @@ before_steps_other          residual: resident growth when training starts minus
                             since the rank began, DDP's buckets, anything else alive
 activations                 tensors saved for the backward during one training forward (the largest
                             over the first steps), counted by ``saved_tensors_hooks``, one count per
-                            storage, parameters (and gathered parameters) left out
+                            storage, parameters (and gathered parameters) and autocast's copies of
+                            them left out
 during_steps_other          residual: the steps' peak minus what was resident when training started,
                             minus ``grads``, ``optimizer_state`` and ``activations``: communication
                             buffers (all-gathers, reduce-scatters, buckets), temporaries of the
@@ -35,7 +36,9 @@ trainer and the whole model were built), ``prepared`` (once the strategy prepare
 ``unsharded_params_alive`` (bytes of the storages of the model's parameters as built that are still alive
 once it was prepared, through weak references to the storages: a sharding strategy that keeps the model
 as built alive shows it here, whatever holds it; DDP trains those very tensors),
-``saved_params`` (the parameters and gathered parameters the forward saved for its backward).
+``saved_params`` (the parameters and gathered parameters the forward saved for its backward),
+``autocast_weight_copies`` (the low-precision copies of parameters autocast made and the forward saved for
+its backward, under bf16 / fp16: memory the steps hold, in ``during_steps_other``, not activations).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import ctypes.util
 SPLIT = ("params", "allocator_free", "before_steps_other", "grads", "optimizer_state", "activations",
          "during_steps_other")
 RESIDUALS = ("before_steps_other", "during_steps_other")
-FACTS = ("baseline_rss", "built", "prepared", "unsharded_params_alive", "saved_params")
+FACTS = ("baseline_rss", "built", "prepared", "unsharded_params_alive", "saved_params", "autocast_weight_copies")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer_state": "optimizer state",
           "allocator_free": "freed, kept by the allocator", "before_steps_other": "other, before the steps (residual)",
           "activations": "activations (saved for backward)",
@@ -94,6 +97,7 @@ class MemorySplit:
         self.built_params = []
         self.activations = 0
         self.saved_params = 0
+        self.weight_copies = 0
         self.forwards_counted = 0
 
     def mark(self, name: str) -> None:
@@ -132,7 +136,7 @@ class MemorySplit:
             stack = original()
             if split.forwards_counted >= forwards or not torch.is_grad_enabled():
                 return stack
-            seen, counts = set(), {"activations": 0, "params": 0}
+            seen, counts = set(), {"activations": 0, "params": 0, "weight_copies": 0}
 
             def pack(t):
                 st = t.untyped_storage()
@@ -140,7 +144,8 @@ class MemorySplit:
                 if key not in seen and st.nbytes():
                     seen.add(key)
                     is_param = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-                    counts["params" if is_param else "activations"] += st.nbytes()
+                    kind = "params" if is_param else "weight_copies" if weight_copy(t) else "activations"
+                    counts[kind] += st.nbytes()
                 return t
 
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
@@ -153,6 +158,7 @@ class MemorySplit:
         self.forwards_counted += 1
         self.activations = max(self.activations, counts["activations"])
         self.saved_params = max(self.saved_params, counts["params"])
+        self.weight_copies = max(self.weight_copies, counts["weight_copies"])
 
     def summary(self, state: dict, train_peak: int) -> dict:
         """The split (``SPLIT``: adds up to ``train_peak``) and the facts (``FACTS``), in bytes."""
@@ -166,8 +172,20 @@ class MemorySplit:
         out.update({"baseline_rss": self.base, "built": self.marks.get("built"),
                     "prepared": self.marks.get("prepared"),
                     "unsharded_params_alive": self.marks.get("unsharded_params_alive"),
-                    "saved_params": self.saved_params})
+                    "saved_params": self.saved_params, "autocast_weight_copies": self.weight_copies})
         return out
+
+
+def weight_copy(t) -> bool:
+    """Whether ``t`` (a tensor saved for backward) is, or views, a copy autocast made of a parameter: its
+    storage's tensor came from a dtype cast (``ToCopyBackward0``) of a parameter (its ``AccumulateGrad``)."""
+    import torch
+
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    return isinstance(getattr(fn.next_functions[0][0], "variable", None), torch.nn.Parameter)
 
 
 def largest_rank(result) -> tuple | None:

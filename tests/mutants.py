@@ -96,7 +96,7 @@ MODULES = (
     Module("memsplit", "stnb/memsplit.py", ("xǁMemorySplitǁ__init__", "xǁMemorySplitǁmark",
                                             "xǁMemorySplitǁremember_built", "xǁMemorySplitǁunsharded_alive",
                                             "xǁMemorySplitǁwatch_activations", "xǁMemorySplitǁ_counted",
-                                            "xǁMemorySplitǁsummary", "x_largest_rank", "x_advice")),
+                                            "xǁMemorySplitǁsummary", "x_weight_copy", "x_largest_rank", "x_advice")),
     # the predictor: the table (samples/s, interval, speed-up, dominant input), the inputs read from a run
     # (measured or assumed, said so), the refusals, the verdict. Left out: Prediction._ipython_display_
     # (shows the table, the figure and the assumptions: display glue)

@@ -49,6 +49,10 @@ def engines(tmp_path_factory):
     kept = {mod: {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(mod).items()
                   if not k.startswith("__") and not callable(v) and not isinstance(v, type(os))}
             for mod in (deepspeed.comm.comm, deepspeed.utils.groups)}
+    # a stage-3 engine replaces torch.nn.functional.linear with its own (zero3_linear_wrap) for the whole
+    # process and never puts it back: later tests here would train through DeepSpeed's linear (seen: the
+    # memory split's autocast test found no weight copy after these engines). Put torch's functions back
+    kept[torch.nn.functional] = {k: v for k, v in vars(torch.nn.functional).items() if callable(v)}
     try:
         out = {}
         for stage in (1, 2, 3):

@@ -90,10 +90,39 @@ def test_activations_are_the_tensors_a_training_forward_saves_parameters_apart()
     assert other.forwards_counted == 3
 
 
+def test_autocasts_copies_of_the_weights_are_not_activations():
+    """Issue 32 item 4.3: under bf16 / fp16 autocast casts each weight to a low-precision copy and the forward
+    saves it (as a transposed view) for the input's gradient; it was counted as activations. Two 512 x 512
+    layers, one input row: the activations are a few rows, the copy of the second layer's weight 512 KiB."""
+    split = MemorySplit(PeakMemory(False))
+
+    def autocast_stack():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        return stack
+
+    trainer = SimpleNamespace(compute_loss_context_manager=autocast_stack)
+    split.watch_activations(trainer)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    with trainer.compute_loss_context_manager():
+        model(torch.ones(1, 512)).float().sum().backward()
+    assert split.weight_copies == 512 * 512 * 2  # the second layer's weight, in bf16 (the first's: input needs no grad)
+    assert split.activations == 2 * 512 * 2  # the two layers' inputs, one bf16 row each
+    assert split.saved_params == 0
+    # without autocast: the weights themselves are saved (parameters), no copy; the second layer's input came
+    # from the first layer's addmm, whose first input is a parameter (the bias): an activation all the same
+    fp32 = MemorySplit(PeakMemory(False))
+    trainer = SimpleNamespace(compute_loss_context_manager=contextlib.ExitStack)
+    fp32.watch_activations(trainer)
+    with trainer.compute_loss_context_manager():
+        model(torch.ones(1, 512)).sum().backward()
+    assert (fp32.weight_copies, fp32.activations, fp32.saved_params) == (0, 2 * 512 * 4, 512 * 512 * 4)
+
+
 def test_the_parts_add_up_to_the_peak_and_the_residuals_are_what_is_left():
     split = MemorySplit(SimpleNamespace(cuda=True, base=0))
     split.marks = {"built": 50, "prepared": 40, "unsharded_params_alive": 7, "train_start": 100, "allocator_free": 9}
-    split.activations, split.saved_params = 30, 11
+    split.activations, split.saved_params, split.weight_copies = 30, 11, 5
     state = {"params": 60, "grads": 60, "optimizer_state": 120}
     out = split.summary(state, train_peak=400)
     assert sum(out[k] for k in SPLIT) == 400
@@ -102,7 +131,8 @@ def test_the_parts_add_up_to_the_peak_and_the_residuals_are_what_is_left():
     assert (out["params"], out["grads"], out["optimizer_state"], out["activations"]) == (60, 60, 120, 30)
     assert out["allocator_free"] == 9
     assert {k: out[k] for k in FACTS} == {"baseline_rss": 0, "built": 50, "prepared": 40,
-                                          "unsharded_params_alive": 7, "saved_params": 11}
+                                          "unsharded_params_alive": 7, "saved_params": 11,
+                                          "autocast_weight_copies": 5}
     empty = MemorySplit(SimpleNamespace(cuda=True, base=0)).summary(None, train_peak=5)
     assert empty["during_steps_other"] == 5 and sum(empty[k] for k in SPLIT) == 5
     assert empty["built"] is None and empty["before_steps_other"] == 0
