@@ -140,6 +140,8 @@ def test_fsdp_gathers_parameters_in_the_training_precision_and_reduces_fp32():
     assert fp32.param_bytes == bf16.param_bytes == 4 * PARAMS and fp32.grad_bytes == bf16.grad_bytes == 4 * TRAINABLE
     assert said(bf16)["bytes on the wire"] == ("from the run's settings", "gradients 4 B each (fp32), FSDP's "
                                                "gathered parameters 2 B each (bf16 param_dtype), its reduce-scatters fp32")
+    assert said(fp32)["bytes on the wire"][1] == ("gradients 4 B each (fp32), FSDP's gathered parameters 4 B each "
+                                                  "(fp32), its reduce-scatters fp32")
     assert said(from_result(run(config={"mixed_precision": "fp16", "comm_hook": "fp16"})))["bytes on the wire"][1] == (
         "gradients 2 B each (the fp16 hook), FSDP's gathered parameters 2 B each (fp16 param_dtype), its "
         "reduce-scatters fp32")
