@@ -131,6 +131,31 @@ def test_the_recorded_units_bucket_size_hook_and_resharding_are_the_runs():
     assert from_result(r).grad_bytes == 2 * PARAMS
 
 
+def test_fsdp_gathers_parameters_in_the_training_precision_and_reduces_fp32():
+    """Issue 31 item 2, the dtype sent: stnb's FSDP (MixedPrecisionPolicy) gathers parameters in bf16 / fp16 and
+    reduce-scatters fp32 gradients; DDP's gradients are the fp32 parameters' (2 B only with a hook); DP and ZeRO-1
+    move fp32 parameters. A bf16 run's FSDP row gathers half the bytes, the other rows move the same."""
+    fp32, bf16 = from_result(run()), from_result(run(config={"mixed_precision": "bf16"}))
+    assert (fp32.gather_bytes, bf16.gather_bytes) == (4 * PARAMS, 2 * PARAMS)
+    assert fp32.param_bytes == bf16.param_bytes == 4 * PARAMS and fp32.grad_bytes == bf16.grad_bytes == 4 * TRAINABLE
+    assert said(bf16)["bytes on the wire"] == ("from the run's settings", "gradients 4 B each (fp32), FSDP's "
+                                               "gathered parameters 2 B each (bf16 param_dtype), its reduce-scatters fp32")
+    assert said(fp32)["bytes on the wire"][1] == ("gradients 4 B each (fp32), FSDP's gathered parameters 4 B each "
+                                                  "(fp32), its reduce-scatters fp32")
+    assert said(from_result(run(config={"mixed_precision": "fp16", "comm_hook": "fp16"})))["bytes on the wire"][1] == (
+        "gradients 2 B each (the fp16 hook), FSDP's gathered parameters 2 B each (fp16 param_dtype), its "
+        "reduce-scatters fp32")
+    # the same measured step, a slow link (communication dominates): FSDP gathers in half the time, DDP the same
+    big = replace(fp32, grad_bytes=4e8, param_bytes=4e8, gather_bytes=4e8)
+    link = Fabric(custom("slow", 1, 10, per_node=8), PRESETS["100gbps"])
+    from stnb import strategies
+
+    fsdp, ddp = strategies.get("fsdp"), strategies.get("ddp")
+    assert fsdp.step_time(replace(big, gather_bytes=2e8), link, 4)["step"] < fsdp.step_time(big, link, 4)["step"]
+    assert ddp.step_time(replace(big, gather_bytes=2e8), link, 4) == ddp.step_time(big, link, 4)
+    assert fsdp.step_time(replace(big, gather_bytes=None), link, 4) == fsdp.step_time(big, link, 4)  # None: fp32
+
+
 def test_a_sharded_run_does_not_fit_and_its_note_says_the_prediction_is_low():
     m = from_result(run("fsdp"))
     assert not m.fits
@@ -292,7 +317,10 @@ def test_the_assumptions_for_a_cpu_link_and_no_host_share():
     assert "MiB buckets (each ready when the measured gradient group filling it was), parameters" in ready
     assert "DataParallel: the GIL's serialisation of the replicas is left out (host_fraction=None)" in text
     assert "the root's 25%, the embeddings, ready only at backward's end" in text
-    assert "gradients 8 MiB in 25 MiB buckets" in text and "parameters 8 MiB; FSDP units: 12 layers + the root" in text
+    assert "gradients 8 MiB in 25 MiB buckets" in text
+    assert "parameters 8 MiB (FSDP gathers 8 MiB); FSDP units: 12 layers + the root" in text
+    half = "\n".join(assumptions(replace(small, gather_bytes=4e6), net))
+    assert "parameters 8 MiB (FSDP gathers 4 MiB); FSDP units" in half
     assert "DataParallel: host busy 40% of a step" in "\n".join(assumptions(small, net, host_fraction=0.4))
 
 

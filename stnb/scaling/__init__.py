@@ -179,7 +179,8 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None, ranges=()) -> list
            f"{m.grad_bytes / 2**20:.0f} MiB in {m.bucket_bytes / 2**20:.0f} MiB buckets ("
            + ("each ready when the measured gradient group filling it was" if m.ready else
               f"the root's {m.root_fraction:.0%}, the embeddings, ready only at backward's end") + "), parameters "
-           f"{m.param_bytes / 2**20:.0f} MiB; FSDP units: {m.layers} layers + the root",
+           f"{m.param_bytes / 2**20:.0f} MiB (FSDP gathers {(m.gather_bytes or m.param_bytes) / 2**20:.0f} MiB); FSDP units: "
+           f"{m.layers} layers + the root",
            "communication overlaps compute" if fab.overlap else
            "communication counts in full (CPU: gloo's thread reduces on the cores the ranks compute on, so what "
            "overlaps slows compute as much)",
@@ -269,6 +270,13 @@ def from_result(result) -> Measured:
     if int(r.get("world_size") or 1) > 1:
         notes.append(f"the compute was measured in a {r['world_size']}-rank {r['strategy']} run, not on one device")
     grad_size = 2 if cfg.get("comm_hook") in ("fp16", "bf16") else 4
+    # FSDP's MixedPrecisionPolicy (strategies.fsdp): parameters gathered in the training precision, gradients
+    # reduced in fp32; DDP's gradients are the fp32 parameters' (2 B only with an fp16 / bf16 hook)
+    low = cfg.get("mixed_precision") in ("bf16", "fp16")
+    inputs.append(("bytes on the wire", "from the run's settings",
+                   f"gradients {grad_size} B each ({'the ' + cfg['comm_hook'] + ' hook' if grad_size == 2 else 'fp32'}), "
+                   f"FSDP's gathered parameters {2 if low else 4} B each "
+                   f"({cfg['mixed_precision'] + ' param_dtype' if low else 'fp32'}), its reduce-scatters fp32"))
     layers, root = units.get("layers"), units.get("root_fraction")
     if not layers:
         layers, root = 12, 0.25
@@ -313,7 +321,7 @@ def from_result(result) -> Measured:
                     forward_calls=float(calls or 2), step_spread=spread,
                     fits="params" not in registry.get(r["strategy"]).sharded,
                     grad_bytes=grad_size * shape.get("trainable_param_count", shape["param_count"]),
-                    param_bytes=4 * shape["param_count"],
+                    param_bytes=4 * shape["param_count"], gather_bytes=(2 if low else 4) * shape["param_count"],
                     bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
                     layers=int(layers), root_fraction=float(root),
                     reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,

@@ -54,7 +54,9 @@ class Measured:
     optimizer: float
     other: float               # data loading, logging, the rest of the step
     grad_bytes: float          # gradients all-reduced / reduce-scattered per step
-    param_bytes: float         # parameters all-gathered (FSDP/ZeRO) or broadcast (DP)
+    param_bytes: float         # parameters all-gathered (ZeRO-1's updated shards) or broadcast (DP): fp32
+    gather_bytes: float | None = None  # FSDP's all-gathers: parameters in its MixedPrecisionPolicy's param_dtype
+                                       # (2 B under bf16 / fp16); None: param_bytes
     bucket_bytes: float = 25 * 2**20
     layers: int = 12           # FSDP units besides the root
     root_fraction: float = 0.25  # parameters outside the layers (embeddings): gathered first, reduced last

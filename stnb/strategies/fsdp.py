@@ -297,9 +297,10 @@ def fsdp_step(m, fab, n: int, reshard_after_forward: bool) -> dict:
     # each call of the model (one per text column) gathers every unit again when it was resharded after
     # the previous call's forward, and its backward gathers again; kept parameters are gathered once
     calls = m.forward_calls if reshard_after_forward else 1.0
-    fwd = [(calls * fab.all_gather(s * m.param_bytes, n), w, 0.0) for s, w in zip(shares, work_f)]
+    gathered = m.param_bytes if m.gather_bytes is None else m.gather_bytes  # in the training precision
+    fwd = [(calls * fab.all_gather(s * gathered, n), w, 0.0) for s, w in zip(shares, work_f)]
     regather = m.forward_calls if reshard_after_forward else 0.0
-    bwd = [(regather * fab.all_gather(s * m.param_bytes, n), w, fab.reduce_scatter(s * m.grad_bytes, n))
+    bwd = [(regather * fab.all_gather(s * gathered, n), w, fab.reduce_scatter(s * m.grad_bytes, n))
            for s, w in reversed(list(zip(shares, work_b)))]
     t_f, c_f = pipeline(fwd, fab.overlap)
     t_b, c_b = pipeline(bwd, fab.overlap)
