@@ -14,8 +14,10 @@ Each run is a real 2-rank gloo run of stnb's recipe (``--model``, default the bu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import time
 
 STRATEGY = "ddp"  # what every run here is unless a variant says otherwise (the knobs below are its knobs)
 SHARE_VARIANTS = (("fp32 all-reduce", {}), ("fp16 hook", {"comm_hook": "fp16"}),
@@ -76,21 +78,15 @@ def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: i
 
     cfg = TrainConfig(strategy=STRATEGY, num_processes=2, model=model, steps=steps, per_device_batch_size=batch,
                       evaluate=False, device="cpu")
-    from stnb.timesplit import own_cost
-
     seen, steps, buckets = {"on": [], "off": []}, [], 1
-    before = os.environ.get("STNB_TIME_SPLIT")
-    try:
-        for _ in range(repeats):
-            for mode in ("off", "on"):  # alternated: the machine's load drifts alike for both
-                os.environ["STNB_TIME_SPLIT"] = mode
+    for _ in range(repeats):
+        for mode in ("off", "on"):  # alternated: the machine's load drifts alike for both
+            with time_split(mode == "on"):
                 r = run(cfg, echo=False)
-                seen[mode].append(r.samples_per_second)
-                if mode == "on":
-                    steps.append(statistics.median(r.step_times[cfg.warmup_steps_excluded:]))
-                    buckets = max(st.get("buckets", 1) for st in r.time_split[0]["steps"])
-    finally:
-        os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
+            seen[mode].append(r.samples_per_second)
+            if mode == "on":
+                steps.append(statistics.median(r.step_times[cfg.warmup_steps_excluded:]))
+                buckets = max(st.get("buckets", 1) for st in r.time_split[0]["steps"])
     on, off = statistics.median(seen["on"]), statistics.median(seen["off"])
     cost = own_cost(buckets=buckets)
     return {"on": seen["on"], "off": seen["off"], "median_on": on, "median_off": off, "overhead": 1 - on / off,
@@ -98,13 +94,69 @@ def overhead(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: i
             "own_share": cost / statistics.median(steps)}
 
 
+@contextlib.contextmanager
+def time_split(on: bool):
+    """STNB_TIME_SPLIT (what ``stnb.timesplit.StepTimer`` reads in the ranks) for the runs inside, put back after."""
+    before = os.environ.get("STNB_TIME_SPLIT")
+    os.environ["STNB_TIME_SPLIT"] = "on" if on else "off"
+    try:
+        yield
+    finally:
+        os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
+
+
+def own_cost(buckets: int = 4, forwards: int = 2, repeats: int = 2000, device: str = "cpu") -> float:
+    """Seconds the timer's own code takes per step (median of ``repeats`` simulated steps): ``forwards``
+    forward pre-hooks, the backward wrapper, ``buckets`` timed comm hooks with their completion
+    callbacks, the optimizer readings and ``on_step_end``. The rest of a real step is left out, so this
+    is the split's overhead on its own, free of the run-to-run noise a throughput comparison has.
+    ``device="cuda"``: with the CUDA events a GPU run marks (each mark records an event)."""
+    import torch
+
+    from stnb.timesplit import CudaEvents, HostClock, StepTimer
+
+    class Bucket:  # what DDP hands a hook, reduced to what ``timed`` reads
+        def __init__(self):
+            self.tensor = torch.zeros(1024, device=device)
+
+        def buffer(self):
+            return self.tensor
+
+    def ready(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    class Module(torch.nn.Module):
+        pass
+
+    timer = StepTimer(clock=CudaEvents() if device == "cuda" else HostClock(), enabled=True)
+    module, bucket = Module(), Bucket()
+    timer.method, timer.hook, timer.origin = timer.clock.method, "none", timer.clock.mark()
+    hook = timer.timed(ready)
+    timer.on_step_begin(timer.clock.mark())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(forwards):
+            timer._forward_pre(module, ())
+        bwd_start = timer.clock.mark()  # what the backward wrapper marks around backward
+        for _ in range(buckets):
+            hook(None, bucket).wait()
+        timer._marks["bwd_end"] = bwd_end = timer.clock.mark()
+        timer._marks["backward"].append((bwd_start, bwd_end))
+        timer.on_pre_optimizer_step()
+        timer.on_optimizer_step()
+        timer.on_step_end(timer.clock.mark())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def hook_cost(layers: int = 12, linears: int = 8, repeats: int = 400) -> dict:
     """Median seconds of one backward of a stack of ``layers`` x ``linears`` tiny Linear layers (named as an
     encoder's, so each layer is one gradient group) without the time split's gradient hooks, with one per
     parameter, and after ``StepTimer._prune`` (one per group): the hooks' own host cost, on this process's
     clock (a CUDA run adds an event record per mark)."""
-    import time
-
     import torch
 
     from stnb.timesplit import HostClock, StepTimer
@@ -126,7 +178,6 @@ def hook_cost(layers: int = 12, linears: int = 8, repeats: int = 400) -> dict:
     timers = [StepTimer(clock=HostClock(), enabled=True) for _ in range(2)]
     for timer, m in zip(timers, (every, pruned)):
         timer._hook_gradients(m)
-    timers[1]._seen = {}
     backward(pruned)
     timers[1]._prune()  # what the first step's end does
     times = {"none_s": [], "every_parameter_s": [], "one_per_group_s": []}

@@ -82,7 +82,7 @@ MODULES = (
     # exposed communication, the problems and the per-rank table; the readings' bookkeeping (forward
     # calls, bytes per bucket, gradient groups). Left out: attach (wires the readings into a real trainer
     # and DDP/FSDP: only a launch reaches it; the slow tests/test_timesplit.py runs check what it feeds),
-    # the clocks (perf_counter; CUDA events need a GPU) and own_cost (the timer's overhead, a bench figure)
+    # the clocks (perf_counter; CUDA events need a GPU); own_cost, the timer's overhead, is a bench figure in the lab
     Module("timesplit", "stnb/timesplit.py", ("xǁStepTimerǁ__init__", "xǁStepTimerǁ_reset", "xǁStepTimerǁtimed",
                                               "xǁStepTimerǁ_hook_gradients", "xǁStepTimerǁ_grad_ready", "xǁStepTimerǁ_prune",
                                               "xǁStepTimerǁ_forward_pre", "xǁStepTimerǁ_gather_start",

@@ -152,18 +152,9 @@ def test_on_a_gpu_fsdps_gathers_in_flight_and_their_overlap_are_not_measured():
 
 def test_fsdp_forward_all_gathers_are_exposed_communication_not_forward():
     """FSDP: the unit's all-gather (between the two pre-hooks attach puts around FSDP's) leaves forward."""
-    clock = SimClock()
-    model = Net(clock)
-    timer, tr = attached(model)
     gather = 0.07
-    for unit in model.encoder.layer:  # what attach registers on each FSDP unit
-        unit.register_forward_pre_hook(timer._gather_start, prepend=True)
-        unit.register_forward_pre_hook(lambda m, a: clock.advance(gather))  # FSDP's own all-gather
-        unit.register_forward_pre_hook(timer._gather_end)
-    timer.comm = "FSDP forward all-gathers"
-    timer.on_step_begin(clock.now)
-    one_step(timer, tr, model, calls=1)
-    (st,) = timer.steps
+    timer, model, st = fsdp_step(SimClock(), gather)
+    assert len(timer.steps) == 1
     assert st["gathers"] == 2 and st["comm_total"] == pytest.approx(2 * gather)
     assert st["forward"] == pytest.approx(FORWARD) and st["comm_exposed"] == pytest.approx(2 * gather)
     assert st["comm_overlapped"] == 0.0 and len(st["comm_spans"]) == 2
@@ -627,7 +618,9 @@ def test_a_parameter_whose_gradient_never_came_keeps_its_hook():
 
 
 def test_the_hook_benchmark_times_a_backward_with_every_parameter_hooked_and_one_per_group():
-    from stnblab.splitbench import hook_cost
+    from stnblab.splitbench import hook_cost, own_cost
+
+    assert 0 < own_cost(buckets=2, repeats=5) < 1.0  # the timer's own code per simulated step (the bench's figure)
 
     o = hook_cost(layers=3, linears=2, repeats=3)
     assert (o["parameters"], o["groups"], o["hooks_left"]) == (12, 3, 3)

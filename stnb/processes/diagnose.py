@@ -125,22 +125,20 @@ def raised_then_peers_stalled(ev: Evidence):
 
 def stalled(ev: Evidence):
     wd = ev.watchdog
-    if wd.reason == "stalled" and wd.setting_up:
-        ranks = [ev.base + r for r in wd.stalled]
-        return ev.error(
-            f"rank(s) {', '.join(str(ev.base + r) for r in wd.setting_up)} stalled while setting up (joining the "
-            f"process group; on GPUs starting CUDA and NCCL's communicator): no progress for "
-            f"{wd.setup_limit:g} s. All ranks were stopped; each rank's stack follows. A peer "
-            "that never joined, an unreachable MASTER_ADDR or a blocked port are the usual causes.",
-            rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
     if wd.reason == "stalled":
         ranks = [ev.base + r for r in wd.stalled]
-        return ev.error(
-            f"rank(s) {', '.join(map(str, ranks))} stalled: no progress for {wd.stall_timeout:g} s "
-            "(e.g. waiting in a collective another rank never entered). All ranks were stopped; each "
-            "rank's stack at the time of the stall follows. Raise stall_timeout=... (or None) if the work "
-            "is legitimately long, or call stnb.heartbeat() in long loops.",
-            rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
+        if wd.setting_up:
+            message = (f"rank(s) {', '.join(str(ev.base + r) for r in wd.setting_up)} stalled while setting up "
+                       f"(joining the process group; on GPUs starting CUDA and NCCL's communicator): no progress for "
+                       f"{wd.setup_limit:g} s. All ranks were stopped; each rank's stack follows. A peer that never "
+                       "joined, an unreachable MASTER_ADDR or a blocked port are the usual causes.")
+        else:
+            message = (f"rank(s) {', '.join(map(str, ranks))} stalled: no progress for {wd.stall_timeout:g} s "
+                       "(e.g. waiting in a collective another rank never entered). All ranks were stopped; each "
+                       "rank's stack at the time of the stall follows. Raise stall_timeout=... (or None) if the work "
+                       "is legitimately long, or call stnb.heartbeat() in long loops.")
+        return ev.error(message, rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, kind="stalled",
+                        rank_traceback=ev.stacks())
 
 
 def _silent_ranks(ev: Evidence) -> dict:

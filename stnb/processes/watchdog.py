@@ -139,11 +139,13 @@ class Watchdog(threading.Thread):
         elif self.stall_timeout is not None:
             # a rank setting up (the CUDA context, the process group, NCCL's first communicator) gets at
             # least MIN_START_S like a rank starting; a running rank the stall limit
-            limits = {r: self.stall_timeout if s == RUNNING else max(self.stall_timeout, MIN_START_S)
-                      for r, s in ((r, self.ch.state(r)) for r in range(self.nproc)) if s in (RUNNING, SETTING_UP)}
+            setup_limit = max(self.stall_timeout, MIN_START_S)
+            states = {r: self.ch.state(r) for r in range(self.nproc)}
+            limits = {r: self.stall_timeout if s == RUNNING else setup_limit
+                      for r, s in states.items() if s in (RUNNING, SETTING_UP)}
             if limits and all(now - self.ch.last_progress(r) > limit for r, limit in limits.items()):
-                self.setting_up = sorted(r for r in limits if self.ch.state(r) == SETTING_UP)
-                self.setup_limit = max(self.stall_timeout, MIN_START_S)
+                self.setting_up = sorted(r for r in limits if states[r] == SETTING_UP)
+                self.setup_limit = setup_limit
                 self._halt("stalled", stalled=sorted(limits))
 
     def _report_progress(self) -> None:

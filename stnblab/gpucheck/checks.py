@@ -8,7 +8,6 @@ tests run the same functions with gloo ranks on CPU.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -22,6 +21,7 @@ import traceback
 from stnb.strategies import baseline_name, is_distributed
 from stnb.timesplit import problems as split_problems
 
+from ..splitbench import time_split
 from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
 from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
 from .report import Outcome
@@ -329,7 +329,7 @@ def check_ratio(check, machine) -> Outcome:
                 logged[who].append(data["logged_steps"])
                 levels[who].append(statistics.median(data["step_times"]))
                 continue
-            with _time_split(who == "stnb"):
+            with time_split(who == "stnb"):
                 result = run(cfg, echo=False)
             problems = _judge_training(result, check) if who == "stnb" else []
             if problems:
@@ -361,8 +361,9 @@ def check_ratio(check, machine) -> Outcome:
 def ratio_noise(levels: dict) -> float | None:
     """How far identical runs of one arm disagree: the largest (slowest / fastest) - 1 of the runs' median
     step times over the arms; None where an arm ran once (nothing to compare)."""
-    spreads = [max(v) / min(v) - 1 for v in levels.values() if len(v) >= 2]
-    return max(spreads) if spreads and all(len(v) >= 2 for v in levels.values()) else None
+    if not levels or any(len(v) < 2 for v in levels.values()):
+        return None
+    return max(max(v) / min(v) - 1 for v in levels.values())
 
 
 def ratio_verdict(ratio: float, noise: float | None, goal: float) -> tuple:
@@ -384,17 +385,6 @@ def ratio_verdict(ratio: float, noise: float | None, goal: float) -> tuple:
 
 #: the ratio row's arms: plain sentence-transformers, stnb, stnb with its time split off (STNB_TIME_SPLIT=off)
 RATIO_ARMS = ("plain", "stnb", "stnb_split_off")
-
-
-@contextlib.contextmanager
-def _time_split(on: bool):
-    """STNB_TIME_SPLIT for the runs inside (the ranks read it), put back after."""
-    before = os.environ.get("STNB_TIME_SPLIT")
-    os.environ["STNB_TIME_SPLIT"] = "on" if on else "off"
-    try:
-        yield
-    finally:
-        os.environ.pop("STNB_TIME_SPLIT") if before is None else os.environ.__setitem__("STNB_TIME_SPLIT", before)
 
 
 def st_docs_options(check, folder: str):
