@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass, field
 
 #: the worlds every exercise runs in, and the tensor lengths: none divisible by 2 or by 3
 WORLDS = (2, 3)
 RING_LENGTHS = (7, 11)
-#: how long a world may run before it counts as stuck (a send with no matching receive waits forever)
-STALL_S = 30
+#: how long a rank may run the attempt before it gives up (a receive whose send never comes waits forever):
+#: the rank itself says so and exits, before stnb.launch's stall limit (STALL_S) or torchrun's (TIMEOUT_S)
+LIMIT_S = 20
+STALL_S = 60
 TIMEOUT_S = 180
 #: the model whose parameters the ZeRO-1 step updates: 4x4 + 4 + 4x1 + 1 = 25 values
 ZERO1_SHAPES = ((4, 4), (4,), (1, 4), (1,))
@@ -101,13 +104,17 @@ def _ring_rank(fn, lengths):
             with _collectives_refused(dist):
                 out = fn(t)
         except _Refused as e:
-            return {"rank": rank, "problem": str(e), "first": True}
+            return _said({"rank": rank, "problem": str(e), "first": True})
         except Exception as e:  # noqa: BLE001 - the student's error, reported with its rank
-            return {"rank": rank, "problem": f"raised {type(e).__name__}: {e} (tensor of {n} elements)",
-                    "first": not _peer_gone(e)}
+            return _said({"rank": rank, "problem": f"raised {type(e).__name__}: {e} (tensor of {n} elements)",
+                          "first": not _peer_gone(e)})
         got = out if isinstance(out, torch.Tensor) else t
         problem = _first_difference(got, expected, given, n, exact=True, reference="torch.distributed.all_reduce")
-        if _any_rank(problem):  # every rank stops at the same length: none waits for a partner that left
+        try:
+            stop = _any_rank(problem)  # every rank stops at the same length: none waits for a partner that left
+        except Exception as e:  # noqa: BLE001 - another rank left (its own attempt raised): its error is shown
+            return {"rank": rank, "problem": f"raised {type(e).__name__}: {e}", "first": False}
+        if stop:
             return {"rank": rank, "problem": problem}
     return {"rank": rank, "problem": None}
 
@@ -187,7 +194,8 @@ def _zero1_rank(fn):
     try:
         opt = fn(params, ZERO1_LR)
     except Exception as e:  # noqa: BLE001 - the student's error, reported with its rank
-        return {"rank": rank, "problem": f"raised {type(e).__name__}: {e}", "state": 0, "first": not _peer_gone(e)}
+        return _said({"rank": rank, "problem": f"raised {type(e).__name__}: {e}", "state": 0,
+                      "first": not _peer_gone(e)})
     if not isinstance(opt, torch.optim.Optimizer):
         return {"rank": rank, "state": 0,
                 "problem": f"returned {type(opt).__name__}, not the torch.optim.Optimizer that took the step"}
@@ -201,6 +209,57 @@ def _zero1_rank(fn):
 
 
 # -------------------------------------------------------------------------------------------- shared --
+
+#: how a rank whose attempt raised says so in its output: its partners may still wait for it (a receive with no
+#: send), so the launch can end stopped, without any rank's result, and the verdict reads the rank's words there
+SAID = "stnblab.exercises: rank "
+
+
+def _said(result: dict) -> dict:
+    print(f"{SAID}{result['rank']}: {result['problem']}", flush=True)
+    return result
+
+
+GAVE_UP = "did not finish in"
+
+
+def _guarded(rank_fn, fn, *args):
+    """``rank_fn(fn, *args)`` in this rank, which gives up after LIMIT_S seconds: it says so and exits (the
+    other ranks, waiting for it, then fail or give up too)."""
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def give_up():
+        print(f"{SAID}{rank}: {GAVE_UP} {LIMIT_S} s", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(LIMIT_S, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        return rank_fn(fn, *args)
+    finally:
+        timer.cancel()
+
+
+def _from_output(text: str) -> str | None:
+    """Why a launch stopped without results, from what its ranks said: an attempt that raised (its partners
+    then wait for it), or ranks that gave up waiting."""
+    said = dict(re.findall(re.escape(SAID) + r"(\d+): (.*)", text))
+    gave_up = sorted((r for r, why in said.items() if why.startswith(GAVE_UP)), key=int)
+    raised = {r: why for r, why in said.items() if r not in gave_up and not _peer_gone(why)}
+    if raised:  # its own attempt failed; the others only lost it
+        rank = min(raised, key=int)
+        return f"rank {rank}: {raised[rank]}; the other ranks waited for it until they were stopped"
+    if gave_up:
+        return (f"rank(s) {', '.join(gave_up)} {GAVE_UP} {LIMIT_S} s: a receive whose send never comes (or a "
+                "blocking send that no rank receives) waits forever")
+    return None
+
 
 def _any_rank(problem) -> bool:
     """True on every rank when any rank found a problem (an all-reduce of one flag)."""
@@ -272,12 +331,16 @@ def _in_ranks(rank_fn, world: int, fn, *args):
         if capacity_problem("cpu", world) is None:
             import stnb
 
-            return stnb.launch(rank_fn, fn, *args, num_processes=world, device="cpu", echo=False,
+            return stnb.launch(_guarded, rank_fn, fn, *args, num_processes=world, device="cpu", echo=False,
                                stall_timeout=STALL_S, timeout=TIMEOUT_S)
         from .parallel.oversubscribe import launch_oversubscribed
 
         return launch_oversubscribed(_by_value, _packed(rank_fn, fn, args), num_processes=world, timeout=TIMEOUT_S)
     except LaunchError as e:
+        logs = getattr(e, "logs", None) or {}
+        said = _from_output("\n".join([str(e)] + [str(v) for _, v in sorted(logs.items())]))
+        if said:
+            return said
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"the ranks did not finish ({first[:300]}): a send with no matching receive waits forever"
 
@@ -304,4 +367,4 @@ def _by_value(packed: bytes):
     import pickle
 
     rank_fn, fn, args = pickle.loads(packed)
-    return rank_fn(fn, *args)
+    return _guarded(rank_fn, fn, *args)

@@ -155,3 +155,10 @@ def receive_only(t):
     buf = torch.empty_like(t)
     dist.irecv(buf, (rank - 1) % world).wait()
     return t + buf
+
+
+def fails_on_rank_1(t):
+    """Rank 1 raises before it sends anything; rank 0 is left waiting for it."""
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gave up")
+    return ring_all_reduce(t)
