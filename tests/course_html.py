@@ -66,6 +66,7 @@ code, pre { font: 13.5px/1.45 ui-monospace, SFMono-Regular, Menlo, Consolas, mon
 pre { overflow-x: auto; margin: 0; padding: .7em .9em; }
 .cell { margin: .9rem 0; }
 .input_area pre { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; }
+.text_cell_render pre { background: #f6f8fa; border-radius: 6px; }
 .output_subarea { margin-top: .4rem; overflow-x: auto; }
 .output_text pre, .output_error pre { background: #fff; border-left: 3px solid #d0d7de; white-space: pre-wrap; }
 .output_stderr pre { border-left-color: #d4a72c; }
