@@ -48,7 +48,7 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser cluster-deps lab test test-oldest mutants mutants-sample notebooks bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
+.PHONY: help venv install browser cluster-deps lab test test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
@@ -61,7 +61,8 @@ help:
 	@echo "                  (MUTANTS=\"results checks\" for some modules; docs/testing.md)"
 	@echo "  make mutants-sample  a fixed-seed sample of them (MUTANTS_SAMPLE=150 MUTANTS_SEED=19), what CI runs"
 	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
-	@echo "                  (NB=03: only notebooks/03_*.ipynb)"
+	@echo "                  (NB=03: only notebooks/03_*.ipynb), then make html"
+	@echo "  make html       the course as HTML pages from the committed notebooks (no execution): docs/course/"
 	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
 	@echo "  make cluster-deps  apt-get install slurm-wlm munge if slurmctld is missing (the cluster tests"
@@ -203,6 +204,14 @@ notebooks: install browser
 		echo "$$nb: $$((SECONDS - start)) s"; \
 	done
 	$(PY) tests/notebook_outputs.py --stamp $(NOTEBOOK_FILES)
+	$(PY) tests/course_html.py --out $(COURSE_HTML)
+
+# The course as HTML pages (docs/course/index.html), from the committed notebooks and their outputs, nothing
+# executed: for readers without Jupyter. Committed; tests/test_course_html.py rebuilds them and compares.
+COURSE_HTML ?= docs/course
+
+html: install
+	$(PY) tests/course_html.py --out $(COURSE_HTML)
 
 # ------------------------------------------------------------------ other --
 

@@ -6,12 +6,13 @@ published tables. It imports the core (``stnb``); the core never imports it (tes
     parallel    tensor and pipeline parallelism on the encoder (notebook 10)
     scaling     the predictor checked on published tables, and its CLI (``python -m stnb predict``)
     splitbench  the time split's benchmarks (``python -m stnb split``)
+    exercises   checkers for the notebooks' "implement it yourself" exercises (a ring all-reduce, a ZeRO-1 step)
     launchers   the bench's own ways of starting ranks (raw notebook_launcher, independent runs at once)
 
 ``python -m stnb`` finds the lab's subcommands through the ``stnb.cli`` entry point (``add_cli``).
 """
 
-_LAZY = ("bench", "gpucheck", "launchers", "parallel", "scaling", "splitbench")
+_LAZY = ("bench", "exercises", "gpucheck", "launchers", "parallel", "scaling", "splitbench")
 
 
 def add_cli(subparsers) -> None:

@@ -94,6 +94,10 @@ assert {r["backend"] for r in ranks} == {"nccl" if device == "cuda" else "gloo"}
 assert not torch.equal(local[0], local[1])                     # own data: different gradients
 assert all(torch.equal(h["synced"], hand[0]["synced"]) for h in hand)   # after the all-reduce: one gradient
 assert torch.allclose(hand[0]["synced"], sum(local) / N)      # the average of the local ones"""),
+        ('from stnblab import exercises',
+         """assert not verdict.passed                                     # the neighbour swap is no ring...
+assert verdict.lines[0].startswith("2 ranks, lengths 7, 11: every rank holds the sum")   # ...though right on 2
+assert verdict.lines[1].startswith("3 ranks: rank ") and "torch.distributed.all_reduce gives" in verdict.lines[1]"""),
         ('def ddp_step():',
          """assert steps[0]["weight[0,0] before DDP()"] != steps[1]["weight[0,0] before DDP()"]   # seeded apart
 assert all(s["after DDP()"] == steps[0]["weight[0,0] before DDP()"] for s in steps)   # rank 0's weights everywhere
@@ -246,6 +250,9 @@ assert rows.losses == runs.loc["ddp defaults"].losses"""),
         ('def zero1_by_hand():',
          """assert zero1["optimizer state covers"].sum() == zero1["parameters"].iloc[0]   # the partitions add up to the model
 assert (zero1["optimizer state covers"] < zero1["parameters"]).all()           # and each rank keeps only its part"""),
+        ('import torch\nfrom stnblab import exercises',
+         """assert not verdict.passed and len(verdict.lines) == 2
+assert all("one AdamW step on the full parameters gives" in line for line in verdict.lines)   # the values differ"""),
         ('def zero2_by_hand():',
          """assert zero2["weight whole after forward"].all() and (zero2["gradient"] == "DTensor").all()
 assert all(2 * held[0] == whole[0] for held, whole in zip(zero2["this rank holds"], zero2["global shape"]))"""),

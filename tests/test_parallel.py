@@ -168,3 +168,27 @@ def test_an_oversubscribed_rank_that_fails_is_reported_and_nothing_is_left(monke
     with pytest.raises(LaunchError, match=r"(?s)3 oversubscribed ranks failed.*deliberate failure in rank 1"):
         launch_oversubscribed(rankfns.raise_on, 1, None, 120.0, num_processes=3, timeout=120)
     assert procs.children() == []
+
+
+def test_oversubscribed_ranks_that_hang_are_stopped_with_their_torchrun(monkeypatch):
+    """torchrun starts each rank in a session of its own: at the timeout its ranks are stopped with it (a SIGKILL
+    to torchrun's group alone left them running, and the launch waiting on their output forever)."""
+    import os
+    from pathlib import Path
+
+    import psutil
+
+    import rankfns
+    from stnb.errors import LaunchError
+    from stnblab.parallel.oversubscribe import launch_oversubscribed
+
+    def ranks_alive():
+        return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["status"] != psutil.STATUS_ZOMBIE
+                and "stnblab.parallel.oversubscribe" in " ".join(p.info["cmdline"] or [])]
+
+    before = set(ranks_alive())
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(LaunchError, match=r"3 oversubscribed ranks did not finish in 20 s"):
+        launch_oversubscribed(rankfns.sleep_silent, 600.0, num_processes=3, timeout=20)
+    assert set(ranks_alive()) - before == set()

@@ -385,6 +385,52 @@ def test_notebook_follows_the_conventions(name):
     assert re.search(r"^## Exercises\s*\n+1\. ", text, re.M), f"{name}: exercises are not numbered"
 
 
+def question_problems(nb: dict) -> list:
+    """Why the notebook's closing questionnaire is not as CONTRIBUTING.md asks: a `## Questions` markdown cell
+    after the exercises, 4-6 numbered questions, each followed by its answer folded in a
+    `<details><summary>Answer</summary>` block whose text has a blank line on either side (without them
+    CommonMark, as GitHub and JupyterLab read it, shows the answer's markdown as raw text)."""
+    cells = [("".join(c["source"]), c["cell_type"]) for c in nb["cells"]]
+    exercises = next((i for i, (s, t) in enumerate(cells) if t == "markdown" and re.search(r"^## Exercises", s, re.M)), None)
+    found = [i for i, (s, t) in enumerate(cells) if t == "markdown" and re.search(r"^## Questions\s*$", s, re.M)]
+    if len(found) != 1:
+        return [f"{len(found)} '## Questions' cells (one after the exercises)"]
+    if exercises is None or found[0] <= exercises:
+        return ["'## Questions' comes before '## Exercises'"]
+    text = cells[found[0]][0]
+    items = re.split(r"^(?=\d+\. )", text.split("## Questions", 1)[1], flags=re.M)[1:]
+    out = [] if 4 <= len(items) <= 6 else [f"{len(items)} questions (4-6)"]
+    for k, item in enumerate(items, 1):
+        if not item.startswith(f"{k}. "):
+            out.append(f"question {k} is numbered {item.split('.', 1)[0]}")
+        if not re.search(r"\n\n   <details><summary>Answer</summary>\n\n   \S.*?\n\n   </details>\s*$", item, re.S):
+            out.append(f"question {k}: its answer is not a <details><summary>Answer</summary> block with a blank "
+                       "line on either side of the answer, indented under the question")
+    return out
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_closes_with_recall_questions(name):
+    import json
+
+    assert question_problems(json.loads((ROOT / "notebooks" / name).read_text())) == []
+
+
+def test_a_questionnaire_out_of_shape_is_found():
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / NOTEBOOKS[0]).read_text())
+    cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("## Questions"))
+    text = "".join(cell["source"])
+    cell["source"] = [text.replace("<details><summary>Answer</summary>\n\n", "<details><summary>Answer</summary>\n", 1)]
+    assert question_problems(nb) == ["question 1: its answer is not a <details><summary>Answer</summary> block with "
+                                     "a blank line on either side of the answer, indented under the question"]
+    cell["source"] = [re.split(r"^3\. ", text, flags=re.M)[0]]
+    assert question_problems(nb) == ["2 questions (4-6)"]
+    nb["cells"].remove(cell)
+    assert question_problems(nb) == ["0 '## Questions' cells (one after the exercises)"]
+
+
 def _reader_problems(nb: dict) -> list:
     """Cells that put the notebook's checks in the reader's way, read as GitHub's viewer reads the JSON:
     every code cell's source is shown (it ignores ``source_hidden`` and the ``hide-input`` tag), so any

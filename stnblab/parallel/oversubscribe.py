@@ -40,8 +40,7 @@ def launch_oversubscribed(fn, *args, num_processes: int, timeout: float = 600, *
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            output = _stop(proc)
             raise LaunchError(f"{num_processes} oversubscribed ranks did not finish in {timeout} s:\n"
                               f"{output[-TAIL:]}") from None
         if proc.returncode != 0:
@@ -52,6 +51,23 @@ def launch_oversubscribed(fn, *args, num_processes: int, timeout: float = 600, *
             with open(os.path.join(work, f"result.{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _stop(proc, grace: float = 30.0) -> str:
+    """Stop torchrun and its ranks; what they printed. torchrun starts each rank in a session of its own, so a
+    SIGKILL to torchrun's group would leave the ranks running (and holding the output pipe open: reading it
+    would never end). SIGTERM lets torchrun stop them first; SIGKILL only after ``grace`` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=grace)[0] or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            return proc.communicate(timeout=10)[0] or ""
+        except subprocess.TimeoutExpired:  # a rank outlived torchrun: stop reading its output
+            proc.stdout.close()
+            proc.wait()
+            return ""
 
 
 def _rank(work: str) -> None:
