@@ -1,0 +1,430 @@
+"""Which error a user is told after a failed launch, rule by rule, in the test process (fast).
+
+The evidence is real: a stnb Channel written the way ranks write it (``check_in``, ``write_error`` with
+the record ``rank.rank_main`` writes, ``write_result``), ranks that really ended (forked children that
+check in and exit or are killed, left as zombies the way torch elastic leaves them for the watchdog to
+read), an unstarted Watchdog carrying the findings its thread records (reason, stalled ranks, stacks,
+ended ranks) and the launcher's Outcome. The slow tests/test_faults.py and tests/fault_matrix.py reach
+the same rules through real launches; these state each rule's decision so mutation testing
+(``make mutants``) can hold it.
+
+The watchdog's decisions (``_tick``: stalled / not started / timed out; ``_track_ended``: a rank that
+ended silently) are driven with a controllable clock: the module's ``time`` is replaced (monkeypatch)
+by one whose ``time()`` the test sets. Stopping the ranks (dump_stacks, kill_ranks: signals to real
+pids, plumbing checked by the slow tests) is recorded instead, since the "ranks" here are this process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+
+import pytest
+
+from stnb.errors import LaunchError
+from stnb.processes import watchdog as watchdog_mod
+from stnb.processes.channel import DONE, Channel
+from stnb.processes.diagnose import diagnose
+from stnb.processes.peerfail import is_secondary, origin
+from stnb.processes.start import Outcome
+from stnb.processes.watchdog import EXIT_GRACE_S, MIN_START_S, Watchdog
+
+T0 = 1_000_000.0
+
+
+class Clock:
+    def __init__(self, now=T0):
+        self.now = now
+
+    def time(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+class Recorded(Watchdog):
+    """The watchdog with its two signal-sending steps recorded instead of sent (the ranks are this process)."""
+
+    def dump_stacks(self):
+        return {r: f"stack of local rank {r}" for r in self.ch.pids()}
+
+    def kill_ranks(self):
+        self.killed = sorted(self.ch.pids())
+
+
+@pytest.fixture
+def ch():
+    c = Channel(3)  # the tests use 2 or 3 of its rows
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(watchdog_mod, "time", c)
+    return c
+
+
+_children = []
+
+
+def ended_rank(ch, r, how):
+    """A real rank process: checks in (as rank_main does) and ends by ``how`` (an exit code or a signal
+    name); left a zombie, as torch elastic leaves a rank until it reaps it."""
+    pid = os.fork()
+    if pid == 0:
+        ch.check_in(r)
+        if isinstance(how, str):
+            faulthandler.disable()  # (pytest's would print this child's stack on SIGSEGV)
+            os.kill(os.getpid(), getattr(signal, how))
+        os._exit(how)
+    _children.append(pid)
+    deadline = time.time() + 10
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        assert time.time() < deadline
+        time.sleep(0.005)
+    return pid
+
+
+@pytest.fixture(autouse=True)
+def reap():
+    yield
+    while _children:
+        os.waitpid(_children.pop(), 0)
+
+
+def error(ch, r, typ, message, t, base=0):
+    if not ch.started(r):
+        ch.check_in(r)
+    ch.write_error(r, {"rank": base + r, "local_rank": r, "type": typ, "message": message,
+                       "traceback": f"Traceback of {typ} in rank {base + r}", "time": t})
+
+
+def wd_of(ch, nproc=2, **found):
+    wd = Watchdog(ch, nproc, timeout=found.pop("timeout", None), stall_timeout=found.pop("stall_timeout", 30.0),
+                  on_progress=None, echo=False)
+    for k, v in found.items():
+        setattr(wd, k, v)
+    return wd
+
+
+def told(ch, wd, outcome=None, nproc=2, node_rank=0, start_method="fork"):
+    err = diagnose(ch, wd, outcome or Outcome(), nproc, node_rank, start_method)
+    assert isinstance(err, LaunchError), err
+    return err
+
+
+# ---- peerfail: the origin --------------------------------------------------------------------
+
+def test_what_a_peer_failure_makes_a_rank_raise_is_secondary():
+    assert is_secondary({"type": "DistBackendError", "message": "x"})
+    assert is_secondary({"type": "RuntimeError", "message": "gloo: Connection closed by peer [x]"})
+    assert not is_secondary({"type": "RuntimeError", "message": "shape mismatch"})
+    assert not is_secondary({"type": "ValueError", "message": None})
+
+
+def test_origin_is_the_earliest_own_error_else_the_earliest():
+    assert origin([]) is None
+    peer = {"type": "DistNetworkError", "message": "", "time": 1.0}
+    own_late = {"type": "ValueError", "message": "bad", "time": 3.0}
+    own_early = {"type": "KeyError", "message": "k", "time": 2.0}
+    assert origin([peer, own_late, own_early]) is own_early
+    peer2 = {"type": "RuntimeError", "message": "Broken pipe", "time": 0.5}
+    assert origin([peer, peer2]) is peer2
+
+
+# ---- diagnose: each rule ---------------------------------------------------------------------
+
+def test_every_rank_returned_is_no_error(ch):
+    for r in range(2):
+        ch.check_in(r)
+        ch.write_result(r, b"x")
+    assert diagnose(ch, wd_of(ch), Outcome(), 2, 0) is None
+
+
+def test_interrupted_is_a_keyboard_interrupt(ch):
+    err = diagnose(ch, wd_of(ch, reason="timeout", timeout=5.0), Outcome(interrupted=True), 2, 0)
+    assert type(err) is KeyboardInterrupt and "interrupted" in str(err)
+
+
+def test_timed_out_names_every_rank_of_the_node_with_their_stacks(ch):
+    wd = wd_of(ch, reason="timeout", timeout=2.5, stacks={1: "B", 0: "  "})
+    err = told(ch, wd, node_rank=1)
+    assert str(err).startswith("launch timed out after 2.5 s; all 2 ranks were stopped. Raise timeout=...")
+    assert (err.ranks, err.rank, err.kind) == ([2, 3], None, "timeout")
+    assert err.rank_traceback == "--- stack of rank 2 ---\n(no stack captured)\n--- stack of rank 3 ---\nB"
+
+
+@pytest.mark.parametrize("method,limit,why", [("fork", 10.0, "forked while another thread held a lock"),
+                                              ("spawn", 90.0, "raise stall_timeout=...")])
+def test_not_started_names_the_ranks_and_the_limit(ch, method, limit, why):
+    ch.check_in(0)
+    err = told(ch, wd_of(ch, reason="not started", stalled=[1], stall_timeout=limit), start_method=method)
+    assert str(err).startswith(f"rank(s) 1 did not start within {max(limit, MIN_START_S):g} s after the launch "
+                               f"began ({method}); all ranks were stopped.")
+    assert why in str(err)
+    assert (err.ranks, err.kind) == ([1], "stalled")
+
+
+def test_spawned_rank_that_died_before_stnb_ran_names_it(ch):
+    ch.check_in(0)
+    out = Outcome(failure=RuntimeError("elastic"), exit_codes={0: -15, 1: 1, 2: 1})
+    err = told(ch, wd_of(ch, 3), out, nproc=3, start_method="spawn")
+    assert str(err).startswith("rank 1 exited (exit code 1) while its new Python process was starting")
+    assert (err.rank, err.ranks, err.kind) == (1, [1, 2], "exited")
+    # forked ranks run stnb's code at once: the rule is spawn's
+    assert "new Python process" not in str(told(ch, wd_of(ch, 3), out, nproc=3, start_method="fork"))
+
+
+def test_a_rank_raised_then_its_peers_stalled_names_the_raiser(ch):
+    error(ch, 0, "ValueError", "bad batch", T0)
+    ch.check_in(1)
+    err = told(ch, wd_of(ch, reason="stalled", stalled=[1], stall_timeout=12.0, stacks={1: "S"}))
+    assert str(err).startswith("rank 0 raised ValueError: bad batch (rank(s) 1 then waited for it with no "
+                               "progress for 12 s and all ranks were stopped)")
+    assert (err.rank, err.ranks, err.kind) == (0, [0, 1], "raised")
+    assert err.rank_traceback.startswith("--- traceback of rank 0 ---\nTraceback of ValueError in rank 0\n"
+                                         "--- stack of rank 1 ---\nS")
+
+
+def test_stalled_ranks_named_one_is_the_rank_several_none(ch):
+    for r in range(2):
+        ch.check_in(r)
+    err = told(ch, wd_of(ch, reason="stalled", stalled=[0, 1], stall_timeout=7.0), node_rank=1)
+    assert str(err).startswith("rank(s) 2, 3 stalled: no progress for 7 s")
+    assert (err.rank, err.ranks, err.kind) == (None, [2, 3], "stalled")
+    # ... with node_rank 1: global ranks; one stalled rank is the rank
+    err = told(ch, wd_of(ch, reason="stalled", stalled=[1], stall_timeout=7.0), node_rank=0)
+    assert (err.rank, err.ranks) == (1, [1])
+    # a peer's consequence (secondary) is not the raiser: the stall is told
+    error(ch, 0, "DistBackendError", "Connection closed by peer", T0)
+    err = told(ch, wd_of(ch, reason="stalled", stalled=[1], stall_timeout=7.0))
+    assert (err.rank, err.kind) == (1, "stalled")
+
+
+@pytest.mark.parametrize("how,why,kind", [
+    ("SIGKILL", "was killed by SIGKILL (from outside, or by the out-of-memory killer: try a smaller batch size)",
+     "killed"),
+    ("SIGSEGV", "was killed by SIGSEGV;", "killed"),
+    (3, "exited (exit code 3) without returning a result or raising an exception", "exited"),
+])
+def test_a_rank_that_ended_silently_is_named_with_how(ch, how, why, kind):
+    ended_rank(ch, 1, how)
+    ch.check_in(0)
+    wd = wd_of(ch)
+    wd._track_ended(time.time())
+    assert list(wd.ended) == [1]
+    wd.reason, wd.stalled = "exited", [1]
+    err = told(ch, wd)
+    assert str(err).startswith(f"rank 1 {why}"), str(err)
+    assert (err.rank, err.ranks, err.kind) == (1, [1], kind)
+
+
+def test_a_rank_killed_then_its_peer_complaining_names_the_killed_one(ch):
+    ended_rank(ch, 1, "SIGKILL")
+    wd = wd_of(ch)
+    wd._track_ended(T0)
+    error(ch, 0, "RuntimeError", "Connection closed by peer\nmore", T0 + 0.5)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -9}))
+    assert str(err).startswith("rank 1 was killed by SIGKILL")
+    assert " Rank 0 then raised RuntimeError: Connection closed by peer (a consequence)." in str(err)
+    assert (err.rank, err.ranks, err.kind) == (1, [1], "killed")
+    assert "--- traceback of rank 0 ---\nTraceback of RuntimeError in rank 0" in err.rank_traceback
+
+
+def test_exit_code_unknown_to_the_watchdog_is_taken_from_the_launcher(ch):
+    ended_rank(ch, 1, 0)
+    wd = wd_of(ch)
+    wd.ended = {1: (T0, None)}
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: -9}))
+    assert str(err).startswith("rank 1 was killed by SIGKILL") and err.kind == "killed"
+
+
+def test_a_peer_that_never_joined_the_collective_is_named(ch):
+    ended_rank(ch, 0, 1)
+    wd = wd_of(ch, 3)
+    wd._track_ended(T0)
+    error(ch, 0, "DistBackendError", "Connection reset by peer", T0 + 0.1)
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1}), nproc=3)
+    assert str(err).startswith("rank(s) 1, 2 never joined the collective rank 0 waited in: rank 0 raised "
+                               "DistBackendError: Connection reset by peer (a consequence).")
+    assert (err.rank, err.ranks, err.kind) == (None, [0, 1, 2], "stalled")
+
+
+def test_raised_names_the_origin_and_lists_the_others(ch):
+    error(ch, 0, "RuntimeError", "Broken pipe", T0)  # a consequence, though earlier
+    error(ch, 1, "ValueError", "bad label", T0 + 1)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: 1}))
+    assert str(err).startswith("rank 1 raised ValueError: bad label (rank(s) 0 failed too)")
+    assert (err.rank, err.ranks, err.kind) == (1, [0, 1], "raised")
+    assert err.rank_traceback == "--- traceback of rank 1 ---\nTraceback of ValueError in rank 1"
+
+
+def test_raised_alone_says_nothing_of_others_and_collateral_is_not_an_origin(ch):
+    error(ch, 0, "KeyboardInterrupt", "", T0)
+    error(ch, 1, "ValueError", "bad", T0 + 1)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: 1}))
+    assert str(err).split("\n")[0] == "rank 1 raised ValueError: bad"
+    assert (err.rank, err.ranks) == (1, [1])
+
+
+def test_sys_exit_in_a_rank_is_told_as_such(ch):
+    error(ch, 1, "SystemExit", "3", T0 + 1)
+    error(ch, 0, "SystemExit", "2", T0 + 2)
+    ch.write_result(0, b"x")
+    err = told(ch, wd_of(ch))
+    assert str(err).startswith("rank 1 raised SystemExit: 3 (sys.exit() ends a rank without a result")
+    assert (err.rank, err.ranks, err.kind) == (1, [0, 1], "exited")
+    # a failed launch: only the ranks the launcher saw fail count
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 2, 1: 0}))
+    assert (err.rank, err.ranks) == (0, [0])
+
+
+def test_exit_code_without_an_exception_is_told(ch):
+    error(ch, 1, "KeyboardInterrupt", "", T0)
+    error(ch, 0, "SignalException", "", T0)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 0, 1: 4}))
+    assert str(err).split("\n")[0] == "rank 1 exited with code 4 without raising a Python exception; " \
+                                      "the other ranks were stopped."
+    assert (err.rank, err.ranks, err.kind) == (1, [1], "exited")
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={1: -11, 0: -15}), node_rank=2)
+    assert str(err).split("\n")[0] == "rank 4 was killed by SIGTERM; the other ranks were stopped."
+    assert (err.rank, err.ranks, err.kind) == (4, [4, 5], "killed")
+
+
+def test_only_stopped_ranks_name_the_first_stop(ch):
+    error(ch, 1, "KeyboardInterrupt", "stop", T0 + 1)
+    error(ch, 0, "SignalException", "got 15", T0 + 2)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={}))
+    assert str(err).startswith("rank 1 raised KeyboardInterrupt: stop")
+    assert (err.rank, err.ranks, err.kind) == (1, [0, 1], "raised")
+
+
+def test_launcher_failure_before_any_rank_reported(ch):
+    err = told(ch, wd_of(ch), Outcome(failure=OSError("no port")))
+    assert str(err).startswith("the launch failed before any rank reported an error: OSError: no port")
+    assert (err.rank, err.ranks, err.kind) == (None, [], "exited")
+    assert "OSError: no port" in err.rank_traceback
+
+
+# ---- the watchdog's decisions ------------------------------------------------------------------
+
+def test_stalled_only_when_every_running_rank_stopped_progressing(ch, clock):
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
+    wd.start_time = T0
+    for r in range(2):
+        ch.check_in(r)
+        ch.mark_progress(r, T0)
+    clock.now = T0 + 10.0  # exactly the limit: not yet
+    wd._tick()
+    assert wd.reason is None
+    ch.mark_progress(1, T0 + 9.0)  # rank 1 progresses, rank 0 is slow
+    clock.now = T0 + 15.0
+    wd._tick()
+    assert wd.reason is None
+    clock.now = T0 + 19.5
+    wd._tick()
+    assert (wd.reason, wd.stalled, wd.killed) == ("stalled", [0, 1], [0, 1])
+    assert wd.stacks == {0: "stack of local rank 0", 1: "stack of local rank 1"}
+
+
+def test_a_rank_done_is_not_waited_on_for_progress(ch, clock):
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
+    for r in range(2):
+        ch.check_in(r)
+        ch.mark_progress(r, T0)
+    ch.set_state(0, DONE)
+    ch.mark_progress(0, T0 + 100)  # irrelevant: it is done
+    clock.now = T0 + 11
+    wd._tick()
+    assert (wd.reason, wd.stalled) == ("stalled", [1])
+
+
+def test_no_stall_limit_no_stall_and_the_overall_timeout(ch, clock):
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=None, on_progress=None, echo=False)
+    wd.start_time = T0
+    clock.now = T0 + 1e6
+    wd._tick()
+    assert wd.reason is None
+    wd = Recorded(ch, 2, timeout=50.0, stall_timeout=1.0, on_progress=None, echo=False)
+    wd.start_time = T0
+    clock.now = T0 + 50.0
+    wd._tick()
+    assert wd.reason is None  # (not started yet, and the start limit is MIN_START_S)
+    clock.now = T0 + 50.5
+    wd._tick()
+    assert (wd.reason, wd.stalled) == ("timeout", [])
+
+
+def test_ranks_not_started_within_the_start_limit(ch, clock):
+    ch.check_in(0)
+    ch.mark_progress(0, T0 + 1e5)
+    for limit in (10.0, MIN_START_S + 40):
+        wd = Recorded(ch, 2, timeout=None, stall_timeout=limit, on_progress=None, echo=False)
+        wd.start_time = T0
+        clock.now = T0 + max(limit, MIN_START_S)
+        wd._tick()
+        assert wd.reason is None and not wd._checked_in
+        clock.now += 0.5
+        wd._tick()
+        assert (wd.reason, wd.stalled) == ("not started", [1])
+
+
+def test_progress_is_reported_every_half_second_once_all_started(ch, clock):
+    seen = []
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=None, on_progress=seen.append, echo=False)
+    ch.check_in(0)
+    clock.now = T0
+    wd._tick()
+    assert seen == []
+    ch.check_in(1)
+    wd._tick()
+    assert len(seen) == 1 and [s.state for s in seen[0]][:2] == ["running", "running"]
+    clock.now = T0 + 0.4
+    wd._tick()
+    assert len(seen) == 1
+    clock.now = T0 + 0.5
+    wd._tick()
+    assert len(seen) == 2
+
+
+def test_ended_ranks_are_tracked_and_a_silent_one_stops_the_launch_after_the_grace(ch):
+    ended_rank(ch, 1, 7)
+    ch.check_in(0)
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=None, on_progress=None, echo=False)
+    wd._track_ended(T0)
+    assert wd.ended == {1: (T0, 7)}
+    wd._track_ended(T0 + 1.0)
+    assert wd.ended == {1: (T0, 7)}  # seen once: the first time counts
+    wd._track_ended(T0 + EXIT_GRACE_S)
+    assert wd.reason is None
+    wd._track_ended(T0 + EXIT_GRACE_S + 0.1)
+    assert (wd.reason, wd.stalled, wd.stacks) == ("exited", [1], {})
+
+
+def test_an_ended_rank_that_left_an_error_or_result_is_not_silent(ch):
+    ended_rank(ch, 1, 0)
+    ended_rank(ch, 0, 1)
+    ch.write_result(1, b"x")
+    error(ch, 0, "ValueError", "v", T0)
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=None, on_progress=None, echo=False)
+    wd._track_ended(T0)
+    wd._track_ended(T0 + 10)
+    assert wd.reason is None and sorted(wd.ended) == [0, 1]
+
+
+def test_ended_ranks_are_not_tracked_after_the_launcher_returned(ch):
+    ended_rank(ch, 1, 0)
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=None, on_progress=None, echo=False)
+    wd.returned_at = T0
+    wd._track_ended(T0 + 10)
+    assert wd.ended == {} and wd.reason is None
