@@ -149,6 +149,17 @@ MODULES = (
     Module("prepare", "stnb/prepare.py", ("x_describe", "x_training_facts", "x__rows", "x_call_build",
                                           "x_check_trainer", "x_refusals", "x_own_display", "x_apply_overrides",
                                           "x_rebind_loss_model", "x__model_refs")),
+    # ---- issue 33 item 3: the launch's error and stall paths (tests/test_diagnose_rules.py) ----------
+    # which error a user is told after a failed launch: every rule, the rank named, the kind
+    Module("processes/diagnose", "stnb/processes/diagnose.py"),
+    # which rank's failure is the origin. Left out: nccl_env, collective_timeout, open_wait_group,
+    # wait_for_all (process-group settings handed to torch.distributed in the ranks: the slow launch tests)
+    Module("processes/peerfail", "stnb/processes/peerfail.py", ("x_is_secondary", "x_origin")),
+    # when a launch is declared stalled, not started, timed out, or ended by a silent rank. Left out:
+    # run / finish / __enter__ (the thread's start, loop and stop), dump_stacks and kill_ranks (signals
+    # sent to real ranks), _report_progress (a callback guard): plumbing the slow launch tests exercise
+    Module("processes/watchdog", "stnb/processes/watchdog.py", ("xǁWatchdogǁ_tick", "xǁWatchdogǁ_track_ended",
+                                                                "xǁWatchdogǁ_halt")),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the

@@ -428,3 +428,78 @@ def test_ended_ranks_are_not_tracked_after_the_launcher_returned(ch):
     wd.returned_at = T0
     wd._track_ended(T0 + 10)
     assert wd.ended == {} and wd.reason is None
+
+
+# ---- what travels with the error: the rank's last output, every rank's logs, the tracebacks ------
+
+def write_log(ch, wd, r, lines):
+    """A rank's output file, as a rank's redirected stdout/stderr fills it; the watchdog relays it."""
+    with open(ch.path("log", r), "w") as f:
+        f.write("".join(f"{line}\n" for line in lines))
+    wd.relay.relay(final=True)
+
+
+def test_a_killed_rank_comes_with_its_last_20_lines_of_output_and_every_log(ch):
+    ended_rank(ch, 1, "SIGKILL")
+    ch.check_in(0)
+    wd = wd_of(ch)
+    wd._track_ended(time.time())
+    wd.reason, wd.stalled = "exited", [1]
+    write_log(ch, wd, 0, ["rank 0 says"])
+    write_log(ch, wd, 1, [f"line {i}" for i in range(25)])
+    err = told(ch, wd, node_rank=1)
+    assert err.rank_traceback == "--- last output of rank 3 ---\n" + "\n".join(f"line {i}" for i in range(5, 25))
+    assert err.logs[0] == "rank 0 says\n" and err.logs[1].startswith("line 0\n")
+
+
+def test_exit_code_comes_with_the_ranks_last_output(ch):
+    error(ch, 0, "KeyboardInterrupt", "", T0)
+    ch.write_result(1, b"x")
+    wd = wd_of(ch)
+    write_log(ch, wd, 1, ["one", "two"])
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: 4}))
+    assert err.rank_traceback == "--- last output of rank 1 ---\none\ntwo"
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={1: 4}))
+    assert err.rank_traceback == ""  # no output: nothing shown
+
+
+def test_stopped_only_carries_the_traceback(ch):
+    error(ch, 1, "KeyboardInterrupt", "stop", T0 + 1)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic")))
+    assert err.rank_traceback == "--- traceback of rank 1 ---\nTraceback of KeyboardInterrupt in rank 1"
+
+
+def test_a_signal_without_a_name_is_told_by_number(ch):
+    error(ch, 0, "KeyboardInterrupt", "", T0)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: -40}))
+    assert str(err).split("\n")[0] == "rank 0 was killed by signal 40; the other ranks were stopped."
+
+
+def test_a_peer_error_without_a_message_is_named_with_an_empty_first_line(ch):
+    ended_rank(ch, 0, 1)
+    wd = wd_of(ch)
+    wd._track_ended(T0)
+    error(ch, 0, "DistBackendError", "", T0 + 0.1)
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1}))
+    assert "rank 0 raised DistBackendError:  (a consequence)." in str(err)
+
+
+def test_the_launchers_own_failure_is_shown_whole():
+    def fail():
+        e = OSError("no port")
+        e.add_note("tried 29500")
+        raise e
+    try:
+        fail()
+    except OSError as e:
+        failure = e
+    c = Channel(2)
+    try:
+        err = told(c, wd_of(c), Outcome(failure=failure))
+    finally:
+        c.cleanup()
+    assert str(err).split("\n")[0] == "the launch failed before any rank reported an error: OSError: no port"
+    assert str(err).split("\n")[1] == "tried 29500"
+    lines = err.rank_traceback.splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[-2:] == ["OSError: no port", "tried 29500"]
+    assert all(ln.startswith(("Traceback", "  ", "OSError", "tried")) for ln in lines), lines
