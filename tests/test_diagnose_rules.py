@@ -503,3 +503,75 @@ def test_the_launchers_own_failure_is_shown_whole():
     lines = err.rank_traceback.splitlines()
     assert lines[0] == "Traceback (most recent call last):" and lines[-2:] == ["OSError: no port", "tried 29500"]
     assert all(ln.startswith(("Traceback", "  ", "OSError", "tried")) for ln in lines), lines
+
+
+def test_the_one_rank_that_never_joined_is_the_rank_with_its_output(ch):
+    ended_rank(ch, 0, 1)
+    wd = wd_of(ch, 3)
+    wd._track_ended(T0)
+    error(ch, 0, "DistBackendError", "Connection reset by peer", T0 + 0.1, base=3)
+    ch.write_result(2, b"x")  # rank 2 returned: it joined
+    write_log(ch, wd, 1, ["busy elsewhere"])
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1}), nproc=3, node_rank=1)
+    assert str(err).startswith("rank(s) 4 never joined the collective rank 3 waited in")
+    assert (err.rank, err.ranks, err.kind) == (4, [3, 4], "stalled")
+    assert err.rank_traceback == ("--- last output of rank 4 ---\nbusy elsewhere\n"
+                                  "--- traceback of rank 3 ---\nTraceback of DistBackendError in rank 3")
+
+
+def test_sys_exit_carries_its_traceback(ch):
+    error(ch, 1, "SystemExit", "3", T0)
+    err = told(ch, wd_of(ch))
+    assert err.rank_traceback == "--- traceback of rank 1 ---\nTraceback of SystemExit in rank 1"
+
+
+def silent_ended(ch, wd, r, t, code):
+    """A rank that checked in and ended without a result or an error record, as the watchdog noted it."""
+    ch.check_in(r)
+    wd.ended[r] = (t, code)
+
+
+@pytest.mark.parametrize("returned,blamed", [(T0 + 5, True), (T0 + 4.9, False)])
+def test_a_silent_rank_is_blamed_only_if_it_ended_before_the_launcher_returned(ch, returned, blamed):
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 1, T0 + 5, -9)
+    wd.returned_at = returned
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic")))
+    first = str(err).split("\n")[0]
+    assert first.startswith("rank 1 was killed by SIGKILL" if blamed else "the launch failed before"), first
+
+
+@pytest.mark.parametrize("ended_after,blamed", [(1.0, True), (1.5, False)])
+def test_a_silent_rank_is_the_cause_only_if_it_ended_within_a_second_of_the_error(ch, ended_after, blamed):
+    error(ch, 0, "ValueError", "bad", T0)
+    wd = wd_of(ch)
+    wd.ended[0] = (T0 + 0.2, 1)
+    silent_ended(ch, wd, 1, T0 + ended_after, -9)
+    wd.returned_at = T0 + 3
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -9}))
+    first = str(err).split("\n")[0]
+    if blamed:
+        assert first.startswith("rank 1 was killed by SIGKILL") and "Rank 0 then raised ValueError: bad" in first
+    else:
+        assert first == "rank 0 raised ValueError: bad"
+
+
+def test_a_rank_sigtermed_before_the_raiser_ended_is_not_taken_as_stopped_by_elastic(ch):
+    """The raiser (rank 0) ended last: only a SIGTERM after it ended is elastic stopping a peer."""
+    error(ch, 0, "ValueError", "bad", T0)
+    wd = wd_of(ch, 3)
+    wd.ended[0] = (T0 + 1.0, 1)
+    silent_ended(ch, wd, 2, T0, -9)
+    silent_ended(ch, wd, 1, T0 + 0.5, -15)
+    wd.returned_at = T0 + 3
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -15, 2: -9}), nproc=3)
+    assert str(err).startswith("rank 1 was killed by SIGTERM")
+    assert err.ranks == [1, 2]
+
+
+def test_exit_codes_blame_the_silent_rank_that_failed_not_the_one_that_exited_0(ch):
+    for r in range(2):
+        ch.check_in(r)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 0, 1: 3}))
+    assert str(err).startswith("rank 1 exited (exit code 3) without returning a result or raising an exception")
+    assert (err.rank, err.ranks, err.kind) == (1, [1], "exited")
