@@ -575,3 +575,55 @@ def test_exit_codes_blame_the_silent_rank_that_failed_not_the_one_that_exited_0(
     err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 0, 1: 3}))
     assert str(err).startswith("rank 1 exited (exit code 3) without returning a result or raising an exception")
     assert (err.rank, err.ranks, err.kind) == (1, [1], "exited")
+
+
+@pytest.mark.parametrize("code", [-9, 3])
+def test_a_silent_rank_unseen_by_the_watchdog_is_not_blamed_for_another_ranks_own_error(ch, code):
+    error(ch, 0, "ValueError", "bad", T0)
+    ch.check_in(1)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: code}))
+    assert str(err).split("\n")[0] == "rank 0 raised ValueError: bad"
+
+
+def test_a_rank_killed_unseen_by_the_watchdog_is_the_cause_of_a_peers_complaint(ch):
+    error(ch, 0, "RuntimeError", "Connection closed by peer", T0)
+    ch.check_in(1)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -9}))
+    assert str(err).startswith("rank 1 was killed by SIGKILL") and err.kind == "killed"
+
+
+def test_the_watchdogs_exit_code_wins_over_the_launchers(ch):
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 1, T0, -9)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: 1}))
+    assert str(err).startswith("rank 1 was killed by SIGKILL")
+
+
+def test_the_peer_that_left_no_trace_is_the_cause(ch):
+    error(ch, 0, "RuntimeError", "Connection closed by peer", T0)
+    ch.check_in(1)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: 0}))
+    assert str(err).startswith("rank 1 exited (exit code 0) without returning a result")
+    assert (err.rank, err.ranks) == (1, [1])
+
+
+def test_seen_ending_together_the_sigkilled_rank_is_named_not_the_sigtermed_one(ch):
+    """The watchdog saw both end in one poll and could not read rank 1's code (reaped): the launcher's
+    -9 makes rank 1 the failure and rank 0's SIGTERM elastic stopping it."""
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 1, T0, None)
+    silent_ended(ch, wd, 0, T0, -15)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: -9, 0: -15}))
+    assert str(err).startswith("rank 1 was killed by SIGKILL")
+    assert err.ranks == [1]
+
+
+def test_a_peer_elastic_stopped_before_the_watchdog_saw_it_is_not_the_cause(ch):
+    error(ch, 0, "RuntimeError", "Connection closed by peer", T0)
+    wd = wd_of(ch)
+    wd.ended[0] = (T0, 1)
+    ch.check_in(1)
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -15}))
+    assert str(err).startswith("rank(s) 1 never joined the collective rank 0 waited in")
