@@ -627,3 +627,43 @@ def test_a_peer_elastic_stopped_before_the_watchdog_saw_it_is_not_the_cause(ch):
     ch.check_in(1)
     err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -15}))
     assert str(err).startswith("rank(s) 1 never joined the collective rank 0 waited in")
+
+
+def test_the_watchdogs_silent_rank_is_named_even_long_after_another_ranks_error(ch):
+    """Rank 0 raised and hangs; rank 1 ended silently 5 s later: the watchdog stopped the launch for it."""
+    error(ch, 0, "ValueError", "bad", T0)
+    wd = wd_of(ch, reason="exited", stalled=[1])
+    silent_ended(ch, wd, 1, T0 + 5, 0)
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: 0}))
+    assert str(err).split("\n")[0] == (
+        "rank 1 exited (exit code 0) without returning a result or raising an exception (did the function call "
+        "os._exit()/sys.exit(), or did a library end the process?); the other ranks were stopped. "
+        "Rank 0 then raised ValueError: bad (a consequence).")
+    assert (err.rank, err.ranks, err.kind) == (1, [1], "exited")
+
+
+def test_the_watchdogs_cause_is_named_not_a_rank_it_killed_itself(ch):
+    wd = wd_of(ch, reason="exited", stalled=[1])
+    silent_ended(ch, wd, 1, T0, 0)
+    silent_ended(ch, wd, 0, T0 + 2.05, -9)  # killed by the watchdog's stop
+    err = told(ch, wd)
+    assert str(err).startswith("rank 1 exited (exit code 0)") and err.ranks == [0, 1]
+
+
+def test_of_silent_ranks_the_one_with_a_known_exit_code_is_named(ch):
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 0, T0 - 0.5, None)
+    silent_ended(ch, wd, 1, T0, -9)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic")))
+    assert str(err).startswith("rank 1 was killed by SIGKILL") and err.ranks == [0, 1]
+
+
+def test_a_silent_rank_without_an_exit_code_was_killed_from_outside(ch):
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 1, T0, None)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic")))
+    assert str(err).startswith("rank 1 ended without returning a result or raising an exception (killed from "
+                               "outside, e.g. SIGKILL or the out-of-memory killer")
+    assert err.kind == "killed"
