@@ -318,12 +318,25 @@ def test_launcher_failure_before_any_rank_reported(ch):
 
 # ---- the watchdog's decisions ------------------------------------------------------------------
 
+def running(ch, r, t):
+    """A rank that checked in, joined its world and runs the function (as rank_main: check_in, set_up),
+    its last progress at ``t``."""
+    ch.check_in(r)
+    ch.set_up(r)
+    ch.mark_progress(r, t)
+
+
+def setting_up(ch, r, t):
+    """A rank that checked in and is still joining its world (rank_main between check_in and set_up)."""
+    ch.check_in(r)
+    ch.mark_progress(r, t)
+
+
 def test_stalled_only_when_every_running_rank_stopped_progressing(ch, clock):
     wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
     wd.start_time = T0
     for r in range(2):
-        ch.check_in(r)
-        ch.mark_progress(r, T0)
+        running(ch, r, T0)
     clock.now = T0 + 10.0  # exactly the limit: not yet
     wd._tick()
     assert wd.reason is None
@@ -340,8 +353,7 @@ def test_stalled_only_when_every_running_rank_stopped_progressing(ch, clock):
 def test_a_rank_done_is_not_waited_on_for_progress(ch, clock):
     wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
     for r in range(2):
-        ch.check_in(r)
-        ch.mark_progress(r, T0)
+        running(ch, r, T0)
     ch.set_state(0, DONE)
     ch.mark_progress(0, T0 + 100)  # irrelevant: it is done
     clock.now = T0 + 11
@@ -388,7 +400,7 @@ def test_progress_is_reported_every_half_second_once_all_started(ch, clock):
     assert seen == []
     ch.check_in(1)
     wd._tick()
-    assert len(seen) == 1 and [s.state for s in seen[0]][:2] == ["running", "running"]
+    assert len(seen) == 1 and [s.state for s in seen[0]][:2] == ["setting up", "setting up"]
     clock.now = T0 + 0.4
     wd._tick()
     assert len(seen) == 1
@@ -612,8 +624,8 @@ def test_seen_ending_together_the_sigkilled_rank_is_named_not_the_sigtermed_one(
     """The watchdog saw both end in one poll and could not read rank 1's code (reaped): the launcher's
     -9 makes rank 1 the failure and rank 0's SIGTERM elastic stopping it."""
     wd = wd_of(ch)
+    silent_ended(ch, wd, 0, T0, -15)  # (noted in rank order, as _track_ended walks the ranks)
     silent_ended(ch, wd, 1, T0, None)
-    silent_ended(ch, wd, 0, T0, -15)
     wd.returned_at = T0 + 1
     err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: -9, 0: -15}))
     assert str(err).startswith("rank 1 was killed by SIGKILL")
@@ -667,3 +679,262 @@ def test_a_silent_rank_without_an_exit_code_was_killed_from_outside(ch):
     assert str(err).startswith("rank 1 ended without returning a result or raising an exception (killed from "
                                "outside, e.g. SIGKILL or the out-of-memory killer")
     assert err.kind == "killed"
+
+
+# ---- a rank still setting up (checked in, joining the process group): the start limit, and told so ----
+
+def test_a_rank_setting_up_gets_the_start_limit_not_the_stall_limit(ch, clock):
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
+    for r in range(2):
+        setting_up(ch, r, T0)
+    clock.now = T0 + MIN_START_S  # far past the stall limit, exactly the start limit: not yet
+    wd._tick()
+    assert wd.reason is None and wd.setting_up == [] and wd.setup_limit is None
+    clock.now = T0 + MIN_START_S + 0.5
+    wd._tick()
+    assert (wd.reason, wd.stalled, wd.setting_up, wd.setup_limit) == ("stalled", [0, 1], [0, 1], MIN_START_S)
+    assert wd.killed == [0, 1] and wd.stacks == {0: "stack of local rank 0", 1: "stack of local rank 1"}
+
+
+def test_a_stall_limit_longer_than_the_start_limit_holds_for_a_rank_setting_up_too(ch, clock):
+    limit = MIN_START_S + 40
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=limit, on_progress=None, echo=False)
+    for r in range(2):
+        setting_up(ch, r, T0)
+    clock.now = T0 + limit
+    wd._tick()
+    assert wd.reason is None
+    clock.now = T0 + limit + 0.5
+    wd._tick()
+    assert (wd.reason, wd.setting_up, wd.setup_limit) == ("stalled", [0, 1], limit)
+
+
+def test_a_running_rank_and_a_rank_setting_up_each_get_their_own_limit(ch, clock):
+    """Rank 0 runs (stall limit 10 s), rank 1 still joins (start limit): the launch stalls only when both
+    are past their own limit, and only rank 1 is named setting up."""
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
+    running(ch, 0, T0)
+    setting_up(ch, 1, T0)
+    clock.now = T0 + 30.0  # rank 0 past 10 s, rank 1 within MIN_START_S
+    wd._tick()
+    assert wd.reason is None
+    ch.mark_progress(1, T0 + 20.0)
+    clock.now = T0 + MIN_START_S + 10.0  # rank 1: 60 s since its progress, exactly its limit
+    wd._tick()
+    assert wd.reason is None
+    clock.now = T0 + MIN_START_S + 20.5
+    wd._tick()
+    assert (wd.reason, wd.stalled, wd.setting_up, wd.setup_limit) == ("stalled", [0, 1], [1], MIN_START_S)
+
+
+def test_a_rank_that_joined_is_held_to_the_stall_limit_again(ch, clock):
+    wd = Recorded(ch, 1, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
+    setting_up(ch, 0, T0)
+    clock.now = T0 + 30.0
+    wd._tick()
+    assert wd.reason is None
+    ch.set_up(0)  # joined: its progress counts from now, against the stall limit
+    ch.mark_progress(0, T0 + 30.0)
+    clock.now = T0 + 40.5
+    wd._tick()
+    assert (wd.reason, wd.stalled, wd.setting_up) == ("stalled", [0], [])
+
+
+def test_a_stalled_launch_with_ranks_setting_up_says_so_with_the_start_limit(ch, clock):
+    """The watchdog's finding as diagnose tells it: the ranks still setting up are named, with the limit
+    they were given; every stalled rank is listed; the stacks follow."""
+    wd = Recorded(ch, 2, timeout=None, stall_timeout=10.0, on_progress=None, echo=False)
+    running(ch, 0, T0)
+    setting_up(ch, 1, T0)
+    clock.now = T0 + MIN_START_S + 1
+    wd._tick()
+    err = told(ch, wd, node_rank=1)
+    assert said(err) == (
+        f"rank(s) 3 stalled while setting up (joining the process group; on GPUs starting CUDA and NCCL's "
+        f"communicator): no progress for {MIN_START_S:g} s. All ranks were stopped; each rank's stack follows. "
+        "A peer that never joined, an unreachable MASTER_ADDR or a blocked port are the usual causes.")
+    assert (err.rank, err.ranks, err.kind) == (None, [2, 3], "stalled")
+    assert err.rank_traceback == ("--- stack of rank 2 ---\nstack of local rank 0\n"
+                                  "--- stack of rank 3 ---\nstack of local rank 1")
+
+
+def test_ranks_setting_up_are_each_named_and_one_stalled_rank_is_the_rank(ch):
+    for r in range(3):
+        ch.check_in(r)
+    wd = wd_of(ch, 3, reason="stalled", stalled=[0, 1, 2], setting_up=[0, 2], setup_limit=75.0, stall_timeout=5.0)
+    err = told(ch, wd, nproc=3, node_rank=1)
+    assert said(err).startswith("rank(s) 3, 5 stalled while setting up (") and "no progress for 75 s." in said(err)
+    assert (err.rank, err.ranks) == (None, [3, 4, 5])
+    err = told(ch, wd_of(ch, reason="stalled", stalled=[1], setting_up=[1], setup_limit=60.0), node_rank=2)
+    assert said(err).startswith("rank(s) 5 stalled while setting up") and (err.rank, err.ranks) == (5, [5])
+
+
+# ---- every rule's message, word for word (what a user reads first) ----------------------------------
+
+def said(err) -> str:
+    """The message a user reads above the traceback."""
+    return str(err).split("\n\n")[0]
+
+
+def test_interrupted_says_all_ranks_were_stopped(ch):
+    err = diagnose(ch, wd_of(ch), Outcome(interrupted=True), 2, 0)
+    assert str(err) == "stnb.launch interrupted; all ranks were stopped"
+
+
+def test_timed_out_word_for_word(ch):
+    err = told(ch, wd_of(ch, reason="timeout", timeout=2.5))
+    assert said(err) == "launch timed out after 2.5 s; all 2 ranks were stopped. Raise timeout=... or make the " \
+                        "run shorter."
+
+
+def test_not_started_word_for_word_with_the_stacks(ch):
+    ch.check_in(0)
+    wd = wd_of(ch, reason="not started", stalled=[1], stall_timeout=10.0, stacks={0: "S0"})
+    err = told(ch, wd, node_rank=1)
+    assert said(err) == (
+        f"rank(s) 3 did not start within {MIN_START_S:g} s after the launch began (fork); all ranks were stopped. "
+        "This usually means the process forked while another thread held a lock; run the launch again, and "
+        "report it if it repeats.")
+    assert err.rank_traceback == "--- stack of rank 2 ---\nS0"
+    err = told(ch, wd, start_method="spawn")
+    assert said(err).endswith(
+        "after the launch began (spawn); all ranks were stopped. Spawned ranks import torch and the training "
+        "stack themselves, which a busy machine slows down; raise stall_timeout=..., or run the launch again.")
+
+
+def test_spawned_rank_never_ran_word_for_word(ch):
+    out = Outcome(failure=RuntimeError("elastic"), exit_codes={0: 0, 1: 2})
+    err = told(ch, wd_of(ch), out, start_method="spawn", node_rank=1)
+    assert said(err) == (
+        "rank 3 exited (exit code 2) while its new Python process was starting, before stnb's code ran in it "
+        "(start_method='spawn'); the other ranks were stopped. A spawned rank first imports the script that "
+        "launched it: in a script, call stnb.launch / stnb.run under `if __name__ == \"__main__\":`. The rank's "
+        "own error is on this process's stderr.")
+    assert (err.rank, err.ranks, err.kind) == (3, [3], "exited")
+
+
+def test_a_spawned_rank_killed_before_it_ran_is_not_taken_for_a_script_without_the_guard(ch):
+    """Killed by a signal (a negative code) is not the interpreter failing to start: told as killed."""
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={1: -9}), start_method="spawn")
+    assert said(err).startswith("rank 1 was killed by SIGKILL") and err.kind == "killed"
+
+
+def test_stalled_word_for_word_with_the_stacks(ch):
+    for r in range(2):
+        ch.check_in(r)
+    wd = wd_of(ch, reason="stalled", stalled=[0, 1], stall_timeout=7.5, stacks={0: "S0\n", 1: "S1"})
+    err = told(ch, wd)
+    assert said(err) == (
+        "rank(s) 0, 1 stalled: no progress for 7.5 s (e.g. waiting in a collective another rank never entered). "
+        "All ranks were stopped; each rank's stack at the time of the stall follows. Raise stall_timeout=... "
+        "(or None) if the work is legitimately long, or call stnb.heartbeat() in long loops.")
+    assert err.rank_traceback == "--- stack of rank 0 ---\nS0\n--- stack of rank 1 ---\nS1"
+
+
+def test_raised_then_peers_stalled_word_for_word(ch):
+    error(ch, 1, "ValueError", "bad batch\nsecond line", T0, base=2)
+    ch.check_in(0)
+    wd = wd_of(ch, reason="stalled", stalled=[0], stall_timeout=12.0, stacks={0: "S0"})
+    err = told(ch, wd, node_rank=1)
+    assert said(err) == ("rank 3 raised ValueError: bad batch\nsecond line (rank(s) 2 then waited for it with no "
+                         "progress for 12 s and all ranks were stopped)")
+    assert (err.rank, err.ranks, err.kind) == (3, [2, 3], "raised")
+    assert err.rank_traceback == ("--- traceback of rank 3 ---\nTraceback of ValueError in rank 3\n"
+                                  "--- stack of rank 2 ---\nS0")
+
+
+def test_ended_silently_word_for_word(ch):
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 1, T0, None)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic")))
+    assert said(err) == (
+        "rank 1 ended without returning a result or raising an exception (killed from outside, e.g. SIGKILL or "
+        "the out-of-memory killer - try a smaller batch size - or os._exit()); the other ranks were stopped.")
+    # rank 0 returned and ended first; rank 1 ended silently after it, its exit code read by no one
+    wd = wd_of(ch, reason="exited", stalled=[1])
+    ch.write_result(0, b"x")
+    wd.ended = {0: (T0, 0)}
+    silent_ended(ch, wd, 1, T0 + 1, None)
+    err = told(ch, wd)
+    assert said(err) == (
+        "rank 1 exited (exit code unknown) without returning a result or raising an exception (did the function "
+        "call os._exit()/sys.exit(), or did a library end the process?); the other ranks were stopped.")
+    assert err.kind == "exited"
+
+
+def test_ended_silently_with_a_peers_error_shows_the_output_then_the_traceback(ch):
+    ended_rank(ch, 1, "SIGKILL")
+    wd = wd_of(ch)
+    wd._track_ended(T0)
+    error(ch, 0, "RuntimeError", "Connection closed by peer\nmore", T0 + 0.5, base=2)
+    write_log(ch, wd, 1, ["step 3"])
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -9}), node_rank=1)
+    assert said(err) == ("rank 3 was killed by SIGKILL (from outside, or by the out-of-memory killer: try a smaller "
+                         "batch size); the other ranks were stopped. Rank 2 then raised RuntimeError: Connection "
+                         "closed by peer (a consequence).")
+    assert err.rank_traceback == ("--- last output of rank 3 ---\nstep 3\n"
+                                  "--- traceback of rank 2 ---\nTraceback of RuntimeError in rank 2")
+    # without output: the traceback alone, no blank line before it
+    wd.relay.logs.clear()
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: -9}), node_rank=1)
+    assert err.rank_traceback == "--- traceback of rank 2 ---\nTraceback of RuntimeError in rank 2"
+
+
+def test_never_joined_word_for_word(ch):
+    ended_rank(ch, 0, 1)
+    wd = wd_of(ch, 3)
+    wd._track_ended(T0)
+    error(ch, 0, "DistBackendError", "Connection reset by peer\ndetails", T0 + 0.1)
+    write_log(ch, wd, 1, ["r1"])
+    write_log(ch, wd, 2, ["r2"])
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1}), nproc=3)
+    assert said(err) == (
+        "rank(s) 1, 2 never joined the collective rank 0 waited in: rank 0 raised DistBackendError: Connection "
+        "reset by peer (a consequence). Rank(s) 1, 2 were busy elsewhere or hung and were stopped; their last "
+        "output follows.")
+    assert err.rank_traceback == ("--- last output of rank 1 ---\nr1\n--- last output of rank 2 ---\nr2\n"
+                                  "--- traceback of rank 0 ---\nTraceback of DistBackendError in rank 0")
+
+
+def test_sys_exit_word_for_word(ch):
+    error(ch, 1, "SystemExit", "3", T0)
+    err = told(ch, wd_of(ch))
+    assert said(err) == ("rank 1 raised SystemExit: 3 (sys.exit() ends a rank without a result; return a value "
+                         "from the function instead)")
+
+
+def test_raised_lists_every_other_rank_that_failed(ch):
+    error(ch, 0, "RuntimeError", "Broken pipe", T0 + 2)
+    error(ch, 1, "ValueError", "bad label", T0 + 1)
+    error(ch, 2, "RuntimeError", "Connection closed by peer", T0)
+    err = told(ch, wd_of(ch, 3), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: 1, 2: 1}), nproc=3)
+    assert said(err) == "rank 1 raised ValueError: bad label (rank(s) 0, 2 failed too)"
+    assert (err.rank, err.ranks, err.kind) == (1, [0, 1, 2], "raised")
+
+
+def test_an_exit_code_0_the_watchdog_could_not_read_is_taken_from_the_launcher(ch):
+    """Reaped before the watchdog read it: the launcher's 0 says the rank exited, not that it was killed."""
+    wd = wd_of(ch)
+    silent_ended(ch, wd, 1, T0, None)
+    wd.returned_at = T0 + 1
+    err = told(ch, wd, Outcome(failure=RuntimeError("elastic"), exit_codes={1: 0}))
+    assert said(err).startswith("rank 1 exited (exit code 0) without returning a result") and err.kind == "exited"
+
+
+def test_not_started_names_every_rank_that_did_not_start(ch):
+    wd = wd_of(ch, 3, reason="not started", stalled=[1, 2], stall_timeout=10.0)
+    err = told(ch, wd, nproc=3, node_rank=1)
+    assert said(err).startswith(f"rank(s) 4, 5 did not start within {MIN_START_S:g} s")
+    assert (err.ranks, err.kind) == ([4, 5], "stalled")
+
+
+def test_a_raiser_whose_peers_stalled_names_every_stalled_peer(ch):
+    error(ch, 0, "ValueError", "bad", T0)
+    for r in (1, 2):
+        ch.check_in(r)
+    err = told(ch, wd_of(ch, 3, reason="stalled", stalled=[1, 2], stall_timeout=12.0), nproc=3)
+    assert said(err) == ("rank 0 raised ValueError: bad (rank(s) 1, 2 then waited for it with no progress for 12 s "
+                         "and all ranks were stopped)")
+    assert err.ranks == [0, 1, 2]
