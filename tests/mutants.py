@@ -1,7 +1,7 @@
 """``make mutants``: mutmut over the modules whose logic decides what users are told, with a survival
 rate per module and no unexplained survivor.
 
-mutmut (``[tool.mutmut]`` in pyproject.toml) copies ``stnb`` into ``mutants/``, makes every small
+mutmut (``[tool.mutmut]`` in pyproject.toml) copies ``stnb`` and ``stnblab`` into ``mutants/``, makes every small
 fault it knows in the modules below (an operator, a constant, a condition, a returned value, an
 argument dropped...) and runs, for each mutant, only the tests that called the mutated function in
 one recorded run of the fast tests listed there. A mutant the tests do not fail is a survivor. Every
