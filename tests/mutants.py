@@ -1,7 +1,7 @@
 """``make mutants``: mutmut over the modules whose logic decides what users are told, with a survival
 rate per module and no unexplained survivor.
 
-mutmut (``[tool.mutmut]`` in pyproject.toml) copies ``stnb`` into ``mutants/``, makes every small
+mutmut (``[tool.mutmut]`` in pyproject.toml) copies ``stnb`` and ``stnblab`` into ``mutants/``, makes every small
 fault it knows in the modules below (an operator, a constant, a condition, a returned value, an
 argument dropped...) and runs, for each mutant, only the tests that called the mutated function in
 one recorded run of the fast tests listed there. A mutant the tests do not fail is a survivor. Every
@@ -149,6 +149,30 @@ MODULES = (
     Module("prepare", "stnb/prepare.py", ("x_describe", "x_training_facts", "x__rows", "x_call_build",
                                           "x_check_trainer", "x_refusals", "x_own_display", "x_apply_overrides",
                                           "x_rebind_loss_model", "x__model_refs")),
+    # ---- issue 33 item 3: the launch's error and stall paths (tests/test_diagnose_rules.py) ----------
+    # which error a user is told after a failed launch: every rule, the rank named, the kind
+    Module("processes/diagnose", "stnb/processes/diagnose.py"),
+    # which rank's failure is the origin. Left out: nccl_env, collective_timeout, open_wait_group,
+    # wait_for_all (process-group settings handed to torch.distributed in the ranks: the slow launch tests)
+    Module("processes/peerfail", "stnb/processes/peerfail.py", ("x_is_secondary", "x_origin")),
+    # when a launch is declared stalled, not started, timed out, or ended by a silent rank. Left out:
+    # run / finish / __enter__ (the thread's start, loop and stop), dump_stacks and kill_ranks (signals
+    # sent to real ranks), _report_progress (a callback guard): plumbing the slow launch tests exercise
+    Module("processes/watchdog", "stnb/processes/watchdog.py", ("xǁWatchdogǁ_tick", "xǁWatchdogǁ_track_ended",
+                                                                "xǁWatchdogǁ_halt")),
+    # ---- issue 33 item 3: the TP/PP demonstrations' comparison with one process (the lab; tests/test_parallel_compare.py)
+    # the tolerance check that raises. Left out: tensor_parallel / pipeline_parallel (launch ranks: the slow
+    # tests/test_parallel.py), check_layout_request (refusals, tests/test_parallel.py)
+    Module("stnblab/parallel/runs", "stnblab/parallel/runs.py", ("x__within",)),
+    # one run's differences from every rank's view, and the table's row. Left out: what runs in a rank (the
+    # stage, the schedule, the timed step: tests/test_parallel.py), timeline (a figure's frame)
+    Module("stnblab/parallel/pp", "stnblab/parallel/pp.py", ("x_per_job", "x_idle_fraction", "x_summary")),
+    # the largest difference. Left out: the reference run itself, the batches, the loss (tests/test_parallel.py
+    # compares the loss with sentence-transformers' own, and every parallel run with the reference)
+    Module("stnblab/parallel/single", "stnblab/parallel/single.py", ("x_max_diff",)),
+    # the slice of the reference's gradient a shard is compared with. Left out: the layout's application and
+    # check, the collectives' counter, rank_main (in the ranks: tests/test_parallel.py)
+    Module("stnblab/parallel/tp", "stnblab/parallel/tp.py", ("x_local_part",)),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the
@@ -227,7 +251,8 @@ def _results() -> dict:
     from mutmut.stats import status_by_exit_code
 
     out = {}
-    for base, _, files in os.walk(os.path.join(MUTANTS_DIR, "stnb")):
+    packages = sorted({m.path.split("/")[0] for m in MODULES})  # stnb, and the lab (stnblab)
+    for base, _, files in (w for p in packages for w in os.walk(os.path.join(MUTANTS_DIR, p))):
         for name in files:
             if name.endswith(".py.meta"):
                 with open(os.path.join(base, name)) as f:
