@@ -784,6 +784,9 @@ def test_a_one_process_cpu_run_records_its_threads_and_a_run_of_ranks_or_on_a_gp
     assert from_result(one_process(threads=3)).threads == 3
     assert from_result(one_process()).threads == 4  # stnb.run gives one process every core
     assert from_result(run()).threads == 0  # 2 ranks: their compute already shared the cores
+    unsaid = one_process(threads=3)
+    unsaid["world_size"] = None
+    assert from_result(unsaid).threads == 3  # a result that does not say its ranks: one process
     assert from_result(one_process(threads=3, device="cuda")).threads == 0
 
 
@@ -791,6 +794,7 @@ def test_ranks_sharing_the_cores_compute_slower_by_what_the_probe_measured(probe
     r = one_process(threads=1)
     pred = predict(r, devices=[2, 4, 8], link="loopback", strategies=["ddp"])
     assert probe.calls == [((2, 4), 1, (2, 1))]  # 4 cores: 2 ranks x 2 threads, 4 x 1; no more ranks than cores
+    assert all(type(t) is int for t in probe.calls[0][2])  # whole threads: what a launch takes
     m = pred.measured
     for n, (lo, mid, hi) in [(2, probe.rows[2]), (4, probe.rows[4]), (8, probe.rows[4])]:  # 8: two full machines
         row = pred.row("ddp", n)
@@ -811,21 +815,24 @@ def test_ranks_sharing_the_cores_compute_slower_by_what_the_probe_measured(probe
     assert (f"MEASURED: a rank's compute among n ranks on this machine's cores ({SHARED_HOW}; beyond 4 ranks: "
             "machines like this one, 4 ranks each (its 4-rank probe))") in text
     assert not any("every added device computes as fast" in line for line in text)
+    assert "MEASURED: forward, backward compute, data + rest (the time split's phases)" in text  # the others stay
+    full = predict(r, devices=[4], link="loopback", strategies=["ddp"]).fabric.link
+    assert full.sharing_source == SHARED_HOW  # 4 ranks on 4 cores: no machine beyond this one
 
 
 def test_the_interval_takes_the_probes_slowest_and_fastest_rank(probe):
     probe.rows[2] = (1.5, 1.5, 1.5)
     r = one_process(threads=2)
-    flat = predict(r, devices=[2], link="loopback", strategies=["ddp"], threads_per_rank=2)
-    assert probe.calls[-1] == ((2,), 2, (2,))  # the ranks' threads as asked
+    flat = predict(r, devices=[2], link="loopback", strategies=["ddp"], threads_per_rank=3)
+    assert probe.calls[-1] == ((2,), 2, (3,))  # the ranks' threads as asked
     assert flat.fabric.link.sharing_source == SHARED_HOW  # no machine beyond this one
     assert "sharing" not in flat.extra["inputs"]  # a probe whose ranks agree gives no width
-    probe.rows[2] = (1.0, 1.5, 3.0)
-    wide = predict(r, devices=[2], link="loopback", strategies=["ddp"], threads_per_rank=2).row("ddp", 2)
+    probe.rows[2] = (1.0, 1.5, 2.0)
+    wide = predict(r, devices=[2], link="loopback", strategies=["ddp"], threads_per_rank=1).row("ddp", 2)
     mid = flat.row("ddp", 2)["samples_per_second"]
     assert wide["samples_per_second"] == pytest.approx(mid)
     m = flat.measured
-    assert 2 * m.batch / wide["low"] - 2 * m.batch / mid == pytest.approx(1.5 * m.step, rel=1e-6)  # x3 against x1.5
+    assert 2 * m.batch / wide["low"] - 2 * m.batch / mid == pytest.approx(0.5 * m.step, rel=1e-6)  # x2 against x1.5
     assert 2 * m.batch / mid - 2 * m.batch / wide["high"] == pytest.approx(0.5 * m.step, rel=1e-6)  # x1 against x1.5
 
 
@@ -848,6 +855,7 @@ def test_threads_per_rank_is_a_whole_number_checked_before_anything_is_measured(
 def test_a_link_without_a_probe_for_n_computes_as_fast():
     link = replace(custom("x", 1, 1), sharing=((2, 1.1, 1.2, 1.3),))
     assert [link.compute_factor(2, end) for end in ("low", "mid", "high")] == [1.1, 1.2, 1.3]
+    assert link.compute_factor(2) == 1.2  # the mid unless an end is asked for
     assert link.compute_factor(4) == 1.0 and custom("y", 1, 1).compute_factor(2) == 1.0
     fab = Fabric(link, PRESETS["100gbps"])
     assert fab.compute_factor(2) == 1.2 and fab.at(sharing="high").compute_factor(2) == 1.3
@@ -914,6 +922,7 @@ def test_the_measured_host_work_adds_to_fsdps_step_only(monkeypatch):
     (dict(verification={"model_shape": {"param_count": 61}}), "one_rank's model (61) is not the single run's (60)"),
 ])
 def test_a_one_rank_run_that_cannot_measure_the_host_work_is_refused_with_the_reason(change, words):
+    change = dict(change)  # the parameter is shared by every run of the test
     single = timed("single", [1.0] * 4)
     one = timed(change.pop("strategy", "fsdp"), [1.5] * 4, world=change.pop("world", 1), **change)
     with pytest.raises(ConfigError) as e:

@@ -225,7 +225,7 @@ class Fabric:
 
     def compute_factor(self, n: int) -> float:
         """A rank's compute slowdown among n ranks on this link's machine (the shared CPU cores), at the point's end."""
-        return self.link.compute_factor(n, self.point.get("sharing", "mid"))
+        return self.link.compute_factor(n, self.point["sharing"])
 
     @property
     def overlap(self) -> bool:
