@@ -907,6 +907,7 @@ def test_the_measured_host_work_adds_to_fsdps_step_only(monkeypatch):
     assert "collective_host" in pred.extra["inputs"]
     text = "\n".join(pred.assumptions)
     assert f"range: {host.describe()}" in text and "ASSUMED: FSDP's host work per collective" not in text
+    assert "MEASURED: forward, backward compute, data + rest (the time split's phases)" in text  # the others stay
     assert ("ASSUMED: FSDP's host work per collective (0: give a one-rank FSDP run (one_rank=) to measure it)"
             in without.assumptions)
 
