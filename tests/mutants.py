@@ -103,12 +103,15 @@ MODULES = (
     Module("scaling", "stnb/scaling/__init__.py", ("xǁPredictionǁrow", "x_known", "x_predict", "x__uncertain",
                                                    "x__with_host_fraction", "x_assumptions", "x_compare", "x_verdict",
                                                    "x_from_result", "x_text_columns", "x_uncertain_from_result",
-                                                   "x__model", "x__check_strategies", "x__check_devices", "x__ms")),
+                                                   "x__model", "x__check_strategies", "x__check_devices", "x__ms",
+                                                   "x__on_shared_cores", "x__check_threads", "x__computing",
+                                                   "x__threads")),
     Module("scaling.model", "stnb/scaling/model.py"),
     Module("scaling.interval", "stnb/scaling/interval.py"),
     Module("scaling.links", "stnb/scaling/links.py"),
     # the loopback link's fit (what the 'loopback' link's bandwidth and latency are). Left out: loopback,
-    # measure_all_reduce, time_all_reduce (2 ranks timing gloo: a launch; test_scaling's slow measured run)
+    # measure_all_reduce, time_all_reduce (2 ranks timing gloo: a launch; test_scaling's slow measured run), and
+    # the cores' probe sharing / measure_sharing / time_compute (ranks timing a layer: test_scaling's slow probe test)
     Module("scaling.calibrate", "stnb/scaling/calibrate.py", ("x_fit",)),
     # the sentence under the time split (what dominates a step, the knob that shrinks it) and the means it
     # reads. Left out: split_bars, timeline and their helpers (the figures: plotting; sends: stnb.stepparts')

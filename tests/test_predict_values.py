@@ -58,7 +58,10 @@ def test_the_step_is_the_runs_measured_phases_and_the_inputs_say_measured():
         "assumed", "the link preset's range (or this machine's loopback, measured by a sweep)")
     assert inputs["every added device computes as fast"] == ("assumed", "")
     assert inputs["data loading"][0] == "measured"
-    assert list(inputs)[-2:] == ["link bandwidth and per-collective cost", "every added device computes as fast"]
+    assert inputs["FSDP's host work per collective"] == (
+        "assumed", "0: give a one-rank FSDP run (one_rank=) to measure it")
+    assert list(inputs)[-3:] == ["link bandwidth and per-collective cost", "FSDP's host work per collective",
+                                 "every added device computes as fast"]
     assert "the compute was measured in a 2-rank ddp run, not on one device" in m.notes
     assert [n for n in m.notes if "sharded" in n] == []
 
@@ -746,3 +749,183 @@ def test_the_tables_columns_are_the_same_for_possible_and_impossible_rows():
     assert set(none.columns) == cols and list(none["suspect"]) == [""]
     some = predict(None, devices=[2], link="nvlink-a100", measured=m, strategies=["ddp"]).table
     assert set(some.columns) == cols | {"speedup_high"}
+
+
+# ---- CPU ranks sharing this machine's cores (the loopback link from a one-process CPU run) -------------------------
+
+SHARED_HOW = "measured here: a probe"
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """The loopback link and the cores' sharing as calibrate measured them (the real probe runs in test_scaling.py's
+    slow test): every call to ``sharing`` is recorded, and it answers each n with ``probe.rows[n]``."""
+    from stnb.scaling import calibrate
+
+    import stnb.hardware
+
+    calls, rows = [], {2: (1.2, 1.5, 1.9), 4: (2.0, 2.6, 3.1)}
+    monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: 4)  # a 4-core machine
+
+    def sharing(devices, alone, per_rank):
+        calls.append((devices, alone, per_rank))
+        return tuple((n, *rows[n]) for n in devices), SHARED_HOW
+
+    monkeypatch.setattr(calibrate, "loopback", lambda: (3e-5, 2.5e9, "measured here: a sweep"))
+    monkeypatch.setattr(calibrate, "sharing", sharing)
+    return type("Probe", (), {"calls": calls, "rows": rows})
+
+
+def one_process(threads=None, device="cpu"):
+    return run(strategy="single", world=1, device=device, config={"threads_per_rank": threads} if threads else None)
+
+
+def test_a_one_process_cpu_run_records_its_threads_and_a_run_of_ranks_or_on_a_gpu_does_not(probe):
+    assert from_result(one_process(threads=3)).threads == 3
+    assert from_result(one_process()).threads == 4  # stnb.run gives one process every core
+    assert from_result(run()).threads == 0  # 2 ranks: their compute already shared the cores
+    unsaid = one_process(threads=3)
+    unsaid["world_size"] = None
+    assert from_result(unsaid).threads == 3  # a result that does not say its ranks: one process
+    assert from_result(one_process(threads=3, device="cuda")).threads == 0
+
+
+def test_ranks_sharing_the_cores_compute_slower_by_what_the_probe_measured(probe):
+    r = one_process(threads=1)
+    pred = predict(r, devices=[2, 4, 8], link="loopback", strategies=["ddp"])
+    assert probe.calls == [((2, 4), 1, (2, 1))]  # 4 cores: 2 ranks x 2 threads, 4 x 1; no more ranks than cores
+    assert all(type(t) is int for t in probe.calls[0][2])  # whole threads: what a launch takes
+    m = pred.measured
+    for n, (lo, mid, hi) in [(2, probe.rows[2]), (4, probe.rows[4]), (8, probe.rows[4])]:  # 8: two full machines
+        row = pred.row("ddp", n)
+        alone = predict(r, devices=[n], link="pcie4", strategies=["ddp"])  # devices of their own: no probe
+        own = predict(None, devices=[n], link=replace(pred.fabric.link, sharing=()), measured=m,
+                      strategies=["ddp"]).row("ddp", n)  # the same link, each rank computing as fast as the run
+        assert len(probe.calls) == 1 and alone.fabric.link.sharing == ()
+        # on CPU every part of the step is the cores' work: the whole step grows by the factor, communication not
+        assert row["step_ms"] - own["step_ms"] == pytest.approx((mid - 1) * m.step * 1e3)
+        assert row["comm_ms"] == pytest.approx(own["comm_ms"])
+        assert row["low"] < row["samples_per_second"] < row["high"]
+        assert row["dominant"] == "CPU cores shared by the ranks"
+    assert pred.extra["inputs"][-1] == "sharing"
+    text = pred.assumptions
+    assert text[0].endswith("; each of n ranks computes slower on this machine's shared cores (below)")
+    assert ("CPU cores shared: a rank's compute x 1.20 / 1.50 / 1.90 on 2 ranks, 2.00 / 2.60 / 3.10 on 4 ranks, "
+            "2.00 / 2.60 / 3.10 on 8 ranks (low / mid / high) against the run") in text
+    assert (f"MEASURED: a rank's compute among n ranks on this machine's cores ({SHARED_HOW}; beyond 4 ranks: "
+            "machines like this one, 4 ranks each (its 4-rank probe))") in text
+    assert not any("every added device computes as fast" in line for line in text)
+    assert "MEASURED: forward, backward compute, data + rest (the time split's phases)" in text  # the others stay
+    full = predict(r, devices=[4], link="loopback", strategies=["ddp"]).fabric.link
+    assert full.sharing_source == SHARED_HOW  # 4 ranks on 4 cores: no machine beyond this one
+
+
+def test_the_interval_takes_the_probes_slowest_and_fastest_rank(probe):
+    probe.rows[2] = (1.5, 1.5, 1.5)
+    r = one_process(threads=2)
+    flat = predict(r, devices=[2], link="loopback", strategies=["ddp"], threads_per_rank=3)
+    assert probe.calls[-1] == ((2,), 2, (3,))  # the ranks' threads as asked
+    assert flat.fabric.link.sharing_source == SHARED_HOW  # no machine beyond this one
+    assert "sharing" not in flat.extra["inputs"]  # a probe whose ranks agree gives no width
+    probe.rows[2] = (1.0, 1.5, 2.0)
+    wide = predict(r, devices=[2], link="loopback", strategies=["ddp"], threads_per_rank=1).row("ddp", 2)
+    mid = flat.row("ddp", 2)["samples_per_second"]
+    assert wide["samples_per_second"] == pytest.approx(mid)
+    m = flat.measured
+    assert 2 * m.batch / wide["low"] - 2 * m.batch / mid == pytest.approx(0.5 * m.step, rel=1e-6)  # x2 against x1.5
+    assert 2 * m.batch / mid - 2 * m.batch / wide["high"] == pytest.approx(0.5 * m.step, rel=1e-6)  # x1 against x1.5
+
+
+def test_no_probe_for_devices_of_their_own_a_run_of_ranks_or_a_given_step(probe):
+    predict(one_process(threads=1), devices=[2], link="pcie4", strategies=["ddp"])
+    predict(run(), devices=[2], link="loopback", strategies=["ddp"])
+    m = Measured(batch=16, forward=0.1, backward=0.2, optimizer=0.03, other=0.01, grad_bytes=9e6, param_bytes=9e6)
+    predict(None, devices=[2], link="loopback", measured=m, strategies=["ddp"])
+    assert probe.calls == []
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_threads_per_rank_is_a_whole_number_checked_before_anything_is_measured(probe, threads):
+    with pytest.raises(ConfigError) as e:
+        predict(one_process(threads=1), devices=[2], link="loopback", threads_per_rank=threads)
+    assert str(e.value) == f"threads_per_rank must be a whole number >= 1 (got {threads!r})"
+    assert probe.calls == []
+
+
+def test_a_link_without_a_probe_for_n_computes_as_fast():
+    link = replace(custom("x", 1, 1), sharing=((2, 1.1, 1.2, 1.3),))
+    assert [link.compute_factor(2, end) for end in ("low", "mid", "high")] == [1.1, 1.2, 1.3]
+    assert link.compute_factor(2) == 1.2  # the mid unless an end is asked for
+    assert link.compute_factor(4) == 1.0 and custom("y", 1, 1).compute_factor(2) == 1.0
+    fab = Fabric(link, PRESETS["100gbps"])
+    assert fab.compute_factor(2) == 1.2 and fab.at(sharing="high").compute_factor(2) == 1.3
+
+
+# ---- FSDP's host work per collective, from a one-rank FSDP run against the single run -------------------------------
+
+def timed(strategy, steps, world=1, **over):
+    """A one-process run whose steady steps took ``steps`` seconds (the warm-up's two first)."""
+    times = [9.0, 9.0, *steps]
+    return run(strategy=strategy, world=world, step_times=times, steps=len(times), **over)
+
+
+def test_the_host_work_per_collective_is_the_one_rank_runs_extra_step_over_fsdps_collectives():
+    from stnb.scaling import collective_host
+    from stnb.strategies.fsdp import collectives_per_step
+
+    single, one = timed("single", [1.0, 1.2, 1.1, 0.9]), timed("fsdp", [1.5, 1.7, 1.6, 1.4])
+    r = collective_host(single, one)
+    count = collectives_per_step(from_result(one), True)
+    assert count == (12 + 1) * (2 + 2 + 1)  # 12 layers + the root (not recorded: assumed); 2 calls, resharded
+    err = 2 * (2 * statistics.pstdev([1.0, 1.2, 1.1, 0.9]) ** 2 / 4) ** 0.5
+    assert (r.low, r.mid, r.high) == pytest.approx(((0.5 - err) / count, 0.5 / count, (0.5 + err) / count))
+    assert r.name == "collective_host" and r.label == "FSDP's host work per collective (s)"
+    assert r.source == ("measured: a one-rank fsdp run's mean step 1550.0 ms against the single run's 1050.0 ms, "
+                        f"over the {count:g} collectives FSDP sends a step, +- 2 standard errors")
+    faster = collective_host(single, timed("fsdp", [0.5, 0.7, 0.6, 0.4]))  # noise: never below 0
+    assert (faster.low, faster.mid) == (0.0, 0.0) and faster.high == pytest.approx(max(0.0, -0.5 + err) / count)
+    kept = collectives_per_step(from_result(timed("zero2", [1.0] * 4, config={"reshard_after_forward": False})), False)
+    assert kept == 13 * (1 + 0 + 1)  # gathered once, kept until backward
+
+
+def test_the_measured_host_work_adds_to_fsdps_step_only(monkeypatch):
+    from stnb.strategies.fsdp import collectives_per_step
+
+    single, one = timed("single", [1.0, 1.2, 1.1, 0.9]), timed("fsdp", [1.5, 1.7, 1.6, 1.4])
+    names = ["fsdp", "zero2", "ddp"]
+    without = predict(single, devices=[4], link="pcie4", strategies=names)
+    pred = predict(single, devices=[4], link="pcie4", strategies=names, one_rank=one)
+    m = pred.measured
+    host = pred.extra["ranges"][-1]
+    assert m.collective_host == host.mid and without.measured.collective_host == 0.0
+    for name, resharded in (("fsdp", True), ("zero2", False)):
+        grown = pred.row(name, 4)["step_ms"] - without.row(name, 4)["step_ms"]
+        assert grown == pytest.approx(1e3 * host.mid * collectives_per_step(m, resharded))
+        assert pred.row(name, 4)["comm_exposed_ms"] - without.row(name, 4)["comm_exposed_ms"] == pytest.approx(grown)
+        assert pred.row(name, 4)["low"] < pred.row(name, 4)["samples_per_second"] < pred.row(name, 4)["high"]
+    assert pred.row("ddp", 4)["step_ms"] == without.row("ddp", 4)["step_ms"]
+    assert "collective_host" in pred.extra["inputs"]
+    text = "\n".join(pred.assumptions)
+    assert f"range: {host.describe()}" in text and "ASSUMED: FSDP's host work per collective" not in text
+    assert "MEASURED: forward, backward compute, data + rest (the time split's phases)" in text  # the others stay
+    assert ("ASSUMED: FSDP's host work per collective (0: give a one-rank FSDP run (one_rank=) to measure it)"
+            in without.assumptions)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(strategy="ddp"), "one_rank must be a one-rank run of a strategy that shards the parameters (fsdp), got "
+                           "'ddp' on 1 rank(s); stnblab.scaling.one_rank makes one"),
+    (dict(world=2), "got 'fsdp' on 2 rank(s)"),
+    (dict(strategy="nonesuch"), "got 'nonesuch' on 1 rank(s)"),
+    (dict(per_device_batch_size=3), "one_rank's batch per device (3) is not the single run's (8): run both with the "
+                                    "same settings"),
+    (dict(device="cuda"), "one_rank's device (cuda) is not the single run's (cpu)"),
+    (dict(verification={"model_shape": {"param_count": 61}}), "one_rank's model (61) is not the single run's (60)"),
+])
+def test_a_one_rank_run_that_cannot_measure_the_host_work_is_refused_with_the_reason(change, words):
+    change = dict(change)  # the parameter is shared by every run of the test
+    single = timed("single", [1.0] * 4)
+    one = timed(change.pop("strategy", "fsdp"), [1.5] * 4, world=change.pop("world", 1), **change)
+    with pytest.raises(ConfigError) as e:
+        predict(single, devices=[2], link="pcie4", strategies=["fsdp"], one_rank=one)
+    assert words in str(e.value)

@@ -339,3 +339,40 @@ def test_a_collective_costs_latency_plus_size_over_bandwidth():
     assert fab.at(launch="high").all_gather(s, n) == pytest.approx(40e-6 + (n - 1) * 7e-6 + (n - 1) / n * s / 10e9)
     tiny = fab.all_reduce(8, n)  # a small message pays the latency terms
     assert tiny == pytest.approx(20e-6 + 6 * 7e-6, rel=1e-3)
+
+
+@pytest.mark.slow  # starts ranks (calibrate's launch)
+def test_the_cores_probe_sees_ranks_share_this_machines_cores():
+    """Real ranks (calibrate.measure_sharing): one rank per core, each with as many threads as the machine has
+    cores, must each compute the probe's layer markedly slower than one process alone with those threads (each
+    rank gets 1/cores of the machine where the process had all of it); the ends are the lowest and highest of
+    every rank's every repeat."""
+    from stnb.hardware import cpu_cores
+    from stnb.scaling.calibrate import measure_sharing, sharing
+
+    n = cpu_cores()
+    low, mid, high = measure_sharing(n, n, n, repeats=3)
+    print(f"{n} ranks x {n} threads on {n} cores: a rank's compute x {low:.2f} / {mid:.2f} / {high:.2f}")
+    assert low <= mid <= high and mid > 1.3  # the median pair: one repeat's alone time may catch other load
+    rows, how = sharing((n,), 1, (1,))
+    assert [r[0] for r in rows] == [n] and all(r[1] <= r[2] <= r[3] for r in rows)
+    assert how.startswith("measured here: a transformer layer (hidden 384, 12 heads, feed-forward 1536) forward + "
+                          "backward on 16x32 tokens") and f"{n} ranks x 1 thread(s)" in how
+
+
+@pytest.mark.slow  # trains (the lab's one-rank run, stnb.run)
+def test_a_one_rank_fsdp_run_measures_fsdps_host_work_per_collective():
+    """Real runs: the single run and the lab's one-rank FSDP run of the same settings (stnb.run refuses it; the
+    lab runs it unchecked) give predict its measured host work per collective, a range, said where it came from."""
+    from stnb.scaling import collective_host
+    from stnblab.scaling.onerank import one_rank
+
+    cfg = stnb.TrainConfig(strategy="single", model="tiny", steps=8, train_size=128, dev_size=16, evaluate=False,
+                           threads_per_rank=1, device="cpu")
+    single = stnb.run(cfg, echo=False)
+    one = one_rank(cfg)
+    assert (one.strategy, one.world_size, one.verified) == ("fsdp", 1, True)
+    r = collective_host(single, one)
+    assert 0 <= r.low <= r.mid <= r.high and r.source.startswith("measured: a one-rank fsdp run's mean step ")
+    pred = predict(single, devices=[2], link="pcie4", strategies=["fsdp"], one_rank=one)
+    assert pred.measured.collective_host == r.mid and f"range: {r.describe()}" in pred.assumptions

@@ -32,6 +32,9 @@ from .model import Measured, Range, Uncertain
 from ..strategies import stepcost
 
 MIN_STEADY_STEPS = 3
+SAME_SPEED = "every added device computes as fast"
+HOST_PER_COLLECTIVE = "FSDP's host work per collective"
+SHARED = "a rank's compute among n ranks on this machine's cores"
 PHASES = ("forward", "backward_compute", "optimizer", "data", "other")
 
 __all__ = ["predict", "compare", "verdict", "Prediction", "Measured", "Link", "Fabric", "custom", "fabric", "from_result",
@@ -74,7 +77,7 @@ def known() -> tuple:
 
 
 def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network="100gbps",
-            host_fraction=None, measured=None) -> Prediction:
+            host_fraction=None, measured=None, threads_per_rank=None, one_rank=None) -> Prediction:
     """Predicted samples/s on each device count for each strategy, as an interval (a Prediction, no figure).
 
     strategies: names (or one name); None: every strategy with a step model (``known()``). A name its
@@ -86,6 +89,11 @@ def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network
     network: the link between nodes when devices exceed what one node holds on ``link``.
     host_fraction: DataParallel's single-process limit (see ``stnb.strategies.dp``): a share, a
         (low, mid, high) range, or None (left out).
+    threads_per_rank: on 'loopback' from a CPU run, the torch threads each of the n ranks would get (default
+        cores / n, what ``stnb.run`` gives them): n ranks share this machine's cores, and how much slower each
+        computes than the run did is measured here (``calibrate.sharing``), one more range of the prediction.
+    one_rank: a one-rank FSDP run of the same settings (``stnblab.scaling.one_rank``): its step beyond the single
+        run's, over the collectives it would send, is FSDP's host work per collective (``collective_host``).
 
     The table's ``samples_per_second`` is the all-mid prediction; ``low`` and ``high`` the interval over
     every combination of the inputs' ends (``stnb.scaling.interval``); ``dominant`` the input whose range
@@ -95,25 +103,31 @@ def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network
 
     strategies = _check_strategies(strategies)
     devices = _check_devices(devices)
+    if threads_per_rank is not None:
+        _check_threads(threads_per_rank)
     if not isinstance(link, Link) and link not in LINKS:
         fabric(link, network)  # refuses an unknown link with the list
     unc = _uncertain(measured if measured is not None else uncertain_from_result(result))  # refuses a short run first
     unc, hf_range = _with_host_fraction(unc, host_fraction)
+    if one_rank is not None:
+        unc = _with_collective_host(unc, collective_host(result, one_rank))
     fab = fabric(link, network)  # 'loopback' is measured here (once per process)
+    fab = _on_shared_cores(fab, link, unc.mid().threads, devices, threads_per_rank)
     names = interval.widths(unc.ranges, fab)
     base_model = _model(registry.baseline_name())
 
     def evaluate(ends):
         values = {r.name: getattr(r, ends.get(r.name, "mid")) for r in unc.ranges}
         m = unc.build(values)
-        f = fab.at(bandwidth=ends.get("bandwidth", "mid"), launch=ends.get("launch", "mid"))
+        f = fab.at(bandwidth=ends.get("bandwidth", "mid"), launch=ends.get("launch", "mid"),
+                   sharing=ends.get("sharing", "mid"))
         hf = values.get("host_fraction", host_fraction if hf_range is None else None)
         base = base_model.step_time(m, f, 1)["step"]
         out = {}
         for s in strategies:
             model = _model(s)
             for n in ([1] if model.pinned_to_one_gpu() else devices):
-                r = model.step_time(m, f, n, hf)
+                r = model.step_time(_computing(m, f.compute_factor(n)), f, n, hf)
                 if r["feasible"]:
                     r = dict(r, step=r["step"] + m.step_spread * stepcost.slowest_of(n))
                 out[s, n] = (r, n * m.batch / r["step"] if r["feasible"] else None, base, m)
@@ -150,6 +164,45 @@ def predict(result, devices=(2, 4, 8), link="loopback", strategies=None, network
                       m, fab, extra={"ranges": unc.ranges, "inputs": names})
 
 
+def _with_collective_host(unc: Uncertain, r: Range) -> Uncertain:
+    """FSDP's host work per collective as one more range of the prediction."""
+    return Uncertain(unc.ranges + (r,), lambda values, build=unc.build: replace(build(values),
+                                                                                collective_host=values[r.name]))
+
+
+def _on_shared_cores(fab: Fabric, link, threads: int, devices, threads_per_rank) -> Fabric:
+    """The loopback link from a CPU run (``threads``: its threads per process): n ranks share this machine's cores,
+    each with ``threads_per_rank`` threads (default cores / n); their slowdown against the run, measured here with
+    as many ranks as stnb starts here (one per core at most). Beyond the cores: machines like this one, each full."""
+    if link != "loopback" or not threads:
+        return fab
+    from .. import hardware
+    from . import calibrate
+
+    cores = hardware.cpu_cores()
+    here = tuple(sorted({min(n, cores) for n in devices}))
+    measured, how = calibrate.sharing(here, threads, tuple(threads_per_rank or max(1, cores // k) for k in here))
+    by = {n: ends for n, *ends in measured}
+    if max(devices) > cores:
+        how += f"; beyond {cores} ranks: machines like this one, {cores} ranks each (its {cores}-rank probe)"
+    rows = tuple((n, *by[min(n, cores)]) for n in devices)
+    return replace(fab, link=replace(fab.link, sharing=rows, sharing_source=how))
+
+
+def _check_threads(threads) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"threads_per_rank must be a whole number >= 1 (got {threads!r})")
+
+
+def _computing(m: Measured, factor: float) -> Measured:
+    """One rank's step when it computes ``factor`` times slower than the measured run (CPU ranks sharing cores:
+    every part of a CPU step is the cores' work)."""
+    if factor == 1.0:
+        return m
+    return replace(m, forward=m.forward * factor, backward=m.backward * factor, optimizer=m.optimizer * factor,
+                   other=m.other * factor)
+
+
 def _uncertain(m) -> Uncertain:
     """A Measured as an Uncertain with no ranges (or the Uncertain as it is)."""
     if isinstance(m, Uncertain):
@@ -171,7 +224,8 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None, ranges=()) -> list
     out = [f"one device's step ({m.source}), at the mids: forward {m.forward * 1e3:.1f} ms "
            f"({m.forward_calls:g} call(s) of the model), backward {m.backward * 1e3:.1f} ms, "
            f"optimizer {m.optimizer * 1e3:.1f} ms, rest {m.other * 1e3:.1f} ms for {m.batch} samples; "
-           "every added device computes as fast",
+           + ("each of n ranks computes slower on this machine's shared cores (below)" if fab.link.sharing else
+              "every added device computes as fast"),
            f"link inside a node: {fab.link.describe()}",
            f"between nodes ({fab.link.per_node} devices per node): {fab.network.describe()}"
            if fab.link.per_node else "the link is a network: any number of devices, one per node",
@@ -191,9 +245,18 @@ def assumptions(m: Measured, fab: Fabric, host_fraction=None, ranges=()) -> list
            "against the parameters' megabytes) are left out",
            f"stragglers: every synchronised step waits for the slowest of n ranks, E[max of n normals] x a rank's "
            f"step spread ({m.step_spread * 1e3:.2f} ms at the mid)"]
+    if fab.link.sharing:
+        out.append("CPU cores shared: a rank's compute x " + ", ".join(
+            f"{lo:.2f} / {mid:.2f} / {hi:.2f} on {n} ranks" for n, lo, mid, hi in fab.link.sharing)
+            + " (low / mid / high) against the run")
     out += [f"range: {r.describe()}" for r in ranges]
-    if m.inputs:
-        out += [f"{how.upper()}: {name}" + (f" ({what})" if what else "") for name, how, what in m.inputs]
+    inputs = list(m.inputs)
+    if any(r.name == "collective_host" for r in ranges):  # measured: its range line above says how
+        inputs = [i for i in inputs if i[0] != HOST_PER_COLLECTIVE]
+    if fab.link.sharing:
+        inputs = [i for i in inputs if i[0] != SAME_SPEED] + [(SHARED, "measured", fab.link.sharing_source)]
+    if inputs:
+        out += [f"{how.upper()}: {name}" + (f" ({what})" if what else "") for name, how, what in inputs]
     return out + list(m.notes)
 
 
@@ -316,7 +379,9 @@ def from_result(result) -> Measured:
                    "host seconds beside the CUDA events" if measured["host"] else
                    "the same clock (CPU): host work is the step"))
     inputs += [("link bandwidth and per-collective cost", "assumed", "the link preset's range (or this machine's "
-                "loopback, measured by a sweep)"), ("every added device computes as fast", "assumed", "")]
+                "loopback, measured by a sweep)"),
+               (HOST_PER_COLLECTIVE, "assumed", "0: give a one-rank FSDP run (one_rank=) to measure it"),
+               (SAME_SPEED, "assumed", "")]
     return Measured(batch=batch, forward=fwd, backward=bwd, optimizer=opt, other=rest,
                     forward_calls=float(calls or 2), step_spread=spread,
                     fits="params" not in registry.get(r["strategy"]).sharded,
@@ -325,7 +390,53 @@ def from_result(result) -> Measured:
                     bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
                     layers=int(layers), root_fraction=float(root),
                     reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,
+                    threads=_threads(r, cfg),
                     notes=tuple(notes), ready=ready, inputs=tuple(inputs))
+
+
+def collective_host(single, one_rank) -> Range:
+    """FSDP's host work per collective (s), exposed: a one-rank FSDP run's mean steady step beyond the single run's
+    (same model, batch and device; one rank sends nothing, so the difference is the wrapper's own work: copies
+    in and out, hooks, bookkeeping), over the collectives FSDP sends a step (``fsdp.collectives_per_step``). The
+    range: the difference +- 2 standard errors of the two means, never below 0."""
+    from ..strategies.fsdp import collectives_per_step
+
+    one, base = (x.to_dict() if hasattr(x, "to_dict") else dict(x) for x in (one_rank, single))
+    sharded = "params" in registry.get(one.get("strategy", "")).sharded if one.get("strategy") in registry.names() \
+        else False
+    if not sharded or int(one.get("world_size") or 0) != 1:
+        raise ConfigError(f"one_rank must be a one-rank run of a strategy that shards the parameters (fsdp), got "
+                          f"{one.get('strategy')!r} on {one.get('world_size')} rank(s); stnblab.scaling.one_rank "
+                          "makes one")
+    for what, key in (("model", None), ("batch per device", "per_device_batch_size"), ("device", "device")):
+        a, b = ((((x.get("verification") or {}).get("model_shape") or {}).get("param_count") if key is None
+                 else x.get(key)) for x in (one, base))
+        if a != b:
+            raise ConfigError(f"one_rank's {what} ({a}) is not the single run's ({b}): run both with the same settings")
+    m = from_result(one)  # refuses a run too short, like the single run
+    from_result(base)
+    means = []
+    for r in (one, base):
+        warm = int((r.get("config") or {}).get("warmup_steps_excluded", 2))
+        steady = list(r["step_times"])[warm:]
+        means.append((statistics.fmean(steady), statistics.pstdev(steady) / len(steady) ** 0.5))
+    (t1, e1), (t0, e0) = means
+    count = collectives_per_step(m, m.reshard_after_forward)
+    d, err = t1 - t0, 2 * (e1 ** 2 + e0 ** 2) ** 0.5
+    return Range("collective_host", max(0.0, d - err) / count, max(0.0, d) / count, max(0.0, d + err) / count,
+                 HOST_PER_COLLECTIVE + " (s)",
+                 f"measured: a one-rank {one['strategy']} run's mean step {t1 * 1e3:.1f} ms against the single run's "
+                 f"{t0 * 1e3:.1f} ms, over the {count:g} collectives FSDP sends a step, +- 2 standard errors")
+
+
+def _threads(r: dict, cfg: dict) -> int:
+    """A one-process CPU run's torch threads: its threads_per_rank, else what stnb gave it (the cores here); 0 for
+    a run on another device or of several ranks (their compute already shared the cores)."""
+    if r.get("device") != "cpu" or int(r.get("world_size") or 1) > 1:
+        return 0
+    from .. import hardware
+
+    return int(cfg.get("threads_per_rank") or hardware.cpu_cores())
 
 
 def text_columns(columns):

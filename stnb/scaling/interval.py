@@ -1,9 +1,11 @@
 """A prediction as an interval: every uncertain input at its low and high end, all combinations.
 
 A prediction's inputs each carry a range (``stnb.scaling.Range``, or a link preset's bandwidth and
-per-collective cost ranges): the link's bus bandwidth, the fixed cost per collective, the optimizer's share of
+per-collective cost ranges): the link's bus bandwidth, the fixed cost per collective, a CPU rank's slowdown on
+cores shared with the other ranks (the loopback link, measured), the optimizer's share of
 a step that was not measured, the model calls per step, a rank's step spread (the slowest of n sets the
-pace), DataParallel's host share. ``scenarios`` lists the all-mid point and every combination of the ends
+pace), DataParallel's host share, FSDP's host work per collective (a one-rank run against the single one).
+``scenarios lists the all-mid point and every combination of the ends
 (2^k for k inputs that have a width); the interval of a row is the lowest and highest samples/s over them.
 ``dominant`` names the input whose range alone (the others at their mids) moves the row the most: the
 assumption to measure first. ``suspect`` flags a row that contradicts what a step model can honestly give:
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 from itertools import product
 
-FABRIC_KNOBS = {"bandwidth": "link bus bandwidth", "launch": "per-collective fixed cost"}
-KNOBS = ("optimizer", "forward_calls", "spread", "host_fraction", *FABRIC_KNOBS)
+FABRIC_KNOBS = {"bandwidth": "link bus bandwidth", "launch": "per-collective fixed cost",
+                "sharing": "CPU cores shared by the ranks"}
+KNOBS = ("optimizer", "forward_calls", "spread", "host_fraction", "collective_host", *FABRIC_KNOBS)
 
 
 def widths(ranges, fab) -> list:
@@ -27,6 +30,8 @@ def widths(ranges, fab) -> list:
         names.append("bandwidth")
     if len(set(link.launch)) > 1 or (link.per_node and len(set(net.launch)) > 1):
         names.append("launch")
+    if any(lo != hi for _, lo, _, hi in link.sharing):
+        names.append("sharing")
     return names
 
 

@@ -46,6 +46,10 @@ class Link:
     bandwidth_range: tuple | None = None  # (low, high) bus bandwidth; None: exactly ``bandwidth``
     launch: tuple = (0.0, 0.0, 0.0)       # fixed seconds per collective (low, mid, high)
     tiers: tuple = ()       # ((at most n devices, low, mid, high), ...): the bus bandwidth of a smaller group
+    # ((n, low, mid, high), ...): a rank's compute slowdown when n ranks share one machine's CPU cores, against the
+    # run the prediction starts from (``calibrate.sharing``); () or an n not listed: every device its own (1.0)
+    sharing: tuple = ()
+    sharing_source: str = ""
 
     def bus_bandwidth(self, n: int, end: str = "mid") -> float:
         """The bus bandwidth (bytes/s) of a collective over n devices on this link, at one end of its range."""
@@ -54,6 +58,13 @@ class Link:
                 return lmh[ENDS.index(end)]
         lo, hi = self.bandwidth_range or (self.bandwidth, self.bandwidth)
         return {"low": lo, "mid": self.bandwidth, "high": hi}[end]
+
+    def compute_factor(self, n: int, end: str = "mid") -> float:
+        """How much slower each of n ranks computes than the measured run did (1.0: a device of its own)."""
+        for most, *lmh in self.sharing:
+            if n == most:
+                return lmh[ENDS.index(end)]
+        return 1.0
 
     def describe(self) -> str:
         lo, hi = self.bandwidth_range or (self.bandwidth, self.bandwidth)
@@ -166,7 +177,7 @@ class Fabric:
     end of each range (``point``: {'bandwidth': 'low'|'mid'|'high', 'launch': ...})."""
     link: Link
     network: Link
-    point: dict = field(default_factory=lambda: {"bandwidth": "mid", "launch": "mid"})
+    point: dict = field(default_factory=lambda: {"bandwidth": "mid", "launch": "mid", "sharing": "mid"})
 
     def at(self, **ends) -> "Fabric":
         return replace(self, point={**self.point, **ends})
@@ -211,6 +222,10 @@ class Fabric:
         if n <= 1:
             return 0.0
         return self._launch(self.link) + self.link.latency + nbytes / self.link.bus_bandwidth(n, self.point["bandwidth"])
+
+    def compute_factor(self, n: int) -> float:
+        """A rank's compute slowdown among n ranks on this link's machine (the shared CPU cores), at the point's end."""
+        return self.link.compute_factor(n, self.point["sharing"])
 
     @property
     def overlap(self) -> bool:

@@ -64,6 +64,10 @@ class Measured:
     forward_calls: float = 1.0  # calls of the model per step (one per text column the loss embeds)
     step_spread: float = 0.0    # standard deviation of a rank's step (s): the slowest of n ranks sets the pace
     fits: bool = True           # the whole model trained on one device (the input run did not shard it)
+    collective_host: float = 0.0  # host seconds per collective of FSDP's wrapper (copy-in/out, hooks, bookkeeping),
+                                  # exposed: measured with a one-rank FSDP run (``scaling.collective_host``); 0: not
+    threads: int = 0            # a CPU run's torch threads per process (0: not a CPU run): the loopback link's
+                                # prediction measures ranks sharing this machine's cores against it
     # measured gradient readiness: ((fraction of backward when ready, share of the gradient bytes), ...) in the
     # order the groups were ready (``stnb.stepparts.grad_ready``); empty: the layers in proportion to
     # backward's progress and the root (``root_fraction``) at its end

@@ -288,8 +288,17 @@ def same_start(model) -> dict:
     return {"tensors_differing_before": n, "broadcast": True, "identical": True}
 
 
+def collectives_per_step(m, reshard_after_forward: bool) -> float:
+    """FSDP's collectives a step: every unit (the layers and the root) all-gathered before each call's forward,
+    again before its backward when resharded after forward, and reduce-scattered once."""
+    calls = m.forward_calls if reshard_after_forward else 1.0
+    regather = m.forward_calls if reshard_after_forward else 0.0
+    return (m.layers + 1) * (calls + regather + 1)
+
+
 def fsdp_step(m, fab, n: int, reshard_after_forward: bool) -> dict:
-    """FSDP's step on n devices (``FullyShardedDataParallel.step_time``): units pipelined, forward then backward."""
+    """FSDP's step on n devices (``FullyShardedDataParallel.step_time``): units pipelined, forward then backward;
+    its wrapper's host work per collective (``m.collective_host``, measured with one rank) adds to the step."""
     root = m.root_fraction
     shares = [root] + [(1 - root) / m.layers] * m.layers
     work_f = [0.0] + [m.forward / m.layers] * m.layers
@@ -304,5 +313,6 @@ def fsdp_step(m, fab, n: int, reshard_after_forward: bool) -> dict:
            for s, w in reversed(list(zip(shares, work_b)))]
     t_f, c_f = pipeline(fwd, fab.overlap)
     t_b, c_b = pipeline(bwd, fab.overlap)
-    exposed = t_f - m.forward + t_b - m.backward
-    return step(t_f + t_b + m.optimizer / n + m.other, c_f + c_b, exposed)
+    host = m.collective_host * collectives_per_step(m, reshard_after_forward)
+    exposed = t_f - m.forward + t_b - m.backward + host
+    return step(t_f + t_b + host + m.optimizer / n + m.other, c_f + c_b + host, exposed)
