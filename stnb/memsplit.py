@@ -21,8 +21,9 @@ before_steps_other          residual: resident growth when training starts minus
                             since the rank began, DDP's buckets, anything else alive
 activations                 tensors saved for the backward during one training forward (the largest
                             over the first steps), counted by ``saved_tensors_hooks``, one count per
-                            storage, parameters (and gathered parameters) and autocast's copies of
-                            them left out
+                            storage, parameters (and gathered parameters, DataParallel's replicas of
+                            them) and autocast's copies of them left out; DataParallel's replica
+                            threads count too (``in_replica_threads``), on the peak's device only
 during_steps_other          residual: the steps' peak minus what was resident when training started,
                             minus ``grads``, ``optimizer_state`` and ``activations``: communication
                             buffers (all-gathers, reduce-scatters, buckets), temporaries of the
@@ -45,6 +46,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
+from contextlib import contextmanager
 
 SPLIT = ("params", "allocator_free", "before_steps_other", "grads", "optimizer_state", "activations",
          "during_steps_other")
@@ -136,23 +139,19 @@ class MemorySplit:
             stack = original()
             if split.forwards_counted >= forwards or not torch.is_grad_enabled():
                 return stack
-            seen, counts = set(), {"activations": 0, "params": 0, "weight_copies": 0}
-
-            def pack(t):
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key not in seen and st.nbytes():
-                    seen.add(key)
-                    is_param = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-                    kind = "params" if is_param else "weight_copies" if weight_copy(t) else "activations"
-                    counts[kind] += st.nbytes()
-                return t
-
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-            stack.callback(split._counted, counts)
+            count = SavedTensors(split.device())
+            stack.enter_context(count.counting())
+            stack.callback(split._counted, count.counts)
             return stack
 
         trainer.compute_loss_context_manager = counting
+
+    def device(self):
+        """The device whose memory the peak measures (CUDA: the current GPU, GPU 0 under dp), where the
+        activations counted must lie."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
 
     def _counted(self, counts: dict) -> None:
         self.forwards_counted += 1
@@ -176,6 +175,87 @@ class MemorySplit:
         return out
 
 
+_this_thread = threading.local()  # .count: the SavedTensors counting the forward this thread runs, if any
+
+
+class SavedTensors:
+    """The bytes of the tensors one training forward saves for its backward, by kind (``counts``: activations,
+    parameters, autocast's copies of parameters), one count per storage, on the device whose peak the split
+    splits (a tensor on another GPU, a DataParallel replica's, is not in it).
+
+    ``counting()`` enters the saved-tensor hook in this thread. The hooks are state of the thread that entered
+    them, and torch.nn.DataParallel runs every replica's forward in a thread of its own: ``in_replica_threads``
+    gives those threads the same count (so ``pack`` takes a lock)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.counts = {"activations": 0, "params": 0, "weight_copies": 0}
+        self.seen = set()
+        self.lock = threading.Lock()
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        if t.device == self.device and st.nbytes():
+            kind = "params" if parameter(t) else "weight_copies" if weight_copy(t) else "activations"
+            with self.lock:
+                if st.data_ptr() not in self.seen:
+                    self.seen.add(st.data_ptr())
+                    self.counts[kind] += st.nbytes()
+        return t
+
+    @contextmanager
+    def counting(self):
+        """This thread's forward saves through ``pack``; ``in_replica_threads`` called here finds this count."""
+        import torch
+
+        outer = getattr(_this_thread, "count", None)
+        _this_thread.count = self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
+                yield self
+        finally:
+            _this_thread.count = outer
+
+
+def _unpack(t):
+    return t
+
+
+class _CountedReplica:
+    """A replica's forward, run in its own thread, counted by the count of the thread that started it."""
+
+    def __init__(self, replica, count: SavedTensors):
+        self.replica, self.count = replica, count
+
+    def __call__(self, *args, **kwargs):
+        with self.count.counting():
+            return self.replica(*args, **kwargs)
+
+
+def in_replica_threads(replicas) -> list:
+    """The replicas torch.nn.DataParallel is about to run in threads of their own (``parallel_apply``), each
+    made to count what its forward saves into the forward this thread is counting (saved-tensor hooks are
+    per thread: the replicas' were not counted at all); the replicas as they are when none is counted."""
+    count = getattr(_this_thread, "count", None)
+    return list(replicas) if count is None else [_CountedReplica(r, count) for r in replicas]
+
+
+def parameter(t) -> bool:
+    """Whether ``t`` (a tensor saved for backward) is a parameter, views one, or is a DataParallel replica's
+    copy of one (``replicate`` broadcasts the parameters to the replicas: torch's ``Broadcast`` made it)."""
+    import torch
+
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or replicated(base.grad_fn)
+
+
+def replicated(fn) -> bool:
+    """Whether an autograd node is torch.nn.DataParallel's ``Broadcast`` of the parameters to its replicas."""
+    from torch.nn.parallel._functions import Broadcast
+
+    return getattr(type(fn), "_forward_cls", None) is Broadcast
+
+
 def weight_copy(t) -> bool:
     """Whether ``t`` (a tensor saved for backward) is, or views, a copy autocast made of a parameter: its
     storage's tensor came from a dtype cast (``ToCopyBackward0``) of a parameter (its ``AccumulateGrad``)."""
@@ -185,7 +265,8 @@ def weight_copy(t) -> bool:
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
         return False
-    return isinstance(getattr(fn.next_functions[0][0], "variable", None), torch.nn.Parameter)
+    source = fn.next_functions[0][0]  # the parameter's AccumulateGrad, or a replica's Broadcast of it
+    return isinstance(getattr(source, "variable", None), torch.nn.Parameter) or replicated(source)
 
 
 def largest_rank(result) -> tuple | None:

@@ -96,7 +96,12 @@ MODULES = (
     Module("memsplit", "stnb/memsplit.py", ("xǁMemorySplitǁ__init__", "xǁMemorySplitǁmark",
                                             "xǁMemorySplitǁremember_built", "xǁMemorySplitǁunsharded_alive",
                                             "xǁMemorySplitǁwatch_activations", "xǁMemorySplitǁ_counted",
-                                            "xǁMemorySplitǁsummary", "x_weight_copy", "x_largest_rank", "x_advice")),
+                                            "xǁMemorySplitǁsummary", "x_weight_copy", "x_largest_rank", "x_advice",
+                                            # the activations of dp's replica threads (issue 32 item 4.3)
+                                            "xǁMemorySplitǁdevice", "xǁSavedTensorsǁ__init__", "xǁSavedTensorsǁpack",
+                                            "xǁSavedTensorsǁcounting", "x__unpack", "xǁ_CountedReplicaǁ__init__",
+                                            "xǁ_CountedReplicaǁ__call__", "x_in_replica_threads", "x_parameter",
+                                            "x_replicated")),
     # the predictor: the table (samples/s, interval, speed-up, dominant input), the inputs read from a run
     # (measured or assumed, said so), the refusals, the verdict. Left out: Prediction._ipython_display_
     # (shows the table, the figure and the assumptions: display glue)

@@ -795,6 +795,46 @@ def test_gpu_check_plans_only_rows_that_can_pass(gpu_box, label, box, tmp_path, 
     assert sim.driver_calls == []
 
 
+def test_the_t4_table_is_what_stnbs_rules_say(gpu_box, monkeypatch):
+    """Issue 32 item 2: what runs on Colab's 1x T4 and Kaggle's 2x T4 and why the rest is refused, in docs/gpu.md,
+    is stnb's own rules asked on those machines simulated (``whatruns``: TrainConfig.validate per strategy and
+    precision), never run on a T4. The runtimes have no DeepSpeed and stnb's install cell adds none; with it, and
+    with a transformers older than fsdp / zero2 need (the GPU image's 5.17), the cells that change are listed.
+    STNB_WRITE_DOCS=1 writes the table into docs/gpu.md instead of failing."""
+    from stnb.strategies import deepspeed, fsdp
+    from stnblab.gpucheck import whatruns
+
+    def machines():
+        out = {}
+        for label, box in (("1x T4", [T4]), ("2x T4", [T4, T4])):
+            gpu_box(box)
+            out[label] = whatruns.what_runs()
+        return out
+
+    monkeypatch.setattr(deepspeed, "installed", lambda: False)
+    runtime = machines()
+    monkeypatch.setattr(deepspeed, "installed", lambda: True)
+    with_deepspeed = machines()
+    monkeypatch.setattr(deepspeed, "installed", lambda: False)
+    monkeypatch.setattr(fsdp, "installed_transformers", lambda: "5.17.0")
+    old_transformers = machines()
+    body = whatruns.markdown(runtime, {
+        'With DeepSpeed installed (`pip install "stnb[deepspeed]"`)': with_deepspeed,
+        "With transformers older than 5.19 (the GPU image's 5.17)": old_transformers})
+    path = os.path.join(ROOT, "docs", "gpu.md")
+    if os.environ.get("STNB_WRITE_DOCS") == "1":
+        whatruns.refresh(path, body)
+    with open(path) as f:
+        assert whatruns.block(f.read()) == body, ("docs/gpu.md's T4 table is not what stnb's rules say: "
+                                                 "STNB_WRITE_DOCS=1 python -m pytest tests/test_gpu_sim.py -k t4_table")
+    one, two = ({k: why or "" for k, why in runtime[label].items()} for label in ("1x T4", "2x T4"))
+    assert one["single", "fp16"] == "" and "7.5" in one["single", "bf16"] and "at least 2" in one["dp", "fp16"]
+    assert two["dp", "fp16"] == two["ddp", "fp16"] == "" and "7.5" in two["fsdp", "bf16"]
+    assert "DeepSpeed" in two["deepspeed", "fp16"] and with_deepspeed["2x T4"]["deepspeed", "fp16"] is None
+    old = old_transformers["2x T4"]
+    assert "5.19" in (old["fsdp", "fp16"] or "") and old["ddp", "fp16"] is None
+
+
 # ---- the notebook's order: the GPU box first, then the imports -----------------------------------
 
 NOTEBOOK_ORDER = r"""
@@ -866,3 +906,4 @@ def test_the_notebook_order_gpu_first_then_imports(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["driver_calls"] == []
     assert {k: v for k, v in out["steps"].items() if v != "ok"} == {}
+

@@ -119,6 +119,24 @@ def test_autocasts_copies_of_the_weights_are_not_activations():
     assert (fp32.weight_copies, fp32.activations, fp32.saved_params) == (0, 2 * 512 * 4, 512 * 512 * 4)
 
 
+def test_a_tensor_saved_on_another_device_is_not_in_this_ranks_split():
+    """Under dp on CUDA the peak split is GPU 0's (``max_memory_allocated`` of the current device): what a replica
+    saves on another GPU is not in it. The meta device stands for the other GPU here."""
+    split = MemorySplit(PeakMemory(False))
+    trainer = SimpleNamespace(compute_loss_context_manager=contextlib.ExitStack)
+    split.watch_activations(trainer)
+    with trainer.compute_loss_context_manager():
+        torch.sin(torch.ones(64, requires_grad=True) * 2)
+        torch.sin(torch.ones(1000, device="meta", requires_grad=True) * 2)
+    assert split.activations == 64 * 4
+
+
+def test_on_cuda_the_activations_counted_are_those_on_the_current_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert MemorySplit(SimpleNamespace(cuda=True, base=0)).device() == torch.device("cuda", 1)
+    assert MemorySplit(PeakMemory(False)).device() == torch.device("cpu")
+
+
 def test_the_parts_add_up_to_the_peak_and_the_residuals_are_what_is_left():
     split = MemorySplit(SimpleNamespace(cuda=True, base=0))
     split.marks = {"built": 50, "prepared": 40, "unsharded_params_alive": 7, "train_start": 100, "allocator_free": 9}

@@ -135,11 +135,18 @@ def _rewrap(dp, cls):
 def _feature_dp_class():
     import torch
 
+    from ..memsplit import in_replica_threads
+
     class FeatureDataParallel(torch.nn.DataParallel):
-        """DataParallel that gathers sentence-transformers' feature dicts whole (``gather_features``)."""
+        """DataParallel that gathers sentence-transformers' feature dicts whole (``gather_features``), and whose
+        replicas, each in a thread of its own, count what they save into the memory split's activations
+        (``memsplit.in_replica_threads``: saved-tensor hooks are per thread)."""
 
         def gather(self, outputs, output_device):
             return gather_features(outputs, output_device, dim=getattr(self, "dim", 0))  # no devices: no dim
+
+        def parallel_apply(self, replicas, inputs, kwargs):
+            return super().parallel_apply(in_replica_threads(replicas), inputs, kwargs)
 
     return FeatureDataParallel
 
