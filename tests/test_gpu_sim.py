@@ -220,6 +220,20 @@ def test_bf16_on_a_t4_is_refused_with_the_fix(gpu_box):
     stnb.TrainConfig(strategy="single", model="tiny", device="cuda", mixed_precision="bf16").validate()
 
 
+def test_gpus_of_one_model_share_one_problem_line(gpu_box):
+    """Kaggle's 2x T4 with bf16: one refusal naming both GPUs, not the same sentence twice; a mixed box keeps a
+    line per model (the T4s together, the P100 alone)."""
+    gpu_box([T4, T4])
+    assert hardware.gpu_problems("bf16") == [
+        "mixed_precision='bf16' needs compute capability >= 8.0 (Ampere or newer); GPUs 0, 1 (Tesla T4) are 7.5, "
+        "where bf16 is emulated and slow. Fix: use mixed_precision='fp16' (or 'no') on these GPUs"]
+    assert hardware.gpu_problems("fp16") == []
+    gpu_box([T4, A100, T4, P100], archs=CU126_ARCHS)  # a build with sm_60: the P100 runs, without bf16
+    problems = hardware.gpu_problems("bf16")
+    assert [p.split("; ")[1].split(" (")[0] for p in problems] == ["GPUs 0, 2", "GPU 3"], problems
+    assert "GPU 3 (Tesla P100-PCIE-16GB) is 6.0" in problems[1] and problems[1].endswith("on this GPU")
+
+
 def test_p100_without_kernels_in_this_torch_build(gpu_box):
     """A P100 (sm_60) with a build that ships sm_75+: not usable. auto falls back to CPU with a warning
     naming the fix; device='cuda' is refused. With a build that ships sm_60 it is usable."""
