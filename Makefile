@@ -207,7 +207,8 @@ notebooks: install browser
 	$(PY) tests/course_html.py --out $(COURSE_HTML)
 
 # The course as HTML pages (docs/course/index.html), from the committed notebooks and their outputs, nothing
-# executed: for readers without Jupyter. Committed; tests/test_course_html.py rebuilds them and compares.
+# executed: for readers without Jupyter. Not committed (docs/course is ignored); tests/test_course_html.py builds
+# them into a temporary folder and checks every page.
 COURSE_HTML ?= docs/course
 
 html: install

@@ -231,3 +231,27 @@ def test_interrupt_stops_launch_and_kernel_recovers(kernel_run):
     assert after == [[0, 2, 3.0], [1, 2, 3.0]]
     assert not ev["errors"], ev["errors"]  # only the tagged cells failed
     assert _error(nb.cells[5]) is None
+
+
+def test_a_finished_bar_is_saved_as_it_ended_not_as_it_started(tmp_path):
+    """In a real kernel (nbclient, as make notebooks runs one), each rank's widget bar is saved with the text
+    a viewer without widgets shows (GitHub, nbconvert's HTML): the bar as it ended (30/30, 100%), not the
+    0/30 it was displayed with; the widget stays the output's live view."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent("""
+        from stnb.launchers.bars import StepBars
+        from stnb.processes.channel import RankState
+
+        bars = StepBars("ddp")
+        bars.update([RankState(r, "running", 0, 30, None, 0.0) for r in (0, 1)])
+        bars.update([RankState(r, "done", 30, 30, 0.25, 0.0) for r in (0, 1)])
+        bars.close()
+        """))]
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    shown = [o for o in nb.cells[0].outputs if o.output_type == "display_data"]
+    assert len(shown) == 2 and all("application/vnd.jupyter.widget-view+json" in o.data for o in shown), shown
+    texts = [o.data["text/plain"] for o in shown]
+    assert all(re.match(rf"ddp rank {r}: 100%\|\S+\| 30/30 ", t) for r, t in enumerate(texts)), texts
+    assert [o.text for o in nb.cells[0].outputs if o.output_type == "stream"][-1].startswith("ddp: 30/30 steps")

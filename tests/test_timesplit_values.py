@@ -339,7 +339,9 @@ def test_advice_names_what_dominates_each_step_and_the_knob_that_shrinks_it():
         "without the profiler): compare with DDP's split, or reshard_after_forward=False (no second all-gather in "
         "backward).")
     assert advice(_run("single", 1, backward_compute=0.5, comm_total=None, comm_exposed=0.05)) == (
-        "Compute dominates (95% of each step, exposed communication 5%): the run scales; more devices add throughput.")
+        "Compute dominates (95% of each step, exposed communication 5%): communication does not hold this run back; "
+        "more devices add throughput only where each brings its own compute (ranks sharing CPU cores do not: "
+        "compare samples/s with one device's).")
     assert advice(_run(backward_compute=0.5, comm_exposed=0.1)).startswith("Compute dominates (90% of each step, "
                                                                           "exposed communication 10%)")
     assert advice(_run("fsdp", comm_exposed=0.25)) == (

@@ -3,6 +3,7 @@ text line when the bars close."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 
@@ -11,26 +12,40 @@ class StepBars:
     fed from a launcher's progress relay in this process (``stnb.launch``'s watchdog, a cluster job's
     progress files): ranks never draw bars themselves.
 
-    ``close()`` ends with one printed line, ``ddp: 30/30 steps, 2 ranks, 41 s``: a viewer without
-    widgets (GitHub, nbconvert's HTML, a terminal log) shows a Jupyter bar as the text it had when it
-    was created (``0% 0/30``), so the line is what says where the run ended there."""
+    ``close()`` ends with one printed line, ``ddp: 30/30 steps, 2 ranks, 41 s``. A viewer without
+    widgets (GitHub, nbconvert's HTML, a terminal log) shows a Jupyter bar as the text its output holds,
+    which IPython writes when the bar is displayed (``0% 0/30``); so a widget bar is displayed here with a
+    display id and, when it closes, its output is updated with the bar as it ended (``100% 30/30``): what a
+    saved notebook shows wherever it is opened."""
 
     def __init__(self, label: str):
         self.label = label
         self.bars = {}
+        self.shown = {}  # rank -> the display handle of its widget bar (Jupyter only)
         self.started = time.monotonic()
         self.closed = False
 
-    def update(self, states) -> None:
+    def _bar(self, rank: int, total: int):
         from tqdm.auto import tqdm
 
+        options = dict(total=total, desc=f"{self.label} rank {rank}", unit="step", leave=True, mininterval=0.5)
+        notebook = sys.modules.get("tqdm.notebook")
+        if notebook is None or not issubclass(tqdm, notebook.tqdm_notebook):
+            return tqdm(**options)  # text bars (a terminal, a log)
+        from IPython.display import display
+
+        bar = tqdm(display=False, **options)
+        if hasattr(bar, "container"):  # no container: tqdm disabled it (no widgets)
+            self.shown[rank] = display(bar.container, display_id=True)
+        return bar
+
+    def update(self, states) -> None:
         for st in states:
             if st.total <= 0:
                 continue
             bar = self.bars.get(st.rank)
             if bar is None:
-                bar = self.bars[st.rank] = tqdm(total=st.total, desc=f"{self.label} rank {st.rank}",
-                                                unit="step", leave=True, mininterval=0.5)
+                bar = self.bars[st.rank] = self._bar(st.rank, st.total)
             if st.step > bar.n:
                 bar.update(st.step - bar.n)
             if st.loss is not None:
@@ -54,8 +69,10 @@ class StepBars:
         if self.closed:
             return
         self.closed = True
-        for bar in self.bars.values():
+        for rank, bar in self.bars.items():
             bar.close()
+            if rank in self.shown:  # the saved output's text: the bar as it ended, not as it started
+                self.shown[rank].update(bar.container)
         line = self.summary()
         if line:
             print(line, flush=True)

@@ -86,8 +86,9 @@ def advice(result) -> str:
     if unseen:
         return (f"Forward and backward take {compute:.0%} of each step, this strategy's own collectives inside them "
                 f"(not separated without the profiler): compare with DDP's split{''.join(', or ' + h for h in hints)}.")
-    return (f"Compute dominates ({compute:.0%} of each step, exposed communication {comm:.0%}): the run scales; "
-            "more devices add throughput.")
+    return (f"Compute dominates ({compute:.0%} of each step, exposed communication {comm:.0%}): communication does "
+            "not hold this run back; more devices add throughput only where each brings its own compute (ranks "
+            "sharing CPU cores do not: compare samples/s with one device's).")
 
 
 def sends(result) -> str:
