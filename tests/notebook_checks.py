@@ -153,6 +153,11 @@ assert set(ok.strategy) == {s for s in configs if hw.strategies[s]["runnable"]}
 assert ok.verified.all() and (ok.global_batch_size == G).all()
 assert (ok.samples_per_second > 0).all()
 assert (df[df.status != "ok"].status == "not runnable here").all()"""),
+        ('import stnblab',
+         """rows = stnblab.bench.knobs_frame(side)
+assert rows.verified.all() and rows.ok.all() and (baseline > 0).all()
+assert "ddp defaults" in baseline and baseline.index[-1].startswith("single, whole machine")
+assert len(baseline) == (4 if device == "cpu" else 3)   # + N single runs at once on CPU: the ceiling"""),
         ('local = ok.set_index("strategy").local_param_fraction',
          """assert all(local[s] == 1.0 for s in ("single", "dp", "ddp") if s in local)   # full copies
 if "fsdp" in local:

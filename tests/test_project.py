@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import re
 import shutil
@@ -281,6 +282,56 @@ def test_readme_is_a_first_page():
         for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+# The course's core path for a three-hour workshop (issue 30): setup, the baseline, DDP, FSDP (ZeRO-3), the
+# ZeRO stages, the comparison; the rest is the optional track. Reading time: 200 words a minute of prose
+# and 6 s a line of the code a reader sees (a technical reading pace; the folded answers count too).
+CORE_PATH = ("00", "01", "03", "04", "09", "05")
+WORDS_PER_MINUTE, SECONDS_PER_CODE_LINE = 200, 6
+
+
+def reading_minutes(nb: dict) -> int:
+    words = sum(len("".join(c["source"]).split()) for c in nb["cells"] if c["cell_type"] == "markdown")
+    lines = sum(len("".join(c["source"]).splitlines()) for c in nb["cells"] if c["cell_type"] == "code")
+    return math.ceil(words / WORDS_PER_MINUTE + lines * SECONDS_PER_CODE_LINE / 60)
+
+
+def core_path_line(notebooks: dict) -> str:
+    """The README's sentence on the core path, from each notebook's stamp (compute) and text (reading)."""
+    core = [notebooks[n] for n in sorted(notebooks) if n[:2] in CORE_PATH]
+    compute = sum(nb["metadata"]["stnb"]["run_seconds"] for nb in core)
+    reading = sum(reading_minutes(nb) for nb in core)
+    total = math.ceil(compute / 60) + reading
+    return (f"**Core path** ({' → '.join(CORE_PATH)}, about {total // 60} h {total % 60:02d} min: "
+            f"{math.ceil(compute / 60)} min of compute in the committed runs, {reading} min of reading)")
+
+
+def test_readme_states_the_core_path_with_compute_and_reading_times():
+    """Every notebook's row says whether it is on the core path and its reading time; the core path's sentence
+    is computed from the notebooks as committed, and the core path fits a three-hour workshop."""
+    import json
+
+    text = (ROOT / "README.md").read_text()
+    notebooks = {name: json.loads((ROOT / "notebooks" / name).read_text()) for name in NOTEBOOKS}
+    for name, nb in notebooks.items():
+        row = next(ln for ln in text.splitlines() if ln.startswith("|") and f"notebooks/{name}" in ln)
+        path = "core" if name[:2] in CORE_PATH else "optional"
+        assert f"| {path} |" in row, f"{name}: the README's row does not say '{path}': {row}"
+        assert row.endswith(f"| {reading_minutes(nb)} min |"), \
+            f"{name}: the README's reading time is not {reading_minutes(nb)} min: {row}"
+    line = core_path_line(notebooks)
+    assert line in text, f"the README should say: {line}"
+    hours, minutes = re.search(r"about (\d+) h (\d+) min", line).groups()
+    assert int(hours) * 60 + int(minutes) <= 180, line
+
+
+def test_reading_time_counts_prose_and_code():
+    nb = {"cells": [{"cell_type": "markdown", "source": ["word " * 400]},
+                    {"cell_type": "code", "source": ["x = 1\n" * 10]}]}
+    assert reading_minutes(nb) == 3  # 400 words: 2 min; 10 lines: 1 min
+    nb["cells"][0]["source"] = ["word " * 401]
+    assert reading_minutes(nb) == 4  # rounded up
+
 
 def test_makefile_test_target_runs_tests_and_notebooks():
     recipe = _recipe("test")
