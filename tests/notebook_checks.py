@@ -275,6 +275,12 @@ for rank in held:
     for w, style in zip(rank, layer0.values()):
         dim = 0 if style == "colwise" else 1
         assert w["placement"] == f"Shard(dim={dim})" and 2 * w["this rank holds"][dim] == w["global shape"][dim]"""),
+        ('by_hand = pd.DataFrame(stnb.launch(linear_by_hand',
+         """assert list(by_hand["rank"]) == [0, 1]   # both ranks: the whole product from chunks, cut as the prose says
+assert (by_hand["column-wise holds"] == (4, 3)).all() and (by_hand["row-wise holds"] == (4, 6)).all()
+assert (by_hand["column-wise error"] < 1e-5).all() and (by_hand["row-wise error"] < 1e-5).all()"""),
+        ('out = stnb.launch(two_stages_by_hand',
+         """assert out[0] is None and out[1] < 1e-6   # stage 1 ends where one process does"""),
         ('TOL = stnblab.parallel.TOLERANCE',
          """assert all(diffs[k] <= TOL[k] for k in diffs)                     # the same numbers as one process
 assert all(r["local_params"] < r["total_params"] for r in tp.ranks)  # and each rank holds less than the model
