@@ -70,6 +70,7 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
     try:
         with memory.training_steps():
             trainer.train()
+        strategy.after_training(trainer)  # the model as the strategy keeps it between steps (sharded)
         prepare.drop_autocast(trainer.model)  # evaluated and saved below as before training: full precision
         digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))
         outcome.after_training(trainer, config, strategy, here)  # rank 0 evaluates and saves

@@ -178,3 +178,15 @@ def test_a_users_evaluations_stay_out_of_the_steps_times_and_peak():
         assert max(st["data"] for st in split) < seconds  # the evaluation is in no step's data part
     assert max(r.step_times) < seconds  # ... nor in any step's time (the slowest rank's)
     assert r.peak_memory_bytes[0] < mib * 2**20 <= r.peak_memory_run_bytes[0]  # the run's peak only
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_a_sharded_users_trainer_that_evaluates_at_its_last_step_is_gathered_and_verified(strategy):
+    """transformers evaluates at the last step too: a forward with no backward after it, which leaves the units
+    that keep their gathered parameters after a forward holding them whole; the strategy reshards them
+    after training (the digests and the gather to rank 0 failed on them: "Trying to resize storage that is
+    not resizable")."""
+    r = stnb.run(functools.partial(build_evaluating, 0.0, 1), strategy=strategy, **FAST, echo=False)
+    assert r.verified, r.reason
+    assert [s for s, _ in r.dev_curve] == [0, 2, 4, 6]
+    assert r.outside_steps[0]["work"]["evaluate"]["after_steps"] == [2, 4, 6]
