@@ -41,7 +41,7 @@ class RunResult:
     dev_metric: str | None = None      # the dev evaluator's primary metric, e.g. 'dev_spearman_cosine'
     dev_metric_before: float | None = None
     dev_metric_after: float | None = None
-    dev_curve: list = field(default_factory=list)  # [(step, value)]: (0, before), the trainer's evaluations, (steps, after)
+    dev_curve: list = field(default_factory=list)  # [(step, value)]: (0, before), the trainer's evals, (steps, after)
     time_to_first_step_s: float | None = None
     wall_time_s: float | None = None
     launcher: str = "stnb"

@@ -278,7 +278,8 @@ assert all("one AdamW step on the full parameters gives" in line for line in ver
 assert all(2 * held[0] == whole[0] for held, whole in zip(zero2["this rank holds"], zero2["global shape"]))"""),
         ('for name, r in runs.items():\n    print(f"{name:<12} "',
          """for r in runs.values():
-    assert [s for s, _ in r.dev_curve] == [0, *range(base.dev_eval_steps(), base.steps, base.dev_eval_steps()), base.steps]
+    every = base.dev_eval_steps()
+    assert [s for s, _ in r.dev_curve] == [0, *range(every, base.steps, every), base.steps]
     assert r.dev_curve[0][1] == r.dev_metric_before and r.dev_curve[-1][1] == r.dev_metric_after
 for name in stages:          # the native stages: DDP's learning, step by step
     assert max(abs(a[1] - b[1]) for a, b in zip(runs[name].dev_curve, runs["ddp"].dev_curve)) < 0.01, name"""),

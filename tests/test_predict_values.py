@@ -176,7 +176,8 @@ def test_the_step_spread_is_the_ranks_own_else_the_runs_steps():
     inputs = said(m)
     assert inputs["step spread"] == ("measured", "std of each rank's own steady steps, 20.00 ms (p50 1200.0, p90 1250.0 ms)")
     # an evaluation is timed apart (the step clock resumes after it); a save lands in the next step
-    assert inputs["evaluate between steps"] == ("measured", "2 call(s), 0.60 s each, outside the step times (timed apart)")
+    assert inputs["evaluate between steps"] == ("measured",
+                                                "2 call(s), 0.60 s each, outside the step times (timed apart)")
     assert inputs["save between steps"] == ("measured", "1 call(s), 0.30 s each, in the data part of the next "
                                                         "step: per device, not divided by the devices")
     r = run(step_times=[9.0, 9.0, 1.0, 1.2, 1.4, 1.0])

@@ -3,9 +3,9 @@
 Alive from the rank's start (the peak is growth over the resident size then; ``stnb.memory.PeakMemory``):
 ``train_rank`` marks the trainer ``built`` and ``prepared`` (``stnb.memsplit.MemorySplit``), and trains
 inside ``training_steps()``, so rank 0's evaluation, FSDP's gathered full copy and the save/reload count in
-the whole run's peak only, and so does an evaluation the trainer runs between two steps (the dev curve: from a
-step's end that asks for one to the evaluation's end). As a callback it measures the model's and optimizer's tensors after the first
-optimizer step (``memory.measure``) and counts the activations of the first training forwards.
+the whole run's peak only, and so does an evaluation the trainer runs between two steps (the dev curve: from
+a step's end that asks for one to the evaluation's end). As a callback it measures the model's and optimizer's
+tensors after the first optimizer step (``memory.measure``) and counts the activations of the first training forwards.
 """
 
 from __future__ import annotations

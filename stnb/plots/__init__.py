@@ -30,7 +30,8 @@ from .timesplit import split_bars, timeline
 from .memsplit import memory_split
 
 __all__ = [
-    "throughput", "speedup", "efficiency", "memory", "loss_curves", "dev_curves", "dashboard", "knobs", "with_reference",
+    "throughput", "speedup", "efficiency", "memory", "loss_curves", "dev_curves", "dashboard", "knobs",
+    "with_reference",
     "comparison_table", "reference_frame", "split_bars", "timeline", "memory_split",
     "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "GHOST_COLOR", "MIB",
 ]
