@@ -41,6 +41,7 @@ HELP = {
     "dev_size": "dev pairs for the evaluation",
     "warmup_steps_excluded": "first steps left out of the throughput",
     "evaluate": "skip the dev evaluation before and after training",
+    "dev_points": "dev evaluations during training besides before and after (the dev curve; default 0)",
     "save_to": "folder for the trained model (must not exist)",
     "device": "auto, cpu or cuda",
     "start_method": "auto, fork (Linux) or spawn (fresh processes; the macOS / Windows default)",

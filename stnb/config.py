@@ -60,6 +60,9 @@ class Recipe:
     dev_size: int = recipe_field("select the rows in your function (dataset.select(range(n)))", 200)
     warmup_steps_excluded: int = recipe_field("stnb leaves the first 2 steps out of the throughput of your trainer", 2)
     evaluate: bool = recipe_field("pass evaluator=... to your trainer (or leave it out)", True)
+    dev_points: int = recipe_field(
+        f"eval_strategy='steps' and eval_steps=... in {_ARGS}, with evaluator=... (stnb reads the dev curve from "
+        "the trainer's log_history)", 0)
     mixed_precision: str = recipe_field(f"bf16=True or fp16=True in {_ARGS}", "no")
     gradient_accumulation_steps: int = recipe_field(f"gradient_accumulation_steps in {_ARGS}", 1)
     extra: dict = recipe_field("stnb's recipe only", default_factory=dict)
@@ -141,6 +144,16 @@ class TrainConfig:
         'answer': 'positive', 'hard': 'negative'}; {'id': None} drops a column explicitly. Every other
         column must be one the loss reads (stnb.columns), else the run is refused before it starts.
     per_device_batch_size: samples per device per step; global = per_device * processes * accumulation.
+    evaluate: the dev evaluator (on dev_size held-out rows, never trained on) before and after training
+        (RunResult.dev_metric_before / dev_metric_after, on rank 0).
+    dev_points: evaluations of the dev evaluator during training besides before and after: the trainer's own
+        eval_strategy='steps' with eval_steps = ceil(steps / (dev_points + 1)) (``dev_eval_steps``), so every
+        rank takes part (a sharded model evaluates as it trains) and each value lands in the trainer's
+        log_history; RunResult.dev_curve is [(0, before), (step, value)..., (steps, after)]. dev_points of
+        them where steps divide evenly, else as many as fit before the last step. Default 0: an evaluation
+        costs every rank wall time, most runs compare speed, and before/after already says whether the run
+        learned; the notebooks that show learning ask for a curve. The evaluations are timed apart
+        (RunResult.outside_steps): they are in neither the step times, samples/s nor the training peak.
     start_method: how the processes start: 'fork' (copies of the notebook's process; Linux), 'spawn'
         (fresh interpreters, the default on macOS / Windows: a build function defined in a cell is
         sent by value) or 'auto' ($STNB_START_METHOD, else the platform's). RunResult.start_method
@@ -179,6 +192,7 @@ class TrainConfig:
     dev_size: int = part(Recipe, "dev_size")
     warmup_steps_excluded: int = part(Recipe, "warmup_steps_excluded")
     evaluate: bool = part(Recipe, "evaluate")
+    dev_points: int = part(Recipe, "dev_points")
     save_to: str | None = part(RunOptions, "save_to")
     device: str = part(RunOptions, "device")
     start_method: str = part(RunOptions, "start_method")
@@ -241,6 +255,12 @@ class TrainConfig:
         from .hardware import gpu_count
 
         return self.strategy_object().devices(gpu_count())
+
+    def dev_eval_steps(self) -> int | None:
+        """The trainer's eval_steps for ``dev_points`` evaluations during training (None: none asked)."""
+        if not self.dev_points:
+            return None
+        return -(-self.steps // (self.dev_points + 1))  # ceil: the multiples below steps are at most dev_points
 
     def global_batch_size(self) -> int:
         ws = self.world_size() * self.devices_per_process()
@@ -341,6 +361,7 @@ class TrainConfig:
         _check_int("dev_size", self.dev_size, 0)
         _check_int("seed", self.seed, 0)
         _check_int("warmup_steps_excluded", self.warmup_steps_excluded, 0)
+        _check_int("dev_points", self.dev_points, 0)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
         if self.threads_per_rank is not None:
             _check_int("threads_per_rank", self.threads_per_rank, 1)
@@ -378,6 +399,12 @@ class TrainConfig:
                               "use per_device_batch_size >= 2")
         if self.dev_size == 0 and self.evaluate:
             raise ConfigError("evaluate=True needs dev pairs; set dev_size > 0 or evaluate=False")
+        if self.dev_points and not self.evaluate:
+            raise ConfigError(f"dev_points={self.dev_points} evaluates the dev evaluator during training, and "
+                              "evaluate=False turns it off; set evaluate=True or dev_points=0")
+        if self.dev_points >= self.steps:
+            raise ConfigError(f"dev_points={self.dev_points} evaluations between step 0 and step {self.steps} need "
+                              f"more steps: use dev_points <= {self.steps - 1} or steps >= {self.dev_points + 1}")
         if check_resources:
             self.check_hardware()
             self.check_inputs()

@@ -169,13 +169,17 @@ class PeakMemory:
 
     ``PeakMemory(cuda)`` starts the whole-run measurement; ``start_phase()`` / ``phase_peak()``
     measure the training steps alone (rank 0's evaluation, FSDP's gathered full copy and the
-    save/reload come after training and count in ``peak()``, the whole run, only)."""
+    save/reload come after training and count in ``peak()``, the whole run, only); ``pause_phase()`` /
+    ``resume_phase()`` leave work between two steps out of the phase (the trainer's evaluation: the dev
+    curve), in the whole run's peak only."""
 
     def __init__(self, cuda: bool):
         import torch
 
         self.cuda = cuda
         self._before_phase = 0  # the whole run's peak before the phase's reset (absolute)
+        self._phase_kept = 0    # the phase's peak before its pauses (absolute)
+        self._paused = False
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             self.method = "cuda max_memory_allocated"
@@ -195,18 +199,36 @@ class PeakMemory:
         import torch
 
         self._before_phase = max(self._before_phase, self._current_peak())
+        self._phase_kept, self._paused = 0, False
+        self._reset()
+
+    def _reset(self) -> None:
+        import torch
+
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
             _reset_high_water()
 
+    def pause_phase(self) -> None:
+        """Work that is no part of the phase follows (an evaluation between steps): the phase's peak so far kept."""
+        if not self._paused:
+            self._phase_kept, self._paused = max(self._phase_kept, self._current_peak()), True
+            self._reset()
+
+    def resume_phase(self) -> None:
+        """The phase goes on: what the pause reached counts in the whole run's peak only."""
+        if self._paused:
+            self._before_phase, self._paused = max(self._before_phase, self._current_peak()), False
+            self._reset()
+
     def phase_peak(self) -> int:
-        """Peak since ``start_phase`` (CPU: as growth over the rank's starting resident size)."""
-        return self._growth(self._current_peak())
+        """Peak since ``start_phase``, pauses left out (CPU: as growth over the rank's starting resident size)."""
+        return self._growth(max(self._phase_kept, 0 if self._paused else self._current_peak()))
 
     def peak(self) -> int:
         """Peak over the whole run, phases included."""
-        return self._growth(max(self._before_phase, self._current_peak()))
+        return self._growth(max(self._before_phase, self._phase_kept, self._current_peak()))
 
     def _growth(self, value: int) -> int:
         return value if self.cuda else max(0, value - self.base)

@@ -50,6 +50,7 @@ class RankReport:
     dev_metric: str | None = None        # the dev evaluator's primary metric's name (rank 0)
     dev_metric_before: float | None = None
     dev_metric_after: float | None = None
+    dev_curve: list = field(default_factory=list)  # [(step, value)]: 0 = before ... last = after (rank 0)
     data_columns: list | dict | None = None  # the training data's columns; a dict of datasets: {name: columns}
     loss_inputs: dict | None = None      # what the loss received at its first call ({name: that} per dataset)
     time_to_first_step_s: float | None = None  # launch to the end of the first step

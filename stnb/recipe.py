@@ -54,10 +54,27 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
         # stnb freezes the unused pooler (strategies.freeze_unused_pooler), so DDP need not search the graph
         ddp_find_unused_parameters=bool(config.extra.get("find_unused_parameters", False)),
     )
+    if config.evaluate and config.dev_points:  # the dev curve: the trainer evaluates on every rank, into log_history
+        args.update(eval_strategy="steps", eval_steps=config.dev_eval_steps())
     args.update(config.strategy_object().trainer_arguments(config, device.split(":")[0]))  # deepspeed=...
     return SentenceTransformerTrainer(model=model, args=SentenceTransformerTrainingArguments(**args),
                                       train_dataset=train, loss=make_loss(config, model),
-                                      evaluator=dev_evaluator(dev) if config.evaluate else None)
+                                      evaluator=dev_evaluator(dev) if config.evaluate else None,
+                                      callbacks=[evaluated_after()] if config.dev_points else None)
+
+
+def evaluated_after():
+    """A TrainerCallback that keeps the recipe's trainer from evaluating at its last step (transformers evaluates
+    there under eval_strategy='steps'): the trained model is evaluated once after training, on rank 0, whole and
+    in full precision (``training.Outcome``: dev_metric_after, the dev curve's last point)."""
+    from transformers import TrainerCallback
+
+    class TrainedModelEvaluatedAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step >= state.max_steps:
+                control.should_evaluate = False
+
+    return TrainedModelEvaluatedAfter()
 
 
 def make_loss(config: TrainConfig, model):

@@ -41,6 +41,7 @@ class RunResult:
     dev_metric: str | None = None      # the dev evaluator's primary metric, e.g. 'dev_spearman_cosine'
     dev_metric_before: float | None = None
     dev_metric_after: float | None = None
+    dev_curve: list = field(default_factory=list)  # [(step, value)]: (0, before), the trainer's evals, (steps, after)
     time_to_first_step_s: float | None = None
     wall_time_s: float | None = None
     launcher: str = "stnb"
@@ -65,7 +66,10 @@ class RunResult:
     @classmethod
     def from_dict(cls, d: dict) -> "RunResult":
         known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        kept = {k: v for k, v in d.items() if k in known}
+        if kept.get("dev_curve"):  # JSON holds each (step, value) as a list
+            kept["dev_curve"] = [tuple(p) for p in kept["dev_curve"]]
+        return cls(**kept)
 
     def to_frame(self):
         """One-row pandas DataFrame (lists kept as objects)."""
@@ -163,6 +167,7 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0, wall_time_s: 
         dev_metric=r0.dev_metric,
         dev_metric_before=r0.dev_metric_before,
         dev_metric_after=r0.dev_metric_after,
+        dev_curve=list(r0.dev_curve),
         time_to_first_step_s=max((r.time_to_first_step_s for r in rank_results
                                   if r.time_to_first_step_s is not None), default=None),
         wall_time_s=wall_time_s,

@@ -20,6 +20,10 @@ from __future__ import annotations
 import statistics
 
 STEP_FIELDS = ("forward_calls", "backward_calls", "backward", "optimizer_step", "clip", "data_wait")
+#: where the work between steps lands in the step times: a save in the next step's, an evaluation in none (the
+#: step clock resumes at its end: ``instruments.StepLog``)
+OUTSIDE_STEPS = {"evaluate": "outside the step times (timed apart)",
+                 "save": "in the data part of the next step: per device, not divided by the devices"}
 
 
 def _as_dict(result) -> dict:

@@ -289,6 +289,12 @@ class StepTimer:
             self._prev_end = self.clock.mark(start)
             self._prev_host = start
 
+    def resume(self, now: float) -> None:
+        """Work between two steps that is no part of either (an evaluation) ended at ``now``: the next step
+        begins here."""
+        if self._prev_end is not None:
+            self._prev_end, self._prev_host = self.clock.mark(now), now
+
     def on_pre_optimizer_step(self) -> None:
         self._opt_host = time.perf_counter()
         self._marks["opt_start"] = self.clock.mark(self._opt_host)

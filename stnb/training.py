@@ -70,6 +70,7 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
     try:
         with memory.training_steps():
             trainer.train()
+        strategy.after_training(trainer)  # the model as the strategy keeps it between steps (sharded)
         prepare.drop_autocast(trainer.model)  # evaluated and saved below as before training: full precision
         digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))
         outcome.after_training(trainer, config, strategy, here)  # rank 0 evaluates and saves
@@ -144,7 +145,8 @@ class Here:
 
 
 class Outcome:
-    """What training achieved, on rank 0: the dev metric before and after training, and the saved model
+    """What training achieved, on rank 0: the dev metric before and after training, the dev curve between
+    them (the trainer's own evaluations during training, read from its log_history), and the saved model
     checked against the trained one and the initial one."""
 
     def __init__(self, evaluator, initial_path: str | None, scratch: str | None):
@@ -152,6 +154,7 @@ class Outcome:
         self.initial_path = initial_path  # the untrained model (stnb's recipe: its model_path)
         self.scratch = scratch            # a folder this rank made for it (removed after training)
         self.metric = self.before = self.after = self.saved = None
+        self.curve: list = []
 
     @classmethod
     def before_training(cls, trainer, config, strategy, initial_path, here: Here) -> "Outcome":
@@ -176,6 +179,7 @@ class Outcome:
         if here.rank == 0:
             if self.evaluator is not None:
                 self.metric, self.after = _dev_metric(self.evaluator, final_model)
+                self.curve = dev_curve(self.metric, self.before, self.after, trainer.state)
             if config.save_to:
                 initial = checks.state_of(load_like(final_model, initial_path, device="cpu", max_seq_length=max_len))
                 self.saved = save_checked(final_model, config.save_to, device, checks.state_of(final_model), initial)
@@ -188,7 +192,7 @@ class Outcome:
 
     def report(self) -> dict:
         return {"dev_metric": self.metric, "dev_metric_before": self.before, "dev_metric_after": self.after,
-                "saved_model": self.saved}
+                "dev_curve": self.curve, "saved_model": self.saved}
 
 
 def _dev_metric(evaluator, model) -> tuple:
@@ -196,6 +200,17 @@ def _dev_metric(evaluator, model) -> tuple:
     scores = evaluator(model)
     name = evaluator.primary_metric
     return name, float(scores[name])
+
+
+def dev_curve(metric: str, before: float, after: float, state) -> list:
+    """[(0, before), (step, value)..., (last step, after)]: the values between are the trainer's own
+    evaluations during training (eval_strategy='steps'; sentence-transformers logs the evaluator's metrics
+    with the prefix 'eval_'), the last point the trained model evaluated after training (an evaluation the
+    trainer itself ran at its last step is that point's, so it is left out)."""
+    key = metric if metric.startswith("eval_") else f"eval_{metric}"
+    last = state.global_step
+    during = {int(e["step"]): float(e[key]) for e in state.log_history if key in e and 0 < e.get("step", 0) < last}
+    return [(0, before), *sorted(during.items()), (last, after)]
 
 
 def _full_model_on_rank0(strategy, model, initial_path, device, rank, max_seq_length):

@@ -88,7 +88,9 @@ MODULES = (
                                               "xǁStepTimerǁ_forward_pre", "xǁStepTimerǁ_gather_start",
                                               "xǁStepTimerǁ_gather_end", "xǁStepTimerǁon_step_begin",
                                               "xǁStepTimerǁon_pre_optimizer_step", "xǁStepTimerǁon_optimizer_step",
-                                              "xǁStepTimerǁon_step_end", "xǁStepTimerǁ_split", "xǁStepTimerǁsummary",
+                                              "xǁStepTimerǁon_step_end", "xǁStepTimerǁresume",
+                                              "xǁStepTimerǁ_split",
+                                              "xǁStepTimerǁsummary",
                                               "x_builtin_hook", "x__union", "x_combine", "x_problems", "x_table")),
     # the memory split: the parts that add up to the peak, the marks, the activations counted, the largest
     # rank and its sentence. Left out: allocator_free and resident (what glibc and the OS report; the slow

@@ -89,7 +89,7 @@ else:
          """assert [r["rank"] for r in ranks] == list(range(N)) and {r["world_size"] for r in ranks} == {N}
 assert len({r["pid"] for r in ranks}) == N
 assert {r["backend"] for r in ranks} == {"nccl" if device == "cuda" else "gloo"}"""),
-        ('import torch',
+        ('hand = stnb.launch(by_hand',
          """local = [h["local"] for h in hand]
 assert not torch.equal(local[0], local[1])                     # own data: different gradients
 assert all(torch.equal(h["synced"], hand[0]["synced"]) for h in hand)   # after the all-reduce: one gradient
@@ -98,11 +98,14 @@ assert torch.allclose(hand[0]["synced"], sum(local) / N)      # the average of t
          """assert not verdict.passed                                     # the neighbour swap is no ring...
 assert verdict.lines[0].startswith("2 ranks, lengths 7, 11: every rank holds the sum")   # ...though right on 2
 assert verdict.lines[1].startswith("3 ranks: rank ") and "torch.distributed.all_reduce gives" in verdict.lines[1]"""),
-        ('def ddp_step():',
-         """assert steps[0]["weight[0,0] before DDP()"] != steps[1]["weight[0,0] before DDP()"]   # seeded apart
-assert all(s["after DDP()"] == steps[0]["weight[0,0] before DDP()"] for s in steps)   # rank 0's weights everywhere
-assert all(s["all-reduces in no_sync"] == 0 and s["all-reduces after"] >= 1 for s in steps)
-assert all(s["bytes all-reduced"] == s["gradient bytes"] for s in steps)
+        ('def ddp_broadcast():',
+         """assert broadcast[0]["weight[0,0] before DDP()"] != broadcast[1]["weight[0,0] before DDP()"]   # seeded apart
+assert all(b["after DDP()"] == broadcast[0]["weight[0,0] before DDP()"] for b in broadcast)   # rank 0's everywhere"""),
+        ('hooked = stnb.launch(one_backward',
+         """assert all(h["all-reduces"] >= 1 and h["bytes all-reduced"] == h["gradient bytes"] for h in hooked)"""),
+        ('def accumulate():',
+         """assert all(s["all-reduces in no_sync"] == 0 and s["all-reduces after"] >= 1 for s in steps)
+assert all(s["bytes all-reduced"] == hooked[0]["gradient bytes"] for s in steps)   # once per optimizer step
 assert torch.equal(steps[0]["weights after the step"], steps[1]["weights after the step"])"""),
         ('for name, res in (("without gather", alone), ("with gather", gathered)):',
          """assert all(r["negatives_per_anchor"] == 4 - 1 for r in alone)
@@ -113,6 +116,12 @@ assert all(r["wrapper"] == "DistributedDataParallel" for r in checks["ranks"])
 assert checks["world_size_seen"] == [N]
 assert checks["weights_identical_across_ranks"] is True
 assert result.global_batch_size == cfg.global_batch_size()"""),
+        ('print(f"{result.dev_metric} on {cfg.dev_size} held-out dev pairs, by step:")',
+         """assert result.dev_metric == "dev_spearman_cosine" and len(result.losses) == result.steps
+assert result.dev_curve[0] == (0, result.dev_metric_before)
+assert result.dev_curve[-1] == (result.steps, result.dev_metric_after)
+between = [step for step, _ in result.dev_curve[1:-1]]   # the trainer's eval_steps, below the last step
+assert 2 <= len(between) <= 3 and between == [k * mnrl.dev_eval_steps() for k in range(1, len(between) + 1)]"""),
         ('for r in (result, with_gather):',
          """assert with_gather.verified and with_gather.verification["weights_identical_across_ranks"]
 assert with_gather.losses[0] > result.losses[0]"""),
@@ -120,7 +129,7 @@ assert with_gather.losses[0] > result.losses[0]"""),
          """assert all(f"hello from rank {r} of {N}" in logs[r] for r in range(N))"""),
     ],
     "04_fsdp_sharding.ipynb": [
-        ('def small_model():',
+        ('sharded = stnb.launch(fsdp_step',
          """assert all(s["placements"] == "(Shard(dim=0),)" for s in sharded)
 assert all(s["local shape"] == (64 // N, 16) and s["shape in forward"] == s["full shape"] == (64, 16) for s in sharded)
 assert all(s["grad"] == "DTensor" and s["grad local shape"] == s["local shape"] for s in sharded)"""),
@@ -136,6 +145,12 @@ assert all(abs(f - 1 / N) < 0.05 for f in shards[shards.strategy == "fsdp"].frac
 assert sum(fsdp.local_param_count) == fsdp.total_param_count                   # shards add up"""),
         ('v = fsdp.verification["ranks"][0]',
          """assert v["wrapper"] != "DistributedDataParallel" and v["wrapped_layers"] >= 1"""),
+        ('for name in ("ddp", "fsdp"):',
+         """for r in (runs["ddp"], fsdp):
+    assert r.dev_curve[0] == (0, r.dev_metric_before) and r.dev_curve[-1] == (r.steps, r.dev_metric_after)
+    assert len(r.dev_curve) >= 4 and len(r.losses) == r.steps
+assert [s for s, _ in runs["ddp"].dev_curve] == [s for s, _ in fsdp.dev_curve]
+assert gap < 0.01                                  # the same seed, data and global batch: the same learning"""),
         ('ratio = memory["measured_over_predicted"]',
          """assert ratio.between(0.98, 1.02).all()
 per_rank = memory.groupby(["strategy", "rank"])["measured_mib"].sum()
@@ -223,6 +238,11 @@ assert set(pred.table.strategy) >= {"single", "ddp", "fsdp"} and pred.assumption
          """assert df.verified.all() and list(df.strategy) == list(runs)
 assert all(r.world_size == (2 if s in ("ddp", "fsdp") else 1) for s, r in runs.items())
 assert all(r.dev_metric == "faq_cosine_ndcg@10" and r.dev_metric_after is not None for r in runs.values())"""),
+        ('for strategy, r in runs.items():\n    print(f"{strategy:<6} {r.dev_metric}: "',
+         """for r in runs.values():    # the held-out questions: before, every EVAL_EVERY steps, after
+    assert [s for s, _ in r.dev_curve] == [0, *range(EVAL_EVERY, STEPS, EVAL_EVERY), STEPS]
+    assert r.dev_curve[0][1] == r.dev_metric_before and r.dev_curve[-1][1] == r.dev_metric_after
+    assert len(r.losses) == STEPS"""),
         ('panel = stnb.widgets.Panel(build=build, results_file=results_file)',
          """assert len(panel.results) == len(runs) and panel.batch.disabled"""),
         ('rerank_file = results_file.with_name("reranker.jsonl")',
@@ -258,9 +278,16 @@ assert (zero1["optimizer state covers"] < zero1["parameters"]).all()           #
         ('import torch\nfrom stnblab import exercises',
          """assert not verdict.passed and len(verdict.lines) == 2
 assert all("one AdamW step on the full parameters gives" in line for line in verdict.lines)   # the values differ"""),
-        ('def zero2_by_hand():',
+        ('zero2 = pd.DataFrame(stnb.launch(zero2_by_hand',
          """assert zero2["weight whole after forward"].all() and (zero2["gradient"] == "DTensor").all()
 assert all(2 * held[0] == whole[0] for held, whole in zip(zero2["this rank holds"], zero2["global shape"]))"""),
+        ('for name, r in runs.items():\n    print(f"{name:<12} "',
+         """for r in runs.values():
+    every = base.dev_eval_steps()
+    assert [s for s, _ in r.dev_curve] == [0, *range(every, base.steps, every), base.steps]
+    assert r.dev_curve[0][1] == r.dev_metric_before and r.dev_curve[-1][1] == r.dev_metric_after
+for name in stages:          # the native stages: DDP's learning, step by step
+    assert max(abs(a[1] - b[1]) for a, b in zip(runs[name].dev_curve, runs["ddp"].dev_curve)) < 0.01, name"""),
         ('stnb.plots.memory(stnb.results_frame(list(runs.values())))',
          """assert all(r.verified for r in runs.values()), {s: r.reason for s, r in runs.items()}
 frac = {(r.strategy, r.part): r.measured_fraction for r in table.itertuples()}

@@ -171,6 +171,20 @@ def test_loss_curves_one_line_per_run(df):
     assert any("not runnable here" in a.text for a in fig.layout.annotations)
 
 
+def test_dev_curves_one_line_per_run_with_a_curve():
+    from dataclasses import replace
+
+    curve = [(0, 0.40), (10, 0.55), (20, 0.61), (30, 0.64)]
+    with_curve = replace(_run("ddp", 2, 160.0), dev_metric="dev_spearman_cosine", dev_curve=curve)
+    frame = stnb.results_frame([_run("single", 1, 100.0), with_curve, _unrunnable()])
+    fig = plots.dev_curves(frame)
+    lines = [t for t in fig.data if t.type == "scatter"]
+    assert [t.name for t in lines] == ["ddp ×2"]  # the single run has no curve: no line
+    assert list(lines[0].x) == [0, 10, 20, 30] and list(lines[0].y) == [0.40, 0.55, 0.61, 0.64]
+    assert fig.layout.yaxis.title.text == "dev_spearman_cosine" and "dev_spearman_cosine" in lines[0].hovertemplate
+    assert len(plots.dev_curves(stnb.results_frame([])).data) == 0
+
+
 def test_dashboard_puts_four_panels_together(df):
     fig = plots.dashboard(df, reference=True)
     axes = {t.xaxis for t in fig.data}

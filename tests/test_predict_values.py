@@ -168,14 +168,18 @@ def test_a_sharded_run_does_not_fit_and_its_note_says_the_prediction_is_low():
 
 def test_the_step_spread_is_the_ranks_own_else_the_runs_steps():
     spread = {"std": 0.018, "p50": 1.2, "p90": 1.25, "mean": 1.21, "steps": 4}
-    work = {"evaluate": {"calls": 2, "seconds": [0.5, 0.7], "every_steps": 2, "after_steps": [2, 4]}}
+    work = {"evaluate": {"calls": 2, "seconds": [0.5, 0.7], "every_steps": 2, "after_steps": [2, 4]},
+            "save": {"calls": 1, "seconds": [0.3], "every_steps": None, "after_steps": [3]}}
     r = run(outside_steps=[{"spread": spread, "work": work}, {"spread": dict(spread, std=0.022), "work": {}}])
     m = from_result(r)
     assert m.step_spread == pytest.approx(0.02)  # the ranks' mean
     inputs = said(m)
     assert inputs["step spread"] == ("measured", "std of each rank's own steady steps, 20.00 ms (p50 1200.0, p90 1250.0 ms)")
-    assert inputs["evaluate between steps"] == ("measured", "2 call(s), 0.60 s each, in the data part of the next "
-                                                            "step: per device, not divided by the devices")
+    # an evaluation is timed apart (the step clock resumes after it); a save lands in the next step
+    assert inputs["evaluate between steps"] == ("measured",
+                                                "2 call(s), 0.60 s each, outside the step times (timed apart)")
+    assert inputs["save between steps"] == ("measured", "1 call(s), 0.30 s each, in the data part of the next "
+                                                        "step: per device, not divided by the devices")
     r = run(step_times=[9.0, 9.0, 1.0, 1.2, 1.4, 1.0])
     m = from_result(r)
     assert m.step_spread == pytest.approx(statistics.pstdev([1.0, 1.2, 1.4, 1.0]))

@@ -532,6 +532,41 @@ def test_an_assert_cell_hidden_or_not_and_an_nbval_marker_are_found():
     assert any("'nbval-check-output'" in f for f in found), found
 
 
+#: the longest code cell a reader sees (CONVENTIONS.md, "by hand first": the mechanism in a cell of at most
+#: ~15 lines); GitHub's viewer shows every code cell, hidden or not, so every one counts
+MAX_CELL_LINES = 15
+
+
+def long_cells(nb: dict) -> list:
+    """Code cells over ``MAX_CELL_LINES`` lines, as "cell i: n lines"."""
+    out = []
+    for i, cell in enumerate(nb["cells"]):
+        n = len("".join(cell["source"]).splitlines())
+        if cell["cell_type"] == "code" and n > MAX_CELL_LINES:
+            out.append(f"cell {i}: {n} lines")
+    return out
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_code_cell_is_short_enough_to_read_by_hand(name):
+    """Split a longer cell where its steps are (a sentence of narrative between them); don't pack it into
+    longer lines."""
+    import json
+
+    assert long_cells(json.loads((ROOT / "notebooks" / name).read_text())) == []
+
+
+def test_a_long_cell_hidden_or_not_is_found():
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / NOTEBOOKS[0]).read_text())
+    at = len(nb["cells"])
+    nb["cells"] += [nbformat_cell("\n".join(["x = 1"] * MAX_CELL_LINES)),
+                    nbformat_cell("\n".join(["x = 1"] * (MAX_CELL_LINES + 1)), hidden=True),
+                    {"cell_type": "markdown", "metadata": {}, "source": ["text\n"] * 40}]
+    assert long_cells(nb) == [f"cell {at + 1}: {MAX_CELL_LINES + 1} lines"]
+
+
 def nbformat_cell(source: str, hidden: bool = False) -> dict:
     meta = {"jupyter": {"source_hidden": True}, "tags": ["hide-input"]} if hidden else {}
     return {"cell_type": "code", "execution_count": None, "metadata": meta, "outputs": [], "source": [source]}

@@ -70,6 +70,23 @@ def test_the_next_step_begins_where_the_last_ended_and_summary_hands_every_step(
     assert s["host_clock"] == "the same clock (CPU)"
 
 
+def test_an_evaluation_between_steps_is_in_neither_step():
+    clock = SimClock()
+    timer, tr, model = ddp_timer(clock)
+    timer.resume(clock.now)  # before any step: nothing began, nothing moves
+    assert timer._prev_end is None
+    timer.on_step_begin(clock.now)
+    one_step(timer, tr, model)
+    clock.advance(3.0)  # the trainer evaluates (the dev curve): the step clock resumes at its end
+    timer.resume(clock.now)
+    resumed = clock.now
+    clock.advance(0.5)  # logging, the next batch's wait: the next step's data part
+    one_step(timer, tr, model, calls=1)
+    first, second = timer.steps
+    assert second["start"] == pytest.approx(resumed) and second["data"] == pytest.approx(0.5 + FETCH)
+    assert second["step"] == pytest.approx(first["step"] - FORWARD + 0.5)  # one forward fewer, 0.5 s of logging
+
+
 def test_a_step_before_the_origin_only_moves_the_step_clock():
     clock = SimClock()
     timer = StepTimer(clock=clock, enabled=True)

@@ -3,8 +3,9 @@
 Alive from the rank's start (the peak is growth over the resident size then; ``stnb.memory.PeakMemory``):
 ``train_rank`` marks the trainer ``built`` and ``prepared`` (``stnb.memsplit.MemorySplit``), and trains
 inside ``training_steps()``, so rank 0's evaluation, FSDP's gathered full copy and the save/reload count in
-the whole run's peak only. As a callback it measures the model's and optimizer's tensors after the first
-optimizer step (``memory.measure``) and counts the activations of the first training forwards.
+the whole run's peak only, and so does an evaluation the trainer runs between two steps (the dev curve: from
+a step's end that asks for one to the evaluation's end). As a callback it measures the model's and optimizer's
+tensors after the first optimizer step (``memory.measure``) and counts the activations of the first training forwards.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ class MemoryUse(Instrument):
     def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
         if self.breakdown is None and not step_was_skipped(self.trainer):  # a skipped step made no optimizer state
             self.breakdown = memory.measure(self.trainer.model, optimizer, self.strategy.held_bytes(self.trainer))
+
+    def on_step_end(self, args, state, control, **kw):
+        if control.should_evaluate:  # the trainer evaluates next (transformers' flow callback runs first)
+            self.peak.pause_phase()
+
+    def on_evaluate(self, args, state, control, **kw):
+        self.peak.resume_phase()
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.peak.resume_phase()  # an evaluation asked for and not run (another callback took it back)
 
     def report(self) -> dict:
         return {"peak_memory_bytes": int(self.train_peak), "peak_memory_run_bytes": int(self.peak.peak()),

@@ -1,8 +1,10 @@
 """``OutsideSteps``: the spread of this rank's step times, and the work it does between training steps
 (evaluation, checkpoint saving) with its frequency.
 
-The trainer evaluates and saves after a step's end, before the next step begins, so that work lands in
-the next step's time (its ``data`` part) and in samples/s. Here each ``trainer.evaluate`` and
+The trainer evaluates and saves after a step's end, before the next step begins. A save lands in the next
+step's time (its ``data`` part) and in samples/s; an evaluation does not: the step clock (``StepLog``,
+``TimeSplit``) resumes at its end and the training peak (``MemoryUse``) pauses for it, so a dev curve
+(``TrainConfig.dev_points``) leaves the measurements as they were. Here each ``trainer.evaluate`` and
 ``trainer._save_checkpoint`` call is timed (host clock) with the step it followed. The evaluation
 ``stnb`` itself runs before and after training (rank 0, ``training.Outcome``) is outside the steps and
 outside samples/s: not counted here.

@@ -3,7 +3,8 @@ optimizer), measured by ``stnb.timesplit.StepTimer`` (its docstring has the meth
 
 At the first step's begin the timer attaches to the module that trains (forward hooks, the backward
 wrapped, DDP's communication hook timed; a barrier every rank leaves together is its origin). It reads the
-steps' begin and end from the rank's step clock (``StepLog``), so the split adds up to the step times.
+steps' begin and end from the rank's step clock (``StepLog``), so the split adds up to the step times; after an
+evaluation between steps the next step begins where the evaluation ended, as ``StepLog`` times it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class TimeSplit(Instrument):
 
     def on_step_end(self, args, state, control, **kw):
         self.timer.on_step_end(self.steps.last_end)
+
+    def on_evaluate(self, args, state, control, **kw):
+        self.timer.resume(self.steps.last_end)  # the next step begins where the evaluation ended
 
     def report(self) -> dict:
         return {"time_split": self.timer.summary()}

@@ -11,6 +11,7 @@ text gives the reason.
     efficiency(df)      speedup / devices, against the ideal 1.0
     memory(df)          peak memory per rank, and params / grads / optimizer state per rank
     loss_curves(df)     training loss per step, one line per run
+    dev_curves(df)      the held-out dev metric per step (RunResult.dev_curve), one line per run
     dashboard(df)       the four above in one figure
     knobs(summary)      DDP knob variants' scaling efficiency, from a ``stnblab.bench`` summary
     split_bars(results) where each step's time goes, a stacked bar per run (``plots.timesplit``)
@@ -22,14 +23,15 @@ text gives the reason.
 and ``with_reference(df_or_fig)`` show them beside ours, labelled as theirs.
 """
 
-from .figures import dashboard, efficiency, knobs, loss_curves, memory, speedup, throughput, with_reference
+from .figures import dashboard, dev_curves, efficiency, knobs, loss_curves, memory, speedup, throughput, with_reference
 from .table import MIB, OURS, REFERENCE_SOURCE, REFERENCE_URL, comparison_table, reference_frame
 from .traces import GHOST_COLOR, PART_COLORS, STRATEGY_COLORS
 from .timesplit import split_bars, timeline
 from .memsplit import memory_split
 
 __all__ = [
-    "throughput", "speedup", "efficiency", "memory", "loss_curves", "dashboard", "knobs", "with_reference",
+    "throughput", "speedup", "efficiency", "memory", "loss_curves", "dev_curves", "dashboard", "knobs",
+    "with_reference",
     "comparison_table", "reference_frame", "split_bars", "timeline", "memory_split",
     "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "GHOST_COLOR", "MIB",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from .table import OURS, REFERENCE_SOURCE, comparison_table, esc, reference_frame
-from .traces import (loss_traces, note_unrunnable, peak_traces, ratio_traces, state_traces,
+from .traces import (dev_traces, loss_traces, note_unrunnable, peak_traces, ratio_traces, state_traces,
                      throughput_traces, variant_color)
 
 # columns of the normalised table (comparison_table) kept in a figure's layout.meta so that
@@ -122,6 +122,21 @@ def loss_curves(df):
     fig.update_layout(title="Training loss", xaxis_title="step", yaxis_title="loss", xaxis_tickformat="d")
     note_unrunnable(fig, ours)
     return _finish(fig, "loss_curves", data)
+
+
+def dev_curves(df):
+    """The held-out dev metric per step (``RunResult.dev_curve``: ``TrainConfig(dev_points=...)``), one line per
+    run: step 0 is the model before training, the last step the trained one."""
+    import plotly.graph_objects as go
+
+    data = comparison_table(df)
+    ours, _ = _split(data)
+    fig = go.Figure(dev_traces(ours))
+    names = sorted({m for m in ours.get("dev_metric", []) if isinstance(m, str)})
+    fig.update_layout(title="Dev metric (held-out rows) during training", xaxis_title="step",
+                      yaxis_title=", ".join(names) or "dev metric", xaxis_tickformat="d")
+    note_unrunnable(fig, ours)
+    return _finish(fig, "dev_curves", data)
 
 
 def dashboard(df, reference: bool = False):

@@ -180,6 +180,25 @@ def loss_traces(rows):
     return traces
 
 
+def dev_traces(rows):
+    """One line of the dev metric per step (``RunResult.dev_curve``: before, during, after training) for every
+    run that has a curve."""
+    import plotly.graph_objects as go
+
+    traces = []
+    for _, r in rows.iterrows():
+        curve = r["dev_curve"] if "dev_curve" in r and isinstance(r["dev_curve"], list) else []
+        if r["status"] != "ok" or not curve:
+            continue
+        steps, values = [p[0] for p in curve], [p[1] for p in curve]
+        traces.append(go.Scatter(
+            x=steps, y=values, mode="lines+markers", name=r["label"],
+            line=dict(color=strategy_color(r["strategy"])), hovertext=[r["hover"]] * len(steps),
+            hovertemplate=f"<b>{esc(r['label'])}</b><br>step %{{x}}: {esc(r['dev_metric'])} %{{y:.4f}}<br>"
+                          "%{hovertext}<extra></extra>"))
+    return traces
+
+
 #: a placeholder bar's height, as a fraction of the panel's tallest bar: low enough that no reader takes it
 #: for a measurement (a bar as tall as the real ones was), high enough to see its hatching and label
 GHOST_FRACTION = 0.15

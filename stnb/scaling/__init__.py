@@ -370,8 +370,8 @@ def from_result(result) -> Measured:
         else:
             inputs.append(("model calls per step", "assumed", "one per text column of the data"))
     for kind, w in measured["outside_steps"].items():
-        inputs.append((f"{kind} between steps", "measured", f"{w['calls']} call(s), {w['seconds']:.2f} s each, in "
-                       "the data part of the next step: per device, not divided by the devices"))
+        inputs.append((f"{kind} between steps", "measured", f"{w['calls']} call(s), {w['seconds']:.2f} s each, "
+                       + stepparts.OUTSIDE_STEPS.get(kind, stepparts.OUTSIDE_STEPS["save"])))
     if measured["data_wait"] is not None:
         inputs.append(("data loading", "measured", f"{measured['data_wait'] * 1e3:.2f} ms a step waiting for "
                        "batches (inside the data part)"))

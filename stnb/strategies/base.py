@@ -174,6 +174,10 @@ class Strategy(abc.ABC):
         """After the run, with every rank's ``rankreport.RankReport``: (details, problems) of what needs
         all ranks (each rank's own verification record is ``report.verification``)."""
 
+    def after_training(self, trainer) -> None:
+        """The trained model back in the state the strategy keeps between steps, before it is checked and
+        gathered (called in every rank right after ``trainer.train()``)."""
+
     def full_model(self, model, rank: int):
         """The trained model whole, on rank 0 (None on the others; a collective where sharded).
         Returns (module_or_state_dict, is_state_dict)."""

@@ -146,6 +146,17 @@ class FullyShardedDataParallel(Strategy):
                                              f"the model has {total}"]
         return {"shards_add_up": held == total}, problems
 
+    def after_training(self, trainer):
+        """Every FSDP unit resharded: an evaluation at the trainer's last step (eval_strategy='steps') ran a
+        forward with no backward after it, so the units that keep their gathered parameters after a forward
+        (the root; every unit under zero2) still hold them, whole, as plain tensors: the replicated
+        digests would read them (making their storage unresizable, so that resharding them later fails)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in trainer.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def full_model(self, model, rank):
         """A FULL_STATE_DICT gathered to rank 0 (a collective: every rank takes part)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
