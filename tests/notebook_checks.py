@@ -43,6 +43,10 @@ assert os.getpid() not in {h["pid"] for h in hellos}     # ...none of them the n
          """assert greetings == [f"hi from rank {r}, started by spawn" for r in range(N)]  # observed in each rank"""),
     ],
     "01_single_device_baseline.ipynb": [
+        ('print(f"Spearman on {cfg.dev_size} held-out dev pairs, by step:")',
+         """steps = [s for s, _ in result.dev_curve]
+assert steps[0] == 0 and steps[-1] == cfg.steps and 3 <= len(steps) <= 5 and steps == sorted(set(steps))
+assert (result.dev_curve[0][1], result.dev_curve[-1][1]) == (result.spearman_before, result.spearman_after)"""),
         ('scores = train["score"]',
          """assert len(train) == cfg.train_size and len(dev) == cfg.dev_size
 assert 0.0 <= min(scores) and max(scores) <= 1.0
@@ -188,7 +192,9 @@ if {"ddp", "fsdp"} <= set(state):
         ('import numpy as np',
          """assert all(len(c) == prof.bench_steps and np.isfinite(c).all() for c in losses.values())"""),
         ('for _, r in ok.iterrows():',
-         """assert ok.spearman_before.notna().all() and ok.spearman_after.notna().all()
+         """assert all(3 <= len(c) <= 5 and c[0][1] == b and c[-1][1] == a     # before, up to 3 during, after
+           for c, b, a in zip(ok.dev_curve, ok.spearman_before, ok.spearman_after))
+assert ok.spearman_before.notna().all() and ok.spearman_after.notna().all()
 assert ok.spearman_before.max() - ok.spearman_before.min() < 1e-3   # the same model before training, whatever the strategy"""),
         ('strategies = [s for s in ("ddp", "zero1", "zero2", "fsdp")',
          """assert off.passed, off                          # dropout off: single = DDP = ZeRO-1 = ZeRO-2 = FSDP

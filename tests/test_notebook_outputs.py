@@ -102,14 +102,17 @@ def test_static_figures_are_about_1000_px_wide(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_progress_bars_end_as_a_text_line(path):
-    """A cell with stnb's per-rank bars (a widget; a viewer without widgets shows its first state, 0 %)
-    also prints the run's last line, e.g. 'ddp: 30/30 steps, 2 ranks, 41 s'."""
+    """A cell with stnb's per-rank bars (a widget) also prints the run's last line, e.g. 'ddp: 30/30 steps,
+    2 ranks, 41 s'; and each bar's saved text, what a viewer without widgets shows (GitHub, nbconvert's
+    HTML), is the bar as it ended (stnb.launchers.bars updates it on close), never the 0 % it started at."""
     for i, cell in enumerate(_code(path)):
         bars = [o for o in cell.outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
                 and re.search(r" rank \d+:", o.data.get("text/plain", ""))]
         lines = PROGRESS_LINE.findall("".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream"))
         if bars:
             assert lines, f"{path.name} code cell {i}: {len(bars)} progress bar(s), no text line saying how they ended"
+        stuck = [o.data["text/plain"] for o in bars if re.search(r"\b0/\d+ ", o.data["text/plain"])]
+        assert not stuck, f"{path.name} code cell {i}: bars saved as they started: {stuck}; re-stamp it"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
