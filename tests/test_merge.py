@@ -81,12 +81,13 @@ def test_dev_metrics_and_what_a_users_trainer_trained_with():
 
     own = UserBuild(_users_build)  # the plan's build object: it says what the result's config holds
     r = _rank(0, [1.0, 2.0], dev_metric="sts-dev_spearman_cosine", dev_metric_before=0.1, dev_metric_after=0.7,
-              build=own.name, training={"per_device_batch_size": 3, "model": "my-model", "loss": "X"},
+              dev_curve=[(0, 0.1), (1, 0.4), (2, 0.7)], build=own.name, training={"per_device_batch_size": 3, "model": "my-model", "loss": "X"},
               overridden_args={"a": 1}, saved_model={"saved_to": "/m", "problems": []},
               start_method="fork", start_method_requested="fork")
     res = merge(_cfg("single"), [r], device="cpu", build=own)
     assert (res.spearman_before, res.spearman_after) == (0.1, 0.7)
     assert (res.dev_metric, res.dev_metric_before, res.dev_metric_after) == ("sts-dev_spearman_cosine", 0.1, 0.7)
+    assert res.dev_curve == [(0, 0.1), (1, 0.4), (2, 0.7)]  # rank 0's curve, the result's
     assert res.per_device_batch_size == 3 and res.model == "my-model" and res.build == own.name
     assert res.config["build"] == own.name and res.config["loss"] == "X" and res.config["per_device_batch_size"] == 3
     assert res.config["strategy"] == "single" and "learning_rate" not in res.config
