@@ -162,40 +162,36 @@ def state_traces(rows):
     return traces
 
 
-def loss_traces(rows):
-    """One line of training loss per step for every run that recorded losses."""
+def _per_step_line(r, steps, values, what: str):
+    """A run's line over its steps (``what``: the quantity's name in the hover), in its strategy's colour."""
     import plotly.graph_objects as go
 
+    return go.Scatter(
+        x=steps, y=values, mode="lines+markers", name=r["label"],
+        line=dict(color=strategy_color(r["strategy"])), hovertext=[r["hover"]] * len(steps),
+        hovertemplate=f"<b>{esc(r['label'])}</b><br>step %{{x}}: {what} %{{y:.4f}}<br>%{{hovertext}}<extra></extra>")
+
+
+def loss_traces(rows):
+    """One line of training loss per step for every run that recorded losses."""
     traces = []
     for _, r in rows.iterrows():
         losses = r["losses"] if isinstance(r["losses"], list) else []
         if r["status"] != "ok" or not losses:
             continue
-        steps = list(range(1, len(losses) + 1))
-        traces.append(go.Scatter(
-            x=steps, y=losses, mode="lines+markers", name=r["label"],
-            line=dict(color=strategy_color(r["strategy"])), hovertext=[r["hover"]] * len(steps),
-            hovertemplate=f"<b>{esc(r['label'])}</b><br>step %{{x}}: loss %{{y:.4f}}<br>"
-                          "%{hovertext}<extra></extra>"))
+        traces.append(_per_step_line(r, list(range(1, len(losses) + 1)), losses, "loss"))
     return traces
 
 
 def dev_traces(rows):
     """One line of the dev metric per step (``RunResult.dev_curve``: before, during, after training) for every
     run that has a curve."""
-    import plotly.graph_objects as go
-
     traces = []
     for _, r in rows.iterrows():
         curve = r["dev_curve"] if "dev_curve" in r and isinstance(r["dev_curve"], list) else []
         if r["status"] != "ok" or not curve:
             continue
-        steps, values = [p[0] for p in curve], [p[1] for p in curve]
-        traces.append(go.Scatter(
-            x=steps, y=values, mode="lines+markers", name=r["label"],
-            line=dict(color=strategy_color(r["strategy"])), hovertext=[r["hover"]] * len(steps),
-            hovertemplate=f"<b>{esc(r['label'])}</b><br>step %{{x}}: {esc(r['dev_metric'])} %{{y:.4f}}<br>"
-                          "%{hovertext}<extra></extra>"))
+        traces.append(_per_step_line(r, [p[0] for p in curve], [p[1] for p in curve], esc(r["dev_metric"])))
     return traces
 
 
