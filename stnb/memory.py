@@ -196,8 +196,6 @@ class PeakMemory:
 
     def start_phase(self) -> None:
         """Remember the run's peak so far, then reset the counter: ``phase_peak`` sees this phase only."""
-        import torch
-
         self._before_phase = max(self._before_phase, self._current_peak())
         self._phase_kept, self._paused = 0, False
         self._reset()

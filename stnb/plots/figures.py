@@ -112,31 +112,30 @@ def memory(df):
     return _finish(fig, "memory", data)
 
 
-def loss_curves(df):
-    """Training loss per step, one line per run."""
+def _per_step_figure(df, name: str, traces_of, title: str, y_title):
+    """A line per run over its training steps (``traces_of(rows)``); ``y_title(rows)`` names the y axis."""
     import plotly.graph_objects as go
 
     data = comparison_table(df)
     ours, _ = _split(data)
-    fig = go.Figure(loss_traces(ours))
-    fig.update_layout(title="Training loss", xaxis_title="step", yaxis_title="loss", xaxis_tickformat="d")
+    fig = go.Figure(traces_of(ours))
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title=y_title(ours), xaxis_tickformat="d")
     note_unrunnable(fig, ours)
-    return _finish(fig, "loss_curves", data)
+    return _finish(fig, name, data)
+
+
+def loss_curves(df):
+    """Training loss per step, one line per run."""
+    return _per_step_figure(df, "loss_curves", loss_traces, "Training loss", lambda rows: "loss")
 
 
 def dev_curves(df):
     """The held-out dev metric per step (``RunResult.dev_curve``: ``TrainConfig(dev_points=...)``), one line per
     run: step 0 is the model before training, the last step the trained one."""
-    import plotly.graph_objects as go
+    def metric_names(rows):
+        return ", ".join(sorted({m for m in rows.get("dev_metric", []) if isinstance(m, str)})) or "dev metric"
 
-    data = comparison_table(df)
-    ours, _ = _split(data)
-    fig = go.Figure(dev_traces(ours))
-    names = sorted({m for m in ours.get("dev_metric", []) if isinstance(m, str)})
-    fig.update_layout(title="Dev metric (held-out rows) during training", xaxis_title="step",
-                      yaxis_title=", ".join(names) or "dev metric", xaxis_tickformat="d")
-    note_unrunnable(fig, ours)
-    return _finish(fig, "dev_curves", data)
+    return _per_step_figure(df, "dev_curves", dev_traces, "Dev metric (held-out rows) during training", metric_names)
 
 
 def dashboard(df, reference: bool = False):
