@@ -48,12 +48,14 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser cluster-deps lab test test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
+.PHONY: help venv install browser cluster-deps lab test test-fast test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
 	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
-	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci)"
+	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci): the in-process tests, then the"
+	@echo "                  slow ones on TEST_WORKERS=2 workers"
+	@echo "  make test-fast  the in-process tests only (about a minute)"
 	@echo "  make test-oldest  the fast tests and one notebook on the oldest supported versions ($(OLDEST_VENV),"
 	@echo "                  constraints/oldest.txt)"
 	@echo "  make mutants    mutmut over the modules that decide what users are told: survival rate per module;"
@@ -134,8 +136,18 @@ lab: install
 
 # ------------------------------------------------------------------- test --
 
+# Two steps: the in-process tests first (about a minute; a failure there stops make before the slow tiers),
+# then every slow test and the notebooks on TEST_WORKERS pytest-xdist workers (tests/tiers.py: a test file
+# stays in one worker; TEST_WORKERS=0 runs them in this process). docs/testing.md says where the time goes.
+TEST_WORKERS ?= 2
+
 test: install browser cluster-deps
-	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks -m slow -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The in-process tests alone, while you work (no install step): about a minute
+test-fast:
+	$(TEST_ENV) $(PY) -m pytest tests -m "not slow" -q $(PYTEST_ARGS)
 
 # ------------------------------------------------------------ test-oldest --
 

@@ -7,6 +7,8 @@ import collections
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 
 def _checks():
     spec = importlib.util.spec_from_file_location("notebook_checks", Path(__file__).parent / "tests" / "notebook_checks.py")
@@ -15,6 +17,7 @@ def _checks():
     return module
 
 
+@pytest.hookimpl(tryfirst=True)  # after tests/conftest.py marks the cells (slow, their xdist group), before xdist
 def pytest_collection_modifyitems(session, config, items):
     try:
         from nbval.plugin import IPyNbCell
@@ -39,4 +42,6 @@ def pytest_collection_modifyitems(session, config, items):
             item = IPyNbCell.from_parent(parent, name=f"Cell {index} checks", cell_num=index,
                                          cell=nbformat.v4.new_code_cell(check),
                                          options=collections.defaultdict(bool, check=False))
+            for mark in after.own_markers:  # slow, and the xdist group: the check runs in its cell's kernel
+                item.add_marker(getattr(pytest.mark, mark.name)(*mark.args, **mark.kwargs))
             items.insert(items.index(after) + 1, item)

@@ -27,6 +27,7 @@ def world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it renames each item by its group)
 def pytest_collection_modifyitems(config, items):
     """make test's order: the in-process tests first, then the multi-process runs (marked slow), then the
     notebooks, the browser, the Jupyter kernels, the clusters and the GPU kit (slow); tests/tiers.py."""

@@ -335,7 +335,8 @@ def test_reading_time_counts_prose_and_code():
 
 def test_makefile_test_target_runs_tests_and_notebooks():
     recipe = _recipe("test")
-    assert "-m pytest tests --nbval-lax --nbval-current-env notebooks" in recipe
+    assert "-m pytest tests --nbval-lax --nbval-current-env notebooks -m slow" in recipe
+    assert '-m pytest tests -m "not slow"' in recipe
     prereqs = re.search(r"^test:(.*)$", _makefile(), re.M).group(1).split()
     assert {"install", "browser"} <= set(prereqs)
     test_env = _makefile()
@@ -348,10 +349,14 @@ def test_makefile_test_target_runs_tests_and_notebooks():
 def test_make_test_dry_run():
     out = _make_dry_run("test")
     pytest_lines = [ln for ln in out.splitlines() if "-m pytest" in ln]
-    assert len(pytest_lines) == 1, out
-    line = pytest_lines[0]
-    assert "STNB_PROFILE=ci" in line and "HF_HUB_OFFLINE=1" in line
-    assert "tests --nbval-lax --nbval-current-env notebooks" in line
+    # two steps that together run every test: the in-process tier, then the slow tiers and the notebooks
+    assert len(pytest_lines) == 2, out
+    fast, slow = pytest_lines
+    for line in pytest_lines:
+        assert "STNB_PROFILE=ci" in line and "HF_HUB_OFFLINE=1" in line
+    assert "-m pytest tests -m \"not slow\"" in fast and "notebooks" not in fast
+    assert "tests --nbval-lax --nbval-current-env notebooks -m slow" in slow
+    assert "-n 2 --dist loadgroup" in slow  # a test file stays in one worker (tests/tiers.py)
     # torch first, explicitly, then the project with dev extras
     lines = out.splitlines()
     torch_at = [i for i, ln in enumerate(lines) if "pip install" in ln and f'"torch=={_torch_pin()}"' in ln]

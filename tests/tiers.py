@@ -125,9 +125,27 @@ def tier(item) -> int:
     return 0
 
 
+# Under pytest-xdist (make test: the slow tiers on 2 workers, --dist loadgroup) a test module runs in one worker,
+# so its module-scoped runs and clusters are made once; these modules share one worker, in turn: what one holds
+# (port 29500; the one-node SLURM cluster and munge's socket), the others must not hold at the same time. (The
+# image stand-in of test_gpu_kit / test_versions is built once for all workers, under a file lock: standin.py.)
+SHARED_WORKER = {
+    "test_launch.py": "port-29500", "test_injected_faults.py": "port-29500", "test_faults.py": "port-29500",
+    "test_cluster_slurm.py": "slurm", "06_scaling_out.ipynb": "slurm",
+}
+
+
+def worker_group(item) -> str:
+    """The xdist group of ``item``: its file (a notebook's cells run in order in one kernel), or the group its
+    file shares (SHARED_WORKER)."""
+    name = os.path.basename(str(getattr(item, "path", item.fspath)))
+    return SHARED_WORKER.get(name, name)
+
+
 def order_and_mark(items: list) -> None:
     tiers = {id(item): tier(item) for item in items}
     for item in items:
         if tiers[id(item)] and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
     items.sort(key=lambda item: tiers[id(item)])  # stable: the collection order within a tier
