@@ -283,10 +283,10 @@ def test_readme_is_a_first_page():
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
 
-# The course's core path for a three-hour workshop (issue 30): setup, the baseline, DDP, FSDP (ZeRO-3), the
-# ZeRO stages, the comparison; the rest is the optional track. Reading time: 200 words a minute of prose
+# The course's core path for a three-hour workshop (issue 30): setup, the baseline, DDP, the ZeRO ladder
+# (ZeRO-1 -> 2 -> 3 = FSDP), the comparison; the rest is the optional track. Reading time: 200 words a minute of prose
 # and 6 s a line of the code a reader sees (a technical reading pace; the folded answers count too).
-CORE_PATH = ("00", "01", "03", "04", "09", "05")
+CORE_PATH = ("00", "01", "03", "04", "05")
 WORDS_PER_MINUTE, SECONDS_PER_CODE_LINE = 200, 6
 
 
@@ -411,12 +411,12 @@ NOTEBOOKS = (
     "01_single_device_baseline.ipynb",
     "02_data_parallel.ipynb",
     "03_ddp_from_a_notebook.ipynb",
-    "04_fsdp_sharding.ipynb",
+    "04_zero_ladder.ipynb",
     "05_compare_strategies.ipynb",
     "06_scaling_out.ipynb",
     "07_bring_your_own_training.ipynb",
     "08_tuning_ddp.ipynb",
-    "09_zero_and_deepspeed.ipynb",
+    "09_zero_in_depth_and_deepspeed.ipynb",
     "10_beyond_data_parallelism.ipynb",
 )
 
