@@ -126,11 +126,6 @@ assert result.dev_curve[0] == (0, result.dev_metric_before)
 assert result.dev_curve[-1] == (result.steps, result.dev_metric_after)
 between = [step for step, _ in result.dev_curve[1:-1]]   # the trainer's eval_steps, below the last step
 assert 2 <= len(between) <= 3 and between == [k * mnrl.dev_eval_steps() for k in range(1, len(between) + 1)]"""),
-        ('for r in (result, with_gather):',
-         """assert with_gather.verified and with_gather.verification["weights_identical_across_ranks"]
-assert with_gather.losses[0] > result.losses[0]"""),
-        ('stnb.launch(examples.hello, num_processes=N, device=device, echo=False)   # echo=False: print nothing now',
-         """assert all(f"hello from rank {r} of {N}" in logs[r] for r in range(N))"""),
     ],
     "04_zero_ladder.ipynb": [
         ('def one_process():',
@@ -192,13 +187,17 @@ for r in runs:                  # the parts add up to the measured peak of every
 state = {r.strategy: sum(r.memory_split[0][k] for k in ("params", "grads", "optimizer_state")) for r in runs}
 if {"ddp", "fsdp"} <= set(state):
     assert 0.4 < state["fsdp"] / state["ddp"] < 0.6"""),
-        ('import numpy as np',
-         """assert all(len(c) == prof.bench_steps and np.isfinite(c).all() for c in losses.values())"""),
         ('for _, r in ok.iterrows():',
          """assert all(3 <= len(c) <= 5 and c[0][1] == b and c[-1][1] == a     # before, up to 3 during, after
            for c, b, a in zip(ok.dev_curve, ok.spearman_before, ok.spearman_after))
 assert ok.spearman_before.notna().all() and ok.spearman_after.notna().all()
-assert ok.spearman_before.max() - ok.spearman_before.min() < 1e-3   # the same model before training, whatever the strategy"""),
+assert ok.spearman_before.max() - ok.spearman_before.min() < 1e-3   # the same model before training, whatever the strategy
+import numpy as np
+
+losses = {r.strategy: np.array(r.losses) for _, r in ok.iterrows()}   # the loss curves plotted above
+assert all(len(c) == prof.bench_steps and np.isfinite(c).all() for c in losses.values())
+if {"ddp", "fsdp"} <= set(losses):                # same ranks, same seeds: even the dropout masks agree
+    assert np.allclose(losses["ddp"], losses["fsdp"], rtol=1e-4, atol=1e-6)"""),
         ('strategies = [s for s in ("ddp", "zero1", "zero2", "fsdp")',
          """assert off.passed, off                          # dropout off: single = DDP = ZeRO-1 = ZeRO-2 = FSDP
 rows = off.table[off.table.role == "strategy"]
@@ -211,9 +210,6 @@ if dropout > 0:                                    # ...and, with dropout, not w
     assert not kept.passed and kept_ddp.overall > 10 * rows[rows.strategy == "ddp"].overall.iloc[0]
 else:                                              # nothing random in the model (the ci profile's tiny one)
     assert kept_ddp.overall < 0.01"""),
-        ('import numpy as np',
-         """if {"ddp", "fsdp"} <= set(losses):                # same ranks, same seeds: even the dropout masks agree
-    assert np.allclose(losses["ddp"], losses["fsdp"], rtol=1e-4, atol=1e-6)"""),
     ],
     "06_scaling_out.ipynb": [
         ('hw = stnb.hardware_report()',
