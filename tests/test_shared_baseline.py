@@ -87,6 +87,10 @@ def test_verdict_and_table_are_computed_from_the_numbers():
     assert "slower than the baseline" in text and "cost DDP 25% here" in text
     base.samples_per_second["ddp defaults"] = 60.0
     assert "faster than the baseline" in base.verdict() and "cost DDP 0% here" in base.verdict()
+    assert "other programs" not in base.verdict()
+    base.other_load = {WHOLE: 0.4, "ddp defaults": 0.01}
+    assert "other programs used up to 40% of the CPUs" in base.verdict()
+    assert base.table.loc[WHOLE, "other_load"] == 0.4
 
 
 def test_whole_machine_variant_is_planned_on_cpu_only_when_asked(monkeypatch):

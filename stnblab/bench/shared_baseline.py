@@ -48,6 +48,7 @@ class Baseline:
     notebook: str | None = None              # the notebook that measured it
     source: str = ""                         # one sentence: measured now (and why) or reused from where
     batch: dict = field(default_factory=dict)  # variant -> samples per optimizer step (all its processes)
+    other_load: dict = field(default_factory=dict)  # variant -> share of the CPUs other programs used meanwhile
 
     def __getitem__(self, variant: str) -> float:
         return self.samples_per_second[variant]
@@ -75,6 +76,8 @@ class Baseline:
         if self.batch:
             frame.insert(0, "batch", pd.Series(self.batch).reindex(sps.index))
         frame["vs_baseline"] = sps / sps[self.name]
+        if self.other_load:   # a busy machine slows one multi-threaded process most (notebook 05)
+            frame["other_load"] = pd.Series(self.other_load, dtype=float).reindex(sps.index)
         frame.index.name = "variant"
         return frame
 
@@ -92,18 +95,25 @@ class Baseline:
             lost = 1 - self.ddp / self.samples_per_second[self.ceiling]
             lines.append(f"against {self.ranks} independent processes, communication and waiting cost DDP "
                          f"{lost:.0%} here")
+        from .load import NOISY
+
+        busy = max((v for v in self.other_load.values() if v is not None), default=0.0)
+        if busy > NOISY:
+            lines.append(f"other programs used up to {busy:.0%} of the CPUs meanwhile: a quiet machine may give "
+                         "other numbers")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"key": self.key, "samples_per_second": self.samples_per_second, "baseline": self.name,
                 "measured_at": self.measured_at, "seconds": self.seconds, "notebook": self.notebook,
-                "batch": self.batch}
+                "batch": self.batch, "other_load": self.other_load}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Baseline":
         return cls(samples_per_second=dict(d["samples_per_second"]), name=d["baseline"], key=dict(d["key"]),
                    measured_at=float(d["measured_at"]), seconds=float(d.get("seconds") or 0.0),
-                   notebook=d.get("notebook"), batch=dict(d.get("batch") or {}))
+                   notebook=d.get("notebook"), batch=dict(d.get("batch") or {}),
+                   other_load=dict(d.get("other_load") or {}))
 
 
 def wanted_key(prof, device: str) -> dict:
@@ -198,5 +208,6 @@ def _measure(prof, device: str, key: dict) -> Baseline:
     variants = report.summary["sections"]["knobs"]["variants"]
     ranks = next((int(r["world_size"]) for r in variants if r["variant"] == DDP and r.get("world_size")), 2)
     batch = {r["variant"]: int(r["global_batch_size"]) for r in variants if r.get("global_batch_size")}
+    load = {r["variant"]: r["other_load"] for r in variants if r.get("other_load") is not None}
     return Baseline(samples_per_second=sps, name=name, key={**key, "ranks": ranks}, measured_at=time.time(),
-                    seconds=time.time() - t0, batch=batch)
+                    seconds=time.time() - t0, batch=batch, other_load=load)
