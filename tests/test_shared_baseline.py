@@ -13,9 +13,9 @@ import json
 import pytest
 
 from stnb.profiles import PROFILES, Profile
-from stnblab import bench
+from stnblab.bench import BenchOptions, plan
 
-shared = importlib.import_module("stnblab.bench.shared_baseline")
+shared = importlib.import_module("stnblab.bench.shared_baseline")  # the module (the package binds the name to the function)
 WHOLE = "single 2 threads (whole machine)"
 
 
@@ -42,13 +42,16 @@ def measured(monkeypatch, tmp_path):
 
 
 def test_measures_saves_and_reuses_on_a_match(measured, tmp_path, capsys):
-    first = bench.baseline(_profile(), "cpu", notebook="05")
+    import stnblab
+
+    assert stnblab.bench.baseline is shared.baseline      # what notebooks 05, 06 and 08 call
+    first = shared.baseline(_profile(), "cpu", notebook="05")
     assert len(measured) == 1 and first.source.startswith("measured now")
     saved = json.loads((tmp_path / "cache" / "baseline.json").read_text())
     assert saved["key"]["model"] == "tiny" and saved["key"]["profile"] == "ci" and saved["key"]["cores"] >= 1
     assert saved["notebook"] == "05" and saved["baseline"] == WHOLE and saved["samples_per_second"][WHOLE] == 50.0
 
-    again = bench.baseline(_profile(), "cpu", reuse=True, notebook="08")
+    again = shared.baseline(_profile(), "cpu", reuse=True, notebook="08")
     assert len(measured) == 1, "a matching saved baseline is reused, not measured again"
     assert again.samples_per_second == first.samples_per_second and again.name == WHOLE
     assert again.source.startswith("measured in notebook 05 at ") and again.source.endswith("reused")
@@ -60,20 +63,20 @@ def test_measures_saves_and_reuses_on_a_match(measured, tmp_path, capsys):
 @pytest.mark.parametrize("change, why", [({"model": "minilm"}, "model"), ({"bench_steps": 20}, "steps"),
                                          ({"per_device_batch_size": 16}, "batch_size")])
 def test_a_mismatch_measures_again_and_says_why(measured, change, why, capsys):
-    bench.baseline(_profile(), "cpu", notebook="05")
-    other = bench.baseline(_profile(**change), "cpu", reuse=True, notebook="06")
+    shared.baseline(_profile(), "cpu", notebook="05")
+    other = shared.baseline(_profile(**change), "cpu", reuse=True, notebook="06")
     assert len(measured) == 2
     assert other.source.startswith("measured now") and f"measured with {why}" in other.source
     assert other["ddp defaults"] == 90.0                  # the new numbers, saved in place of the old ones
-    assert bench.baseline(_profile(**change), "cpu", reuse=True).source.startswith("measured in notebook 06")
+    assert shared.baseline(_profile(**change), "cpu", reuse=True).source.startswith("measured in notebook 06")
     assert len(measured) == 2
 
 
 def test_another_device_or_no_file_measures(measured, tmp_path, monkeypatch):
-    assert "no saved baseline" in bench.baseline(_profile(), "cpu", reuse=True).source
-    assert "device" in bench.baseline(_profile(), "cuda", reuse=True).source
+    assert "no saved baseline" in shared.baseline(_profile(), "cpu", reuse=True).source
+    assert "device" in shared.baseline(_profile(), "cuda", reuse=True).source
     (tmp_path / "cache" / "baseline.json").write_text("{not json")
-    assert "no saved baseline" in bench.baseline(_profile(), "cuda", reuse=True).source
+    assert "no saved baseline" in shared.baseline(_profile(), "cuda", reuse=True).source
     assert len(measured) == 3
 
 
@@ -97,10 +100,10 @@ def test_whole_machine_variant_is_planned_on_cpu_only_when_asked(monkeypatch):
     import stnb.hardware
 
     monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: 4)
-    opts = bench.BenchOptions.from_preset("quick", sections=("knobs",), knobs=("defaults",), device="cpu",
+    opts = BenchOptions.from_preset("quick", sections=("knobs",), knobs=("defaults",), device="cpu",
                                           comparison_nproc=2, batch_size=8)
-    assert not [it for it in bench.plan(opts) if "whole machine" in it.name]
-    items = {it.name: it for it in bench.plan(bench.BenchOptions(**{**opts.__dict__, "whole_machine": True}))}
+    assert not [it for it in plan(opts) if "whole machine" in it.name]
+    items = {it.name: it for it in plan(BenchOptions(**{**opts.__dict__, "whole_machine": True}))}
     whole = items["single 4 threads (whole machine)"]
     assert whole.config.threads_per_rank == 4 and whole.config.per_device_batch_size == 16   # DDP's global batch
     assert items["ddp defaults"].config.threads_per_rank == 2
