@@ -80,7 +80,8 @@ assert table.loc[0, "samples_per_second"] == result.samples_per_second"""),
          """assert all(sum(dp_traffic(n).values()) > sum(ddp_traffic(n).values()) for n in (N, 4))"""),
         ('if dp["runnable"]:',
          """if dp["runnable"]:
-    assert result.verified and len(result.verification["ranks"][0]["device_ids"]) >= 2"""),
+    assert result.verified and len(result.verification["ranks"][0]["device_ids"]) >= 2
+    assert 3 <= len(result.dev_curve) <= 5 and result.dev_curve[-1][1] == result.spearman_after"""),
         ('row = stnb.results_frame([result])',
          """assert result.strategy == "dp"
 if result.status == "not runnable here":
@@ -171,10 +172,11 @@ assert ok.verified.all() and (ok.global_batch_size == G).all()
 assert (ok.samples_per_second > 0).all()
 assert (df[df.status != "ok"].status == "not runnable here").all()"""),
         ('import stnblab',
-         """rows = stnblab.bench.knobs_frame(side)
-assert rows.verified.all() and rows.ok.all() and (baseline > 0).all()
-assert "ddp defaults" in baseline and baseline.index[-1].startswith("single, whole machine")
-assert len(baseline) == (4 if device == "cpu" else 3)   # + N single runs at once on CPU: the ceiling"""),
+         """sps = base.samples_per_second                   # measured here (05 measures; 06 and 08 reuse it)
+assert base.source.startswith("measured now") and base.notebook == "05" and all(v > 0 for v in sps.values())
+assert "ddp defaults" in sps and ("whole machine" in base.name if device == "cpu" else base.name == "single 1 GPU")
+assert len(sps) == (4 if device == "cpu" else 2)   # + the whole machine and N single runs at once on CPU
+assert base.table.loc[base.name, "vs_baseline"] == 1.0"""),
         ('local = ok.set_index("strategy").local_param_fraction',
          """assert all(local[s] == 1.0 for s in ("single", "dp", "ddp") if s in local)   # full copies
 if "fsdp" in local:
@@ -230,6 +232,13 @@ for node, command in enumerate(script.node_commands("torchrun")):
          """if job is not None:
     assert on_slurm.verified and on_slurm.launcher == "slurm" and on_slurm.world_size == here.world_size
     assert on_slurm.global_batch_size == here.global_batch_size"""),
+        ('steps, values = zip(*one.dev_curve)',
+         """assert 3 <= len(steps) <= 5 and steps[0] == 0 and steps[-1] == prof.steps and list(steps) == sorted(set(steps))
+assert (values[0], values[-1]) == (one.spearman_before, one.spearman_after)"""),
+        ("import stnblab  # stnb's lab: notebook 05's baseline",
+         """sps = base.samples_per_second                   # 05's baseline, reused (or measured here when 06 runs alone)
+assert "ddp defaults" in sps and base.name in sps and all(v > 0 for v in sps.values())
+assert base.source.startswith(("measured in notebook 05 at", "measured now")) and predicted > 0"""),
         ('split, alone = stnb.timesplit.table(here), stnb.timesplit.table(one)',
          """parts = ["data_ms", "forward_ms", "backward_compute_ms", "comm_exposed_ms", "wait_ms", "optimizer_ms", "other_ms"]
 if not split.empty:
@@ -239,10 +248,15 @@ assert pred.row("ddp", 2)["samples_per_second"] > 0 and -1 < check["error"] < 3
 assert set(pred.table.strategy) >= {"single", "ddp", "fsdp"} and pred.assumptions"""),
     ],
     "07_bring_your_own_training.ipynb": [
+        ('TRIPLETS = triplets(SCENES[32:], 120, seed=1)',
+         """about = lambda rows: {text for row in rows for text in row[:2]}   # the anchors and positives
+assert len(TRIPLETS) == 120 and len(HELD_OUT) == 24 and not about(TRIPLETS) & about(HELD_OUT)
+assert all(len(set(row)) == 3 for row in TRIPLETS + HELD_OUT)       # a paraphrase, never a copy"""),
         ('df = stnb.load_results(results_file)',
          """assert df.verified.all() and list(df.strategy) == list(runs)
 assert all(r.world_size == (2 if s in ("ddp", "fsdp") else 1) for s, r in runs.items())
-assert all(r.dev_metric == "faq_cosine_ndcg@10" and r.dev_metric_after is not None for r in runs.values())"""),
+assert all(r.dev_metric == "held_out_cosine_ndcg@10" and r.dev_metric_after is not None for r in runs.values())
+assert all(r.dev_metric_after > r.dev_metric_before for r in runs.values())   # it learned what carries over"""),
         ('for strategy, r in runs.items():\n    print(f"{strategy:<6} {r.dev_metric}: "',
          """for r in runs.values():    # the held-out questions: before, every EVAL_EVERY steps, after
     assert [s for s, _ in r.dev_curve] == [0, *range(EVAL_EVERY, STEPS, EVAL_EVERY), STEPS]
@@ -253,7 +267,7 @@ assert all(r.dev_metric == "faq_cosine_ndcg@10" and r.dev_metric_after is not No
         ('rerank_file = results_file.with_name("reranker.jsonl")',
          """assert rdf.verified.all() and list(rdf.strategy) == ["single", "ddp"]
 assert [r.world_size for r in reranker.values()] == [1, 2]
-assert all(r.dev_metric.startswith("faq_") and r.dev_metric_before is not None and r.dev_metric_after is not None
+assert all(r.dev_metric.startswith("held_out_") and r.dev_metric_before is not None and r.dev_metric_after is not None
            for r in reranker.values())
 assert reranker["ddp"].overridden_args["ddp_find_unused_parameters"]["to"] is False
 assert reranker["ddp"].verification["loss_received_all_columns"] is True"""),
@@ -267,6 +281,17 @@ assert all(seen["trained_parameters"]["loss_parameters_synced"] for seen in v["r
 assert v["weights_identical_across_ranks"] is True and len(set(v["weights_checksums"])) == 1"""),
     ],
     "08_tuning_ddp.ipynb": [
+        ("import stnblab  # stnb's lab: the baseline and the bench",
+         """sps = base.samples_per_second                   # 05's baseline, reused (or measured here when 08 runs alone)
+assert "ddp defaults" in sps and base.name in sps and all(v > 0 for v in sps.values())
+assert base.source.startswith(("measured in notebook 05 at", "measured now"))"""),
+        ('print(f"the baseline, {base.name}',
+         """assert len(ddp_rows) == len(knob_names) and s == base.speedup(ddp_rows.samples_per_second.max())"""),
+        ('tuned = stnb.run(',
+         """assert tuned.verified and tuned.config["comm_hook"] == "embedding_rows"
+assert [st for st, _ in tuned.dev_curve][0] == 0 and [st for st, _ in tuned.dev_curve][-1] == prof.steps
+assert 3 <= len(tuned.dev_curve) <= 5 and (tuned.dev_curve[0][1], tuned.dev_curve[-1][1]) == (tuned.spearman_before,
+                                                                                       tuned.spearman_after)"""),
         ('ddp_rows = knob_df[knob_df.variant.str.startswith("ddp ")]',
          """assert knob_report.failed == 0
 assert ddp_rows.verified.all()                     # DDP weights identical across ranks in every variant

@@ -44,9 +44,11 @@ summary     ``summarize``, ``format_summary``, ``knobs_frame``, ``TARGETS``
 report      the HTML report and ``bench_frame``
 document    the markdown benchmarks document (BENCHMARKS.md)
 session     ``bench()``: plan, resume, run, summarize, report
+shared_baseline ``baseline()``: notebook 05's side-by-side baseline, measured once and saved; 06 and 08 reuse it
 cli         ``add_cli``, ``options_from_args``, ``cmd_bench``
 """
 
+from .shared_baseline import Baseline, baseline
 from .cli import add_cli, cmd_bench, command_line, options_from_args
 from .document import DEFAULT_DOC, check_document, write_document
 from .load import NOISY, foreign_share, machine_busy, wait_until_quiet
@@ -56,4 +58,5 @@ from .report import bench_frame, write_report
 from .session import BenchReport, bench
 from .summary import TARGETS, format_summary, knobs_frame, summarize, target_verdict
 
-__all__ = ["BenchOptions", "BenchReport", "bench", "plan", "summarize", "check_preset", "add_cli", "TARGETS"]
+__all__ = ["BenchOptions", "BenchReport", "bench", "baseline", "Baseline", "plan", "summarize", "check_preset", "add_cli",
+           "TARGETS"]

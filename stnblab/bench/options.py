@@ -107,6 +107,7 @@ class BenchOptions:
     sections: tuple = SECTIONS
     knobs: tuple | None = None           # knob variant names; None: all for this device
     accumulate: int | None = None        # micro-batches of the 'accumulate A' knob variants (None: 4, quick 2)
+    whole_machine: bool = False          # knobs, CPU: also one process with every core at DDP's global batch
     results: str | None = None
     report: str | None = None
     run_timeout: float = 900.0

@@ -108,6 +108,11 @@ def _accumulating(cfg, a: int):
                        steps=warm + max(2, math.ceil((cfg.steps - cfg.warmup_steps_excluded) / a)))
 
 
+def whole_machine_name(cores: int) -> str:
+    """The knobs section's variant of one process with every core (``BenchOptions.whole_machine``)."""
+    return f"single {cores} threads (whole machine)"
+
+
 def knob_names(device: str = "cpu", quick: bool = False) -> list:
     return [n for n, _, _ in _knob_variants(device, 1, quick)]
 
@@ -193,6 +198,11 @@ def plan(opts: BenchOptions) -> list:
         if device == "cpu":
             variants.append((f"{n} x single at once (no communication)", "concurrent",
                              one.replace(extra={"concurrent_runs": n}), dev1))
+        if device == "cpu" and opts.whole_machine and cpu_cores() > (threads or 1):
+            # what one would run without ranks: one process, every core, DDP's global batch (same optimizer steps)
+            variants.append((whole_machine_name(cpu_cores()), "stnb",
+                             one.replace(threads_per_rank=cpu_cores(), per_device_batch_size=opts.batch_size * n),
+                             None))
         for rep in range(opts.repeats):
             for name, launcher, cfg, bname in _rotate(variants, rep):
                 add("knobs", name, launcher, cfg, rep, baseline=bname,

@@ -1,0 +1,109 @@
+"""stnblab.bench.baseline: notebook 05 measures and saves the side-by-side baseline, 06 and 08 reuse it.
+
+The measuring itself is the bench's knobs section (tests/test_bench.py runs it); here the measurement
+is replaced by a stand-in that counts its calls, so saving, reusing on a match and re-measuring on a
+mismatch are checked without starting processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from stnb.profiles import PROFILES, Profile
+from stnblab.bench import BenchOptions, plan
+
+shared = importlib.import_module("stnblab.bench.shared_baseline")  # the module (the package binds the name to the function)
+WHOLE = "single 2 threads (whole machine)"
+
+
+def _profile(**over):
+    return Profile(name="ci", **{**PROFILES["ci"], **over})
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """Each measurement returns different numbers and is recorded; the file lives in tmp_path."""
+    calls = []
+
+    def fake(prof, device, key):
+        calls.append(key)
+        k = len(calls)
+        sps = {"single 1 device (1 thread)": 30.0 * k, "ddp defaults": 45.0 * k,
+               "2 x single at once (no communication)": 60.0 * k, WHOLE: 50.0 * k}
+        return shared.Baseline(samples_per_second=sps, name=WHOLE, key={**key, "ranks": 2},
+                               measured_at=1_700_000_000.0, seconds=12.0)
+
+    monkeypatch.setattr(shared, "_measure", fake)
+    monkeypatch.setenv(shared.ENV, str(tmp_path / "cache" / "baseline.json"))
+    return calls
+
+
+def test_measures_saves_and_reuses_on_a_match(measured, tmp_path, capsys):
+    import stnblab
+
+    assert stnblab.bench.baseline is shared.baseline      # what notebooks 05, 06 and 08 call
+    first = shared.baseline(_profile(), "cpu", notebook="05")
+    assert len(measured) == 1 and first.source.startswith("measured now")
+    saved = json.loads((tmp_path / "cache" / "baseline.json").read_text())
+    assert saved["key"]["model"] == "tiny" and saved["key"]["profile"] == "ci" and saved["key"]["cores"] >= 1
+    assert saved["notebook"] == "05" and saved["baseline"] == WHOLE and saved["samples_per_second"][WHOLE] == 50.0
+
+    again = shared.baseline(_profile(), "cpu", reuse=True, notebook="08")
+    assert len(measured) == 1, "a matching saved baseline is reused, not measured again"
+    assert again.samples_per_second == first.samples_per_second and again.name == WHOLE
+    assert again.source.startswith("measured in notebook 05 at ") and again.source.endswith("reused")
+    out = capsys.readouterr().out
+    assert f"baseline: {WHOLE}; measured in notebook 05 at" in out
+    assert str(tmp_path) not in out, "the path is never printed"
+
+
+@pytest.mark.parametrize("change, why", [({"model": "minilm"}, "model"), ({"bench_steps": 20}, "steps"),
+                                         ({"per_device_batch_size": 16}, "batch_size")])
+def test_a_mismatch_measures_again_and_says_why(measured, change, why, capsys):
+    shared.baseline(_profile(), "cpu", notebook="05")
+    other = shared.baseline(_profile(**change), "cpu", reuse=True, notebook="06")
+    assert len(measured) == 2
+    assert other.source.startswith("measured now") and f"measured with {why}" in other.source
+    assert other["ddp defaults"] == 90.0                  # the new numbers, saved in place of the old ones
+    assert shared.baseline(_profile(**change), "cpu", reuse=True).source.startswith("measured in notebook 06")
+    assert len(measured) == 2
+
+
+def test_another_device_or_no_file_measures(measured, tmp_path, monkeypatch):
+    assert "no saved baseline" in shared.baseline(_profile(), "cpu", reuse=True).source
+    assert "device" in shared.baseline(_profile(), "cuda", reuse=True).source
+    (tmp_path / "cache" / "baseline.json").write_text("{not json")
+    assert "no saved baseline" in shared.baseline(_profile(), "cuda", reuse=True).source
+    assert len(measured) == 3
+
+
+def test_verdict_and_table_are_computed_from_the_numbers():
+    sps = {"single 1 device (1 thread)": 30.0, "ddp defaults": 45.0, "2 x single at once (no communication)": 60.0,
+           WHOLE: 50.0}
+    base = shared.Baseline(samples_per_second=sps, name=WHOLE, key={"ranks": 2}, measured_at=0.0, seconds=1.0)
+    assert base.table.loc["ddp defaults", "vs_baseline"] == pytest.approx(0.9)
+    text = base.verdict()
+    assert "DDP x2 is 1.50x single 1 device (1 thread)" in text and "0.90x single 2 threads" in text
+    assert "slower than the baseline" in text and "cost DDP 25% here" in text
+    base.samples_per_second["ddp defaults"] = 60.0
+    assert "faster than the baseline" in base.verdict() and "cost DDP 0% here" in base.verdict()
+    assert "other programs" not in base.verdict()
+    base.other_load = {WHOLE: 0.4, "ddp defaults": 0.01}
+    assert "other programs used up to 40% of the CPUs" in base.verdict()
+    assert base.table.loc[WHOLE, "other_load"] == 0.4
+
+
+def test_whole_machine_variant_is_planned_on_cpu_only_when_asked(monkeypatch):
+    import stnb.hardware
+
+    monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: 4)
+    opts = BenchOptions.from_preset("quick", sections=("knobs",), knobs=("defaults",), device="cpu",
+                                          comparison_nproc=2, batch_size=8)
+    assert not [it for it in plan(opts) if "whole machine" in it.name]
+    items = {it.name: it for it in plan(BenchOptions(**{**opts.__dict__, "whole_machine": True}))}
+    whole = items["single 4 threads (whole machine)"]
+    assert whole.config.threads_per_rank == 4 and whole.config.per_device_batch_size == 16   # DDP's global batch
+    assert items["ddp defaults"].config.threads_per_rank == 2
