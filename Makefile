@@ -143,7 +143,7 @@ TEST_WORKERS ?= 2
 
 test: install browser cluster-deps
 	$(TEST_ENV) $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
-	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks -m slow -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks -m slow -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # The in-process tests alone, while you work (no install step): about a minute
 test-fast:
