@@ -107,3 +107,22 @@ def test_whole_machine_variant_is_planned_on_cpu_only_when_asked(monkeypatch):
     whole = items["single 4 threads (whole machine)"]
     assert whole.config.threads_per_rank == 4 and whole.config.per_device_batch_size == 16   # DDP's global batch
     assert items["ddp defaults"].config.threads_per_rank == 2
+
+
+def test_writers_saving_at_once_never_fail_and_leave_a_whole_file(tmp_path):
+    """Under make test's workers notebooks 05, 06 and 08 may each measure and save at the same moment: every
+    save succeeds, the file is always whole, and no temporary file is left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = shared.Baseline(samples_per_second={WHOLE: 50.0}, name=WHOLE, key={"model": "tiny", "ranks": 2},
+                           measured_at=1_700_000_000.0, seconds=1.0, notebook="05")
+    path = tmp_path / "baseline.json"
+
+    def save_many(_):
+        for _ in range(150):
+            shared._save(base, path)
+            assert json.loads(path.read_text())["baseline"] == WHOLE
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(save_many, range(4)))   # re-raises a writer's error
+    assert [p.name for p in tmp_path.iterdir()] == ["baseline.json"]

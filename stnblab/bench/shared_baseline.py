@@ -175,10 +175,19 @@ def baseline(prof, device: str = "cpu", *, reuse: bool = False, notebook: str | 
 
 
 def _save(base: Baseline, path: Path) -> None:
+    """Write ``path`` whole or not at all: a temporary file of this writer's own, then renamed (two notebooks
+    that measure at once, as under make test's workers, never share one)."""
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(base.to_dict(), indent=1) + "\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(base.to_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _measure(prof, device: str, key: dict) -> Baseline:
