@@ -217,6 +217,6 @@ def _measure(prof, device: str, key: dict) -> Baseline:
     variants = report.summary["sections"]["knobs"]["variants"]
     ranks = next((int(r["world_size"]) for r in variants if r["variant"] == DDP and r.get("world_size")), 2)
     batch = {r["variant"]: int(r["global_batch_size"]) for r in variants if r.get("global_batch_size")}
-    load = {r["variant"]: r["other_load"] for r in variants if r.get("other_load") is not None}
+    other_load = {r["variant"]: r["other_load"] for r in variants if r.get("other_load") is not None}
     return Baseline(samples_per_second=sps, name=name, key={**key, "ranks": ranks}, measured_at=time.time(),
-                    seconds=time.time() - t0, batch=batch, other_load=load)
+                    seconds=time.time() - t0, batch=batch, other_load=other_load)
