@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--platform", action="append", help=f"a wheel platform tag (default {' '.join(PLATFORMS)})")
     ap.add_argument("--out", default=os.path.join(HERE, "out"), help="the kit's folder (default gpu-kit/out)")
     ap.add_argument("--limit-mib", type=float, default=50.0, help="most MiB the kit and the code may take")
+    ap.add_argument("--preset", type=int, default=6, choices=range(10), metavar="0-9",
+                    help="xz preset (default 6: the smallest kit; a lower one packs faster and larger)")
     ap.add_argument("--leave-out", action="append", default=[], help="a package of wheels.txt to leave out "
                     "(to see what fails without it)")
     a = ap.parse_args(argv)
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
         for s, name in whls:
             print(f"{s / MIB:8.2f} MiB  wheel {name}")
         print(f"{len(whls)} wheels, {sum(s for s, _ in whls) / MIB:.1f} MiB: packing them into wheels.tar.xz")
-        pack(wheels, os.path.join(a.out, "wheels.tar.xz"))
+        pack(wheels, os.path.join(a.out, "wheels.tar.xz"), preset=a.preset)
     copy_tokenizer(os.path.join(a.out, "tokenizer"))
     sizes = sorted(((os.path.getsize(p), os.path.relpath(p, a.out))
                     for p in glob.glob(os.path.join(a.out, "**"), recursive=True) if os.path.isfile(p)), reverse=True)

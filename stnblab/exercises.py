@@ -66,15 +66,16 @@ class _Refused(RuntimeError):
 
 # ------------------------------------------------------------------------------------ ring all-reduce --
 
-def check_ring_all_reduce(fn, worlds=WORLDS, lengths=RING_LENGTHS) -> Verdict:
+def check_ring_all_reduce(fn, worlds=WORLDS, lengths=RING_LENGTHS, limit_s: float = LIMIT_S) -> Verdict:
     """Run ``fn(t)`` in every rank of each world, for float32 tensors of each length, and compare every
     rank's result (``t`` after the call, or what ``fn`` returned) with ``torch.distributed.all_reduce``
     (a sum). The values are whole numbers, so the comparison is exact whatever order the ring adds in.
     ``fn`` must build the sum from point-to-point messages (``dist.isend`` / ``dist.irecv``,
-    ``dist.send`` / ``dist.recv``): a call to a collective is refused."""
+    ``dist.send`` / ``dist.recv``): a call to a collective is refused. A rank still running the attempt after
+    ``limit_s`` seconds gives up and says so."""
     lines, passed = [], True
     for world in worlds:
-        outcome = _in_ranks(_ring_rank, world, fn, tuple(lengths))
+        outcome = _in_ranks(_ring_rank, world, limit_s, fn, tuple(lengths))
         if isinstance(outcome, str):
             lines.append(f"{world} ranks: {outcome}")
             passed = False
@@ -141,7 +142,7 @@ def _collectives_refused(dist):
 
 # ----------------------------------------------------------------------------------------- ZeRO-1 step --
 
-def check_zero1_step(fn, worlds=WORLDS) -> Verdict:
+def check_zero1_step(fn, worlds=WORLDS, limit_s: float = LIMIT_S) -> Verdict:
     """Run ``opt = fn(params, lr)`` in every rank of each world: ``params`` are a small model's parameters
     (25 values, equal on every rank), each with ``.grad`` holding this rank's own gradient. Afterwards
     every rank's parameters must equal one ``torch.optim.AdamW(lr=lr)`` step on the full parameters with
@@ -150,7 +151,7 @@ def check_zero1_step(fn, worlds=WORLDS) -> Verdict:
     lines, passed = [], True
     total = sum(math.prod(s) for s in ZERO1_SHAPES)
     for world in worlds:
-        outcome = _in_ranks(_zero1_rank, world, fn)
+        outcome = _in_ranks(_zero1_rank, world, limit_s, fn)
         if isinstance(outcome, str):
             lines.append(f"{world} ranks: {outcome}")
             passed = False
@@ -223,8 +224,8 @@ def _said(result: dict) -> dict:
 GAVE_UP = "did not finish in"
 
 
-def _guarded(rank_fn, fn, *args):
-    """``rank_fn(fn, *args)`` in this rank, which gives up after LIMIT_S seconds: it says so and exits (the
+def _guarded(limit_s, rank_fn, fn, *args):
+    """``rank_fn(fn, *args)`` in this rank, which gives up after ``limit_s`` seconds: it says so and exits (the
     other ranks, waiting for it, then fail or give up too)."""
     import os
     import threading
@@ -234,10 +235,10 @@ def _guarded(rank_fn, fn, *args):
     rank = dist.get_rank()
 
     def give_up():
-        print(f"{SAID}{rank}: {GAVE_UP} {LIMIT_S} s", flush=True)
+        print(f"{SAID}{rank}: {GAVE_UP} {limit_s:g} s", flush=True)
         os._exit(3)
 
-    timer = threading.Timer(LIMIT_S, give_up)
+    timer = threading.Timer(limit_s, give_up)
     timer.daemon = True
     timer.start()
     try:
@@ -256,7 +257,7 @@ def _from_output(text: str) -> str | None:
         rank = min(raised, key=int)
         return f"rank {rank}: {raised[rank]}; the other ranks waited for it until they were stopped"
     if gave_up:
-        return (f"rank(s) {', '.join(gave_up)} {GAVE_UP} {LIMIT_S} s: a receive whose send never comes (or a "
+        return (f"rank(s) {', '.join(gave_up)} {said[gave_up[0]]}: a receive whose send never comes (or a "
                 "blocking send that no rank receives) waits forever")
     return None
 
@@ -322,7 +323,7 @@ def _unravel(i: int, shape) -> list:
     return list(reversed(out))
 
 
-def _in_ranks(rank_fn, world: int, fn, *args):
+def _in_ranks(rank_fn, world: int, limit_s: float, fn, *args):
     """``rank_fn(fn, *args)`` in ``world`` CPU ranks: their results, or a sentence saying why there are none."""
     from stnb.errors import LaunchError
     from stnb.hardware import capacity_problem
@@ -331,11 +332,12 @@ def _in_ranks(rank_fn, world: int, fn, *args):
         if capacity_problem("cpu", world) is None:
             import stnb
 
-            return stnb.launch(_guarded, rank_fn, fn, *args, num_processes=world, device="cpu", echo=False,
-                               stall_timeout=STALL_S, timeout=TIMEOUT_S)
+            return stnb.launch(_guarded, limit_s, rank_fn, fn, *args, num_processes=world, device="cpu",
+                               echo=False, stall_timeout=STALL_S, timeout=TIMEOUT_S)
         from .parallel.oversubscribe import launch_oversubscribed
 
-        return launch_oversubscribed(_by_value, _packed(rank_fn, fn, args), num_processes=world, timeout=TIMEOUT_S)
+        return launch_oversubscribed(_by_value, _packed(limit_s, rank_fn, fn, args), num_processes=world,
+                                     timeout=TIMEOUT_S)
     except LaunchError as e:
         logs = getattr(e, "logs", None) or {}
         said = _from_output("\n".join([str(e)] + [str(v) for _, v in sorted(logs.items())]))
@@ -345,7 +347,7 @@ def _in_ranks(rank_fn, world: int, fn, *args):
         return f"the ranks did not finish ({first[:300]}): a send with no matching receive waits forever"
 
 
-def _packed(rank_fn, fn, args) -> bytes:
+def _packed(limit_s, rank_fn, fn, args) -> bytes:
     """The call, ``fn`` by value: defined in a notebook cell (``__main__``, which torchrun's ranks do not
     have) or in a module a fresh interpreter may not find (a test module)."""
     import sys
@@ -357,7 +359,7 @@ def _packed(rank_fn, fn, args) -> bytes:
     if by_module:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps((rank_fn, fn, args))
+        return cloudpickle.dumps((limit_s, rank_fn, fn, args))
     finally:
         if by_module:
             cloudpickle.unregister_pickle_by_value(module)
@@ -366,5 +368,5 @@ def _packed(rank_fn, fn, args) -> bytes:
 def _by_value(packed: bytes):
     import pickle
 
-    rank_fn, fn, args = pickle.loads(packed)
-    return _guarded(rank_fn, fn, *args)
+    limit_s, rank_fn, fn, args = pickle.loads(packed)
+    return _guarded(limit_s, rank_fn, fn, *args)
