@@ -54,7 +54,7 @@ help:
 	@echo "stnb make targets:"
 	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci): the in-process tests, then the"
-	@echo "                  slow ones on TEST_WORKERS=2 workers"
+	@echo "                  slow ones on TEST_WORKERS=3 workers"
 	@echo "  make test-fast  the in-process tests only (about a minute)"
 	@echo "  make test-oldest  the fast tests and one notebook on the oldest supported versions ($(OLDEST_VENV),"
 	@echo "                  constraints/oldest.txt)"
@@ -139,7 +139,7 @@ lab: install
 # Two steps: the in-process tests first (about a minute; a failure there stops make before the slow tiers),
 # then every slow test and the notebooks on TEST_WORKERS pytest-xdist workers (tests/tiers.py: a test file
 # stays in one worker; TEST_WORKERS=0 runs them in this process). docs/testing.md says where the time goes.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: install browser cluster-deps
 	$(TEST_ENV) $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)

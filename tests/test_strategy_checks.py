@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -52,10 +53,12 @@ def peer(tmp_path):
         def rank_1():
             try:
                 dist.init_process_group("gloo", init_method=store, rank=1, world_size=2)
-                send.send(fn(*args))
+                # by value (plain pickle): a Pipe's own pickler passes a tensor as a file descriptor that this
+                # process must still hold when rank 0 reads it, and this process exits at once (EOFError seen)
+                send.send_bytes(pickle.dumps(fn(*args)))
                 dist.destroy_process_group()
             except BaseException as e:  # noqa: BLE001 - sent to rank 0's test
-                send.send(e)
+                send.send_bytes(pickle.dumps(e))
             finally:
                 os._exit(0)
 
@@ -67,7 +70,7 @@ def peer(tmp_path):
         def collect():
             if not receive.poll(60):
                 raise TimeoutError("rank 1 sent nothing in 60 s")
-            got = receive.recv()
+            got = pickle.loads(receive.recv_bytes())
             if isinstance(got, BaseException):
                 raise got
             return got
