@@ -96,6 +96,28 @@ def test_verdict_and_table_are_computed_from_the_numbers():
     assert base.table.loc[WHOLE, "other_load"] == 0.4
 
 
+def test_faster_or_slower_than_the_baseline_outside_5_percent_the_same_inside():
+    """``Baseline.against``: what verdict() and notebook 08's fastest knob say, from one rule."""
+    base = shared.Baseline(samples_per_second={WHOLE: 50.0}, name=WHOLE, key={"ranks": 2}, measured_at=0.0,
+                           seconds=1.0)
+    assert [base.against(v) for v in (52.6, 52.4, 50.0, 47.6, 47.4)] == [
+        "faster than", "about as fast as", "about as fast as", "about as fast as", "slower than"]
+
+
+def test_the_side_by_side_variant_is_found_by_its_name_only():
+    """The ceiling (N single runs at once) is one name, made and recognised in stnblab.bench.planning."""
+    from stnblab.bench.planning import concurrent_name, is_concurrent
+
+    assert is_concurrent(concurrent_name(2)) and is_concurrent(concurrent_name(3) + ": 0.98 of the limit")
+    assert not any(is_concurrent(v) for v in ("ddp defaults", WHOLE, "single 1 device (1 thread)",
+                                               "the runs were at once noisy"))
+    base = shared.Baseline(samples_per_second={WHOLE: 50.0, "ddp defaults": 45.0, concurrent_name(2): 60.0},
+                           name=WHOLE, key={"ranks": 2}, measured_at=0.0, seconds=1.0)
+    assert base.ceiling == concurrent_name(2)
+    del base.samples_per_second[concurrent_name(2)]
+    assert base.ceiling is None and "independent processes" not in base.verdict()
+
+
 def test_whole_machine_variant_is_planned_on_cpu_only_when_asked(monkeypatch):
     import stnb.hardware
 

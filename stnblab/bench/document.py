@@ -24,6 +24,7 @@ from stnb import reference
 from stnb.files import write_atomic
 from stnb.errors import ConfigError
 from .options import BenchOptions, bench_device
+from .planning import is_concurrent
 
 DEFAULT_DOC = "BENCHMARKS.md"
 REFERENCE_SECTION = "reference"
@@ -209,7 +210,7 @@ def _targets(summary, section) -> list:
 def _notes(summary, section) -> list:
     """The summary's notes that concern ``section`` (the quick-mode warning concerns every one)."""
     elsewhere = {"sweep": lambda n: not n.startswith("quick mode"),
-                 "launchers": lambda n: "at once" in n,
+                 "launchers": is_concurrent,
                  "knobs": lambda n: n.startswith("time to first step")}[section]
     notes = [n for n in summary.get("notes", []) if not elsewhere(n)]
     return ["", "Notes:", "", *(f"- {n}" for n in notes)] if notes else []

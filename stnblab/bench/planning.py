@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from stnb.errors import ConfigError, StrategyUnavailable
@@ -113,6 +114,16 @@ def whole_machine_name(cores: int) -> str:
     return f"single {cores} threads (whole machine)"
 
 
+def concurrent_name(n: int) -> str:
+    """The knobs section's variant of ``n`` independent single runs side by side (CPU only): DDP's ceiling."""
+    return f"{n} x single at once (no communication)"
+
+
+def is_concurrent(text: str) -> bool:
+    """Whether ``text`` is that variant's name, or a note that begins with it."""
+    return re.match(r"\d+ x single at once \(no communication\)", text) is not None
+
+
 def knob_names(device: str = "cpu", quick: bool = False) -> list:
     return [n for n, _, _ in _knob_variants(device, 1, quick)]
 
@@ -196,7 +207,7 @@ def plan(opts: BenchOptions) -> list:
             over = {k: v for k, v in over.items() if k != "gradient_accumulation_steps"}
             variants.append((f"ddp {name}", "stnb", _accumulating(ddp.replace(**over), a), bname))
         if device == "cpu":
-            variants.append((f"{n} x single at once (no communication)", "concurrent",
+            variants.append((concurrent_name(n), "concurrent",
                              one.replace(extra={"concurrent_runs": n}), dev1))
         if device == "cpu" and opts.whole_machine and cpu_cores() > (threads or 1):
             # what one would run without ranks: one process, every core, DDP's global batch (same optimizer steps)

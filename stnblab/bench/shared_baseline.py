@@ -64,7 +64,9 @@ class Baseline:
     @property
     def ceiling(self) -> str | None:
         """CPU only: the variant of N independent processes at once (no communication)."""
-        return next((v for v in self.samples_per_second if "at once" in v), None)
+        from .planning import is_concurrent
+
+        return next((v for v in self.samples_per_second if is_concurrent(v)), None)
 
     @property
     def table(self):
@@ -84,13 +86,17 @@ class Baseline:
     def speedup(self, samples_per_second: float) -> float:
         return samples_per_second / self.samples_per_second[self.name]
 
+    def against(self, samples_per_second: float) -> str:
+        """"faster than", "slower than" or "about as fast as" the baseline: within 5 % counts as the same."""
+        s = self.speedup(samples_per_second)
+        return "faster than" if s > 1.05 else "slower than" if s < 0.95 else "about as fast as"
+
     def verdict(self) -> str:
         """Sentences computed from the numbers: DDP against each single run and the ceiling's share."""
         lines = [f"DDP x{self.ranks} is {self.ddp / sps:.2f}x {name}" + (" (the baseline)" if name == self.name else "")
                  for name, sps in self.samples_per_second.items() if name != DDP]
-        s = self.speedup(self.ddp)
-        how = "faster than" if s > 1.05 else "slower than" if s < 0.95 else "about as fast as"
-        lines.append(f"so on this machine DDP with {self.ranks} ranks is {how} the baseline, {self.name}")
+        lines.append(f"so on this machine DDP with {self.ranks} ranks is {self.against(self.ddp)} the baseline, "
+                     f"{self.name}")
         if self.ceiling:
             lost = 1 - self.ddp / self.samples_per_second[self.ceiling]
             lines.append(f"against {self.ranks} independent processes, communication and waiting cost DDP "

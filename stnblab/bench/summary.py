@@ -13,6 +13,7 @@ import pandas as pd
 from stnb.errors import ConfigError
 from .load import NOISY
 from .options import BenchOptions
+from .planning import is_concurrent
 
 #: performance targets: (key, label, comparison, threshold)
 TARGETS = {
@@ -155,7 +156,7 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
             t["label"] += f": {best['variant'][4:]}"
         out["targets"].append(t)
         dflt = next((r for r in rows if r["variant"] == "ddp defaults"), None)
-        conc = next((r for r in rows if "at once" in r["variant"]), None)
+        conc = next((r for r in rows if is_concurrent(r["variant"])), None)
         if conc and conc["efficiency"] is not None:
             out["notes"].append(
                 f"{conc['variant']}: {conc['efficiency']:.3f} of the N x 1-device limit. That is what sharing "
