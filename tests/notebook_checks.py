@@ -238,7 +238,7 @@ assert (values[0], values[-1]) == (one.spearman_before, one.spearman_after)"""),
         ("import stnblab  # stnb's lab: notebook 05's baseline",
          """sps = base.samples_per_second                   # 05's baseline, reused (or measured here when 06 runs alone)
 assert "ddp defaults" in sps and base.name in sps and all(v > 0 for v in sps.values())
-assert base.source.startswith(("measured in notebook 05 at", "measured now")) and predicted > 0"""),
+assert base.source.startswith(("measured in notebook ", "measured now")) and predicted > 0  # 05's or an earlier run's"""),
         ('split, alone = stnb.timesplit.table(here), stnb.timesplit.table(one)',
          """parts = ["data_ms", "forward_ms", "backward_compute_ms", "comm_exposed_ms", "wait_ms", "optimizer_ms", "other_ms"]
 if not split.empty:
@@ -284,9 +284,9 @@ assert v["weights_identical_across_ranks"] is True and len(set(v["weights_checks
         ("import stnblab  # stnb's lab: the baseline and the bench",
          """sps = base.samples_per_second                   # 05's baseline, reused (or measured here when 08 runs alone)
 assert "ddp defaults" in sps and base.name in sps and all(v > 0 for v in sps.values())
-assert base.source.startswith(("measured in notebook 05 at", "measured now"))"""),
+assert base.source.startswith(("measured in notebook ", "measured now"))  # 05's, or this one's earlier run"""),
         ('print(f"the baseline, {base.name}',
-         """assert len(ddp_rows) == len(knob_names) and s == base.speedup(ddp_rows.samples_per_second.max())"""),
+         """assert len(ddp_rows) == len(knob_names) and best.samples_per_second == ddp_rows.samples_per_second.max()"""),
         ('tuned = stnb.run(',
          """assert tuned.verified and tuned.config["comm_hook"] == "embedding_rows"
 assert [st for st, _ in tuned.dev_curve][0] == 0 and [st for st, _ in tuned.dev_curve][-1] == prof.steps

@@ -356,7 +356,7 @@ def test_make_test_dry_run():
         assert "STNB_PROFILE=ci" in line and "HF_HUB_OFFLINE=1" in line
     assert "-m pytest tests -m \"not slow\"" in fast and "notebooks" not in fast
     assert "tests --nbval-lax --nbval-current-env notebooks -m slow" in slow
-    assert "-n 2 --dist loadgroup" in slow  # a test file stays in one worker (tests/tiers.py)
+    assert "-n 3 --dist loadgroup" in slow  # a test file stays in one worker (tests/tiers.py)
     # torch first, explicitly, then the project with dev extras
     lines = out.splitlines()
     torch_at = [i for i, ln in enumerate(lines) if "pip install" in ln and f'"torch=={_torch_pin()}"' in ln]

@@ -177,7 +177,11 @@ class Ray(Launcher):
             self._disconnect()
         world = self.num_workers
         logs = {r: _read(run.file("rank", r, "log")) for r in range(world)}
-        error = failure("Ray Train", world, run, logs, {}, hint=f" (run folder {run.path}; Ray's logs in {logs_at})")
+        # Ray Train's WorkerGroupError maps each worker it saw fail to its error; the workers it then ended
+        # as a consequence are not in it (both vanish from the run folder's point of view)
+        failed_first = tuple(sorted(getattr(ray_error, "worker_failures", None) or {}))
+        error = failure("Ray Train", world, run, logs, {}, hint=f" (run folder {run.path}; Ray's logs in {logs_at})",
+                        failed_first=failed_first)
         if error is not None:
             raise error from ray_error
         if ray_error is not None:

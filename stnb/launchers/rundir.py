@@ -152,7 +152,7 @@ def log_tail(text: str, lines: int = TAIL_LINES) -> str:
 
 
 def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, ended: tuple | None = None,
-            hint: str = "") -> LaunchError | None:
+            hint: str = "", failed_first: tuple = ()) -> LaunchError | None:
     """Why a cluster run did not give every rank's report (None when it did).
 
     logs: {rank: its output}; where: {rank: the node it ran on, as the engine says}; ended: how the
@@ -161,6 +161,8 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
     over what the ranks left. In order: the job was ended by the engine; a rank raised by itself (not a
     peer's failure seen in a collective); a rank vanished (killed: neither report nor error); the
     rendezvous did not complete (which ranks arrived, which never did); a peer's failure alone.
+    failed_first: the ranks the engine itself saw fail (Ray's worker failures): when several ranks vanished
+    (the engine ended the others after the first died), one of these is named, not the lowest rank.
     """
     from ..processes.peerfail import is_secondary as peer_error, origin
 
@@ -194,7 +196,7 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
     failed = {e["rank"] for e in errors}
     vanished = [r for r in missing if r in arrived and r not in failed]
     if vanished:
-        r = vanished[0]
+        r = min(vanished, key=lambda v: (v not in failed_first, v))
         return err(f"rank {r} on {node[r]} ended without a result or an error (killed: by a signal, the "
                    f"out-of-memory killer, or os._exit); the other ranks failed because of it", rank=r,
                    ranks=sorted({*vanished, *failed}), kind="killed")
