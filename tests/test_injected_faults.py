@@ -197,6 +197,35 @@ def test_cleanup_without_the_child_subreaper_leaves_the_daemon_behind(tmp_path, 
     assert left, "without the subreaper the cleanup still found every process the killed rank started"
 
 
+def test_a_killed_process_that_comes_back_as_a_zombie_after_the_first_reaping_is_reaped(monkeypatch):
+    """The race seen under load (a zombie left after a launch that failed): a killed rank's child is still
+    its parent's when the cleanup first tries to reap it (waitpid: "no child processes"), and comes back to
+    this process (the child subreaper) as a zombie a moment later. Injected: the first waitpid of that
+    process is refused as it would be then; the cleanup must reap it on a later round, not leave it."""
+    import subprocess
+    import sys
+
+    from stnb.processes import supervise
+
+    before = supervise.children_now()
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    real, refused = os.waitpid, []
+
+    def waitpid(pid, flags):
+        if pid == orphan.pid and not refused:
+            refused.append(pid)
+            raise ChildProcessError(10, "No child processes")  # still the killed rank's child
+        return real(pid, flags)
+
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    try:
+        supervise.kill_new_children(before)
+    finally:
+        monkeypatch.undo()
+    assert refused == [orphan.pid]
+    assert orphan.pid not in supervise.children_now(), "killed, but left a zombie below this process"
+
+
 def test_a_launcher_on_the_default_port_fails_while_it_is_busy(monkeypatch):
     """The fault injected: the launcher's free-port choice returns torch's default 29500 (patched by name:
     a renamed function fails this test loudly). With 29500 held, as in

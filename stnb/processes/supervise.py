@@ -103,18 +103,27 @@ def tracked_children():
             child_subreaper(False)
 
 
-def kill_new_children(before: set) -> None:
+def kill_new_children(before: set, wait_s: float = 10.0) -> None:
     """Kill every descendant of this process not in ``before`` and reap the zombies among them
-    (with ``child_subreaper`` set, that includes orphans the ranks left behind)."""
-    extra = list(children_now() - before)
-    if not extra:
+    (with ``child_subreaper`` set, that includes orphans the ranks left behind). A killed rank's child can
+    outlive its parent by a moment and come back to this process as a zombie after a first round of
+    reaping (seen under load: a zombie left after a launch), so the reaping goes on until none of the
+    killed processes is left below this one (at most ``wait_s``). Processes started after the kill (a
+    cluster engine replacing its workers) are not this call's."""
+    killed = children_now() - before
+    if not killed:
         return
-    kill_tree(extra)
-    for pid in extra:  # reap zombies so they don't linger in the kernel's process table
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except OSError:  # not our child (an orphan's parent reaps it), or already reaped
-            pass
+    kill_tree(list(killed))
+    end = time.time() + wait_s
+    while True:
+        for pid in killed:  # reap zombies so they don't linger in the kernel's process table
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except OSError:  # not our child (yet: an orphan comes back to us a moment later), or already reaped
+                pass
+        if not (children_now() & killed) or time.time() >= end:
+            return
+        time.sleep(0.02)
 
 
 def process_ended(pid: int) -> tuple:
