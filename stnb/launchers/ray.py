@@ -179,7 +179,7 @@ class Ray(Launcher):
         logs = {r: _read(run.file("rank", r, "log")) for r in range(world)}
         # Ray Train's WorkerGroupError maps each worker it saw fail to its error; the workers it then ended
         # as a consequence are not in it (both vanish from the run folder's point of view)
-        failed_first = tuple(sorted(getattr(ray_error, "worker_failures", None) or {}))
+        failed_first = tuple(getattr(ray_error, "worker_failures", None) or {})
         error = failure("Ray Train", world, run, logs, {}, hint=f" (run folder {run.path}; Ray's logs in {logs_at})",
                         failed_first=failed_first)
         if error is not None:

@@ -114,14 +114,17 @@ def whole_machine_name(cores: int) -> str:
     return f"single {cores} threads (whole machine)"
 
 
+_CONCURRENT = " x single at once (no communication)"
+
+
 def concurrent_name(n: int) -> str:
     """The knobs section's variant of ``n`` independent single runs side by side (CPU only): DDP's ceiling."""
-    return f"{n} x single at once (no communication)"
+    return f"{n}{_CONCURRENT}"
 
 
 def is_concurrent(text: str) -> bool:
     """Whether ``text`` is that variant's name, or a note that begins with it."""
-    return re.match(r"\d+ x single at once \(no communication\)", text) is not None
+    return re.match(rf"\d+{re.escape(_CONCURRENT)}", text) is not None
 
 
 def knob_names(device: str = "cpu", quick: bool = False) -> list:
