@@ -13,6 +13,9 @@ from cluster_engines import ray_cluster, slurm_cluster  # noqa: E402,F401
 # the runtime that already has torch (the GPU image, Colab), built once for the tests that install into it
 from standin import image_runtime  # noqa: E402,F401
 from tiers import order_and_mark  # noqa: E402
+# --cpu-use=FILE: each test's CPU-seconds and the machine's (docs/testing.md, "Where the CPU goes")
+from cpu_use import (pytest_addoption, pytest_configure, pytest_runtest_protocol,  # noqa: E402,F401
+                     pytest_terminal_summary)
 
 
 @pytest.fixture

@@ -42,8 +42,10 @@ def tail(path: str, n: int = 25) -> str:
     return "\n".join(first + (["..."] if first else []) + lines[-n:])
 
 
-def kill_new_children(before: set) -> None:
-    """Stop every child process that was not there ``before``."""
+def stop_new_children(before: set) -> None:
+    """Kill every child process that was not there ``before``, without reaping: the timer calls it while
+    accelerate's ``notebook_launcher`` still joins its processes (a reaped process would break that join).
+    stnb's own launches use ``stnb.processes.supervise.kill_new_children``, which also reaps."""
     extra = list(children_now() - before)
     if extra:
         kill_tree(extra)

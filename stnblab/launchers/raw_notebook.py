@@ -13,7 +13,7 @@ import time
 from stnb.files import write_atomic
 from stnb.launchers import Launcher, Plan
 
-from .logs import children_now, kill_new_children, output_to, tail
+from .logs import children_now, output_to, stop_new_children, tail
 
 
 class RawNotebookLauncher(Launcher):
@@ -42,7 +42,7 @@ class RawNotebookLauncher(Launcher):
         outdir = tempfile.mkdtemp(prefix="stnb-bench-raw-")
         log = os.path.join(outdir, "output.log")
         before = children_now()
-        timer = threading.Timer(self.timeout, kill_new_children, args=(before,))
+        timer = threading.Timer(self.timeout, stop_new_children, args=(before,))
         timer.daemon = True
         try:
             plan.t0 = time.time()
@@ -66,7 +66,7 @@ class RawNotebookLauncher(Launcher):
             raise
         finally:
             timer.cancel()
-            kill_new_children(before)
+            stop_new_children(before)
             shutil.rmtree(outdir, ignore_errors=True)
 
 
