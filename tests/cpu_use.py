@@ -84,7 +84,7 @@ def summary(path: str, session: str | None, wall: float, busy: float | None, cor
     out = [f"cpu use: {len(frame)} tests, {recorded:,.0f} CPU-s in their process trees over {wall:,.0f} s ({path})"]
     if busy is not None:
         out.append(f"cpu use: the machine was busy {busy:,.0f} CPU-s ({busy / wall / cores:.0%} of {cores} cores); "
-                   f"{max(busy - recorded, 0):,.0f} CPU-s outside the tests' trees (daemons, workers' own start)")
+                   f"{max(busy - recorded, 0):,.0f} CPU-s outside the tests' trees (collection, imports, daemons)")
     by_file = frame.groupby("file").agg(cpu=("cpu", "sum"), wall=("wall", "sum"), tests=("test", "count"))
     by_file = by_file.sort_values("cpu", ascending=False).head(top).round(0).astype(int)
     out += ["cpu use: " + line for line in by_file.to_string().splitlines()]
