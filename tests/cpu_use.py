@@ -35,20 +35,19 @@ def tree_cpu() -> tuple:
 
 
 def machine_busy() -> float | None:
-    """CPU-seconds every core of this machine spent busy since boot (/proc/stat: all but idle and iowait);
-    None where there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    """CPU-seconds every core of this machine spent busy since boot (the bench's reading of /proc/stat,
+    imported only when --cpu-use is given); None where there is no /proc/stat."""
+    from stnblab.bench.load import machine_busy as sample
+
+    got = sample()
+    return None if got is None else got[0]
 
 
 def pytest_configure(config):
     if config.getoption("cpu_use") and not hasattr(config, "workerinput"):  # the controller (or no xdist)
         os.environ[SESSION_ENV] = uuid.uuid4().hex
         config._cpu_use_start = (time.monotonic(), machine_busy())
+        os.makedirs(os.path.dirname(os.path.abspath(config.getoption("cpu_use"))), exist_ok=True)  # before workers
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -64,7 +63,6 @@ def pytest_runtest_protocol(item, nextitem):
     line = {"session": os.environ.get(SESSION_ENV), "test": item.nodeid, "file": item.nodeid.split("::")[0],
             "own": round(own1 - own0, 3), "children": round(kids1 - kids0, 3), "wall": round(time.monotonic() - t0, 3),
             "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:  # one short write per line: workers appending at once do not interleave
         f.write(json.dumps(line) + "\n")
 
