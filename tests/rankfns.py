@@ -55,6 +55,19 @@ def _idle(seconds: float) -> None:
 
 # ---- healthy ranks ------------------------------------------------------------------------
 
+def collect_garbage() -> int:
+    """Run this rank's garbage collector over everything it holds; returns the rank's pid."""
+    import gc
+
+    gc.collect()
+    return os.getpid()
+
+
+def inherited_modules(*names: str) -> dict:
+    """Which of ``names`` this rank holds before it has imported anything itself, and its pid."""
+    return {"pid": os.getpid(), "held": {n: n in sys.modules for n in names}}
+
+
 def info(tag: str = "ok") -> dict:
     """What a rank sees: its rank, the world, an all_reduce over every rank, its pid."""
     import torch

@@ -6,6 +6,8 @@ Functions run in ranks live in tests/rankfns.py (an importable module).
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -161,6 +163,62 @@ def test_ranks_with_threads_after_the_parent_ran_torch(nproc):
         torch.nn.functional.layer_norm(x, (4096,)).sum()  # the parent's own pool still works
     finally:
         torch.set_num_threads(old)
+
+
+# ---- what the ranks inherit -------------------------------------------------------------------
+
+class _CyclicGarbage:
+    """Garbage in a reference cycle whose destructor leaves the pid of the process that ran it."""
+
+    def __init__(self, path: str):
+        self.path, self.me = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_a_rank_never_runs_destructors_of_garbage_it_inherited(tmp_path):
+    # the notebook's uncollected garbage (an earlier failed launch's TCPStore, in a cycle, crashed ranks
+    # with SIGSEGV when they collected it): a rank collects its own garbage and never reaches the inherited
+    path = tmp_path / "destroyed-by"
+    gc.disable()  # the garbage below stays uncollected until the launch forks
+    try:
+        _CyclicGarbage(str(path))
+        pids = cpu_launch(rankfns.collect_garbage, num_processes=2, echo=False)
+    finally:
+        gc.enable()
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    ran = [int(p) for p in path.read_text().split()] if path.exists() else []
+    assert not set(ran) & set(pids), f"a rank ran the destructor of garbage it inherited: {ran} in {pids}"
+    gc.collect()  # the notebook's own collector still frees it, here
+    assert os.getpid() in [int(p) for p in path.read_text().split()]
+
+
+INHERITED_DEEPSPEED = """
+import importlib.util, json, sys, torch, stnb
+sys.path.insert(0, %r)
+import rankfns
+before = "deepspeed" in sys.modules
+ranks = stnb.launch(rankfns.inherited_modules, "deepspeed", num_processes=2, device="cpu", echo=False)
+print(json.dumps({"before": before, "parent": "deepspeed" in sys.modules, "ranks": [r["held"]["deepspeed"] for r in ranks],
+                  "cpu_build": torch.version.cuda is None and torch.version.hip is None,
+                  "installed": importlib.util.find_spec("deepspeed") is not None}))
+"""
+
+
+def test_forked_ranks_inherit_deepspeed_instead_of_each_importing_it():
+    # every Trainer imports DeepSpeed when it is installed (accelerate's unwrap_model): with a CPU torch the
+    # notebook imports it once before forking, so no rank pays that import (0.8 CPU-s a rank here). With a
+    # CUDA torch the ranks import it themselves: its import starts the CUDA driver, which forks can't inherit.
+    # A fresh interpreter: this one may have imported DeepSpeed already.
+    out = subprocess.run([sys.executable, "-c", INHERITED_DEEPSPEED % os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = seen["cpu_build"] and seen["installed"]
+    assert seen["before"] is False
+    assert seen["parent"] is expected and seen["ranks"] == [expected, expected], seen
 
 
 def test_busy_port_29500_does_not_matter():

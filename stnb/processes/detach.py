@@ -22,10 +22,10 @@ def detach_from_kernel() -> None:
     bar, and transformers' notebook progress callback becomes the text one. Progress is
     relayed to the notebook by the parent instead.
     """
+    shell_module = sys.modules.get("IPython.core.interactiveshell")  # no IPython imported: no shell to clear
     try:
-        from IPython.core.interactiveshell import InteractiveShell
-
-        if InteractiveShell.initialized():
+        InteractiveShell = shell_module.InteractiveShell if shell_module is not None else None
+        if InteractiveShell is not None and InteractiveShell.initialized():
             inst = InteractiveShell.instance()
             type(inst).clear_instance()
             InteractiveShell.clear_instance()

@@ -9,7 +9,10 @@ stnb forks its ranks from the notebook's own process. For that to work:
   state (an Accelerator or a Trainer), which forked ranks would inherit;
 * what the ranks inherit must not bite them: ``fork_ready`` collects the garbage and freezes the
   heap while the ranks start (a rank must never run destructors of objects it inherited) and ends
-  GNU OpenMP's thread pool (a rank would wait for the pool's threads forever).
+  GNU OpenMP's thread pool (a rank would wait for the pool's threads forever);
+* what every rank would import for itself is imported once, here, before the fork
+  (``import_what_every_rank_imports``): forked ranks are copies, and an import after the fork is
+  paid again in every rank of every launch.
 
 Starting the ranks themselves (torch elastic, as accelerate's ``notebook_launcher`` does) is in
 ``start``. None of this applies to spawned ranks (``start_method='spawn'``): fresh interpreters
@@ -25,8 +28,8 @@ from contextlib import contextmanager
 
 from ..errors import ConfigError
 
-__all__ = ["check_fork_safe", "cuda_driver_initialised", "first_cuda_start", "fork_ready", "release_openmp_threads",
-           "watch_cuda_start"]
+__all__ = ["check_fork_safe", "cuda_driver_initialised", "first_cuda_start", "fork_ready",
+           "import_what_every_rank_imports", "release_openmp_threads", "watch_cuda_start"]
 
 _CUDA_ERROR_NOT_INITIALIZED = 3
 # torch's ways into the CUDA driver from Python: is_available() / device_count() (the device count), and the
@@ -180,8 +183,12 @@ def fork_ready():
 
     Collects this process's garbage and freezes the rest until the block ends: a forked rank must
     never run destructors of objects it inherited (e.g. torchelastic's TCPStore left in a reference
-    cycle by an earlier failed launch); that crashed ranks with SIGSEGV. Also ends the OpenMP pool
-    (``release_openmp_threads``)."""
+    cycle by an earlier failed launch); that crashed ranks with SIGSEGV. (Freezing alone protects
+    stnb's ranks; the collection also leaves no such garbage for a launcher that does not freeze,
+    e.g. accelerate's own ``notebook_launcher`` after an stnb run: without it, the bench's raw
+    ``notebook_launcher`` ranks hung after the DeepSpeed tests.) Also imports what every rank would
+    (``import_what_every_rank_imports``) and ends the OpenMP pool (``release_openmp_threads``)."""
+    import_what_every_rank_imports()
     gc.collect()
     gc.freeze()
     try:
@@ -189,6 +196,41 @@ def fork_ready():
         yield
     finally:
         gc.unfreeze()
+
+
+def import_what_every_rank_imports() -> None:
+    """Import DeepSpeed here, once, when it is installed and torch is a CPU build.
+
+    Every Trainer calls accelerate's ``unwrap_model``, which imports DeepSpeed whenever it is installed,
+    whatever the strategy: after a fork, that import is paid in every rank of every launch (about 0.8
+    CPU-seconds per rank on this project's 2-core machine, half of a tiny DDP rank's CPU), against
+    once in this process. Not with a CUDA (or ROCm) build: DeepSpeed's import asks
+    ``torch.cuda.is_available()``, which starts the CUDA driver, and forked ranks cannot use a driver
+    started in their parent (``check_fork_safe``); there the ranks import it themselves, as before. A
+    DeepSpeed that fails to import is left to the ranks, whose error names it. Its import-time note
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." is
+    left out: with a CPU build of torch there is no GPU to detect (every rank printed it before)."""
+    import logging
+
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        return
+    ds_logger = logging.getLogger("DeepSpeed")  # the logger deepspeed.utils configures on import
+
+    def not_the_cpu_note(record) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU.")
+
+    ds_logger.addFilter(not_the_cpu_note)
+    try:
+        from accelerate.utils import is_deepspeed_available
+
+        if is_deepspeed_available():
+            import deepspeed  # noqa: F401
+    except Exception:  # noqa: BLE001 - the rank's own import reports it
+        pass
+    finally:
+        ds_logger.removeFilter(not_the_cpu_note)
 
 
 def release_openmp_threads() -> None:
