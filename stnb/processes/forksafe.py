@@ -203,7 +203,7 @@ def import_what_every_rank_imports() -> None:
 
     Every Trainer calls accelerate's ``unwrap_model``, which imports DeepSpeed whenever it is installed,
     whatever the strategy: after a fork, that import is paid in every rank of every launch (about 0.8
-    CPU-seconds per rank on this project's 2-core machine, half of a tiny DDP rank's CPU), against
+    CPU-seconds per rank on this project's 2-core machine, nearly half of a tiny DDP rank's CPU), against
     once in this process. Not with a CUDA (or ROCm) build: DeepSpeed's import asks
     ``torch.cuda.is_available()``, which starts the CUDA driver, and forked ranks cannot use a driver
     started in their parent (``check_fork_safe``); there the ranks import it themselves, as before. A
