@@ -22,9 +22,9 @@ def detach_from_kernel() -> None:
     bar, and transformers' notebook progress callback becomes the text one. Progress is
     relayed to the notebook by the parent instead.
     """
-    shell_module = sys.modules.get("IPython.core.interactiveshell")  # no IPython imported: no shell to clear
+    shell = sys.modules.get("IPython.core.interactiveshell")  # no IPython imported: no shell to clear
     try:
-        InteractiveShell = shell_module.InteractiveShell if shell_module is not None else None
+        InteractiveShell = getattr(shell, "InteractiveShell", None)
         if InteractiveShell is not None and InteractiveShell.initialized():
             inst = InteractiveShell.instance()
             type(inst).clear_instance()

@@ -27,6 +27,7 @@ import os
 from contextlib import contextmanager
 
 from ..errors import ConfigError
+from .output import not_deepspeed_cpu_note
 
 __all__ = ["check_fork_safe", "cuda_driver_initialised", "first_cuda_start", "fork_ready",
            "import_what_every_rank_imports", "release_openmp_threads", "watch_cuda_start"]
@@ -217,11 +218,7 @@ def import_what_every_rank_imports() -> None:
     if torch.version.cuda or torch.version.hip:
         return
     ds_logger = logging.getLogger("DeepSpeed")  # the logger deepspeed.utils configures on import
-
-    def not_the_cpu_note(record) -> bool:
-        return not str(record.msg).startswith("Setting accelerator to CPU.")
-
-    ds_logger.addFilter(not_the_cpu_note)
+    ds_logger.addFilter(not_deepspeed_cpu_note)
     try:
         from accelerate.utils import is_deepspeed_available
 
@@ -230,7 +227,7 @@ def import_what_every_rank_imports() -> None:
     except Exception:  # noqa: BLE001 - the rank's own import reports it
         pass
     finally:
-        ds_logger.removeFilter(not_the_cpu_note)
+        ds_logger.removeFilter(not_deepspeed_cpu_note)
 
 
 def release_openmp_threads() -> None:

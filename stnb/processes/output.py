@@ -81,10 +81,18 @@ HARMLESS_WARNINGS = (
 )
 #: sentence-transformers logs this under DDP and then sets drop_last itself: a note on what it did
 DROP_LAST_NOTE = "When using DistributedDataParallel (DDP), it is recommended to set `dataloader_drop_last=True`"
+#: DeepSpeed logs this on import when it finds no GPU ("... If you have GPU or other accelerator, we were unable to
+#: detect it."); stnb imports it that way only with a CPU build of torch (forksafe), where there is none to find
+DEEPSPEED_CPU_NOTE = "Setting accelerator to CPU."
 
 
 def _not_drop_last_note(record) -> bool:
     return not str(record.msg).startswith(DROP_LAST_NOTE)
+
+
+def not_deepspeed_cpu_note(record) -> bool:
+    """A filter for DeepSpeed's logger ("DeepSpeed"): False for its CPU note above."""
+    return not str(record.msg).startswith(DEEPSPEED_CPU_NOTE)
 
 
 def _not_new_head_report(record) -> bool:

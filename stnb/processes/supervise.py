@@ -103,17 +103,21 @@ def tracked_children():
             child_subreaper(False)
 
 
-def kill_new_children(before: set, wait_s: float = 10.0) -> None:
+def kill_new_children(before: set, wait_s: float = 10.0, reap: bool = True) -> None:
     """Kill every descendant of this process not in ``before`` and reap the zombies among them
     (with ``child_subreaper`` set, that includes orphans the ranks left behind). A killed rank's child can
     outlive its parent by a moment and come back to this process as a zombie after a first round of
     reaping (seen under load: a zombie left after a launch), so the reaping goes on until none of the
     killed processes is left below this one (at most ``wait_s``). Processes started after the kill (a
-    cluster engine replacing its workers) are not this call's."""
+    cluster engine replacing its workers) are not this call's. ``reap=False`` only kills: for a launcher
+    that still joins its own processes (accelerate's ``notebook_launcher``; a reaped process breaks its
+    join)."""
     killed = children_now() - before
     if not killed:
         return
     kill_tree(list(killed))
+    if not reap:
+        return
     end = time.time() + wait_s
     while True:
         for pid in killed:  # reap zombies so they don't linger in the kernel's process table

@@ -1,13 +1,10 @@
-"""What the bench's launchers share: a log the ranks' output goes to, its telling tail, and the processes a
-launch left behind."""
+"""What the bench's launchers share: a log the ranks' output goes to and its telling tail."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-
-from stnb.processes.supervise import children_now, kill_tree
 
 
 @contextlib.contextmanager
@@ -41,11 +38,3 @@ def tail(path: str, n: int = 25) -> str:
     first = [ln for ln in lines[:-n] if any(k in ln for k in keys)][:12]
     return "\n".join(first + (["..."] if first else []) + lines[-n:])
 
-
-def stop_new_children(before: set) -> None:
-    """Kill every child process that was not there ``before``, without reaping: the timer calls it while
-    accelerate's ``notebook_launcher`` still joins its processes (a reaped process would break that join).
-    stnb's own launches use ``stnb.processes.supervise.kill_new_children``, which also reaps."""
-    extra = list(children_now() - before)
-    if extra:
-        kill_tree(extra)

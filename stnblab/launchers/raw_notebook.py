@@ -12,8 +12,9 @@ import time
 
 from stnb.files import write_atomic
 from stnb.launchers import Launcher, Plan
+from stnb.processes.supervise import children_now, kill_new_children
 
-from .logs import children_now, output_to, stop_new_children, tail
+from .logs import output_to, tail
 
 
 class RawNotebookLauncher(Launcher):
@@ -42,7 +43,8 @@ class RawNotebookLauncher(Launcher):
         outdir = tempfile.mkdtemp(prefix="stnb-bench-raw-")
         log = os.path.join(outdir, "output.log")
         before = children_now()
-        timer = threading.Timer(self.timeout, stop_new_children, args=(before,))
+        # kill only: notebook_launcher still joins its processes (a reaped one breaks that join)
+        timer = threading.Timer(self.timeout, kill_new_children, args=(before,), kwargs={"reap": False})
         timer.daemon = True
         try:
             plan.t0 = time.time()
@@ -66,7 +68,7 @@ class RawNotebookLauncher(Launcher):
             raise
         finally:
             timer.cancel()
-            stop_new_children(before)
+            kill_new_children(before, reap=False)
             shutil.rmtree(outdir, ignore_errors=True)
 
 
