@@ -60,7 +60,8 @@ class RecipeBuild:
         return trainer
 
     def clean_up(self, trainer) -> None:
-        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder
+        if not getattr(trainer, "stnb_config", None) or not trainer.stnb_config.checkpoint_dir:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder (not checkpoints)
 
     def facts(self, trainer) -> dict:
         """RankReport's ``build`` and ``training``: None for stnb's recipe (its TrainConfig says it all)."""

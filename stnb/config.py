@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, StrategyUnavailable
@@ -65,6 +66,9 @@ class Recipe:
         "the trainer's log_history)", 0)
     mixed_precision: str = recipe_field(f"bf16=True or fp16=True in {_ARGS}", "no")
     gradient_accumulation_steps: int = recipe_field(f"gradient_accumulation_steps in {_ARGS}", 1)
+    checkpoint_every: int = recipe_field(f"save_strategy='steps' and save_steps=... in {_ARGS}", 0)
+    keep: int | None = recipe_field(f"save_total_limit in {_ARGS}", None)
+    checkpoint_dir: str | None = recipe_field(f"output_dir in {_ARGS}", None)
     extra: dict = recipe_field("stnb's recipe only", default_factory=dict)
 
     @classmethod
@@ -113,6 +117,8 @@ class RunOptions:
     # process control
     timeout: float | None = run_option(None)
     stall_timeout: float | None = run_option(60.0)
+    # continue a stopped run: 'latest' (the newest complete checkpoint) or a checkpoint's path (stnb.checkpoints)
+    resume: str | None = run_option(None)
     # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
     override_args: dict | None = run_option(None)
 
@@ -169,6 +175,14 @@ class TrainConfig:
         embedding rows some rank used; exact).
     DeepSpeed knobs (deepspeed): stage (ZeRO stage 1, 2 or 3; default 2, accelerate's) and deepspeed_config
         (a DeepSpeed config dict merged over stnb's; a value contradicting the run is refused).
+    checkpoint_every: save a checkpoint every N optimizer steps into ``checkpoint_dir`` (0: none), the
+        trainer's own (model, optimizer, scheduler, every rank's RNG, the data position), each one complete or
+        absent (``stnb.checkpoints``); keep: how many to keep (None: all), never deleting the only complete one.
+        A checkpoint_dir that already holds another run's checkpoints is refused unless you resume it.
+    resume: 'latest' (the newest complete checkpoint in ``checkpoint_dir``; with your own trainer, in its
+        output_dir) or a checkpoint's path: training continues from it, and RunResult.resumed_from says from
+        which step (checked: training began right after it). The checkpoint must come from the same strategy
+        and number of ranks; anything else is refused before training.
     override_args: only with your own build function (``stnb.run(build, override_args=...)``):
         training arguments of your trainer stnb replaces in every rank, ``{name: value}`` or
         ``{name: (value, why)}``; the names in ``OVERRIDABLE_ARGS`` (per_device_train_batch_size).
@@ -215,6 +229,11 @@ class TrainConfig:
     # process control
     timeout: float | None = part(RunOptions, "timeout")
     stall_timeout: float | None = part(RunOptions, "stall_timeout")
+    # checkpoints and resuming (stnb.checkpoints)
+    checkpoint_every: int = part(Recipe, "checkpoint_every")
+    keep: int | None = part(Recipe, "keep")
+    checkpoint_dir: str | None = part(Recipe, "checkpoint_dir")
+    resume: str | None = part(RunOptions, "resume")
     # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
     override_args: dict | None = part(RunOptions, "override_args")
     extra: dict = part(Recipe, "extra")
@@ -327,10 +346,14 @@ class TrainConfig:
         return out
 
     def check_recipe_options(self) -> None:
-        """Options that only a user's build function takes are refused for stnb's recipe."""
+        """Options that only a user's build function takes are refused for stnb's recipe; its checkpoints
+        checked (``stnb.checkpoints.check_recipe``)."""
         if self.override_args:
             raise ConfigError("override_args replaces training arguments of your own trainer "
                               "(stnb.run(build, override_args=...)); stnb's recipe takes per_device_batch_size")
+        from .checkpoints import check_recipe
+
+        check_recipe(self)
         self.strategy_object().check_recipe(self)
 
     @classmethod
@@ -363,6 +386,11 @@ class TrainConfig:
         _check_int("warmup_steps_excluded", self.warmup_steps_excluded, 0)
         _check_int("dev_points", self.dev_points, 0)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        if self.keep is not None:
+            _check_int("keep", self.keep, 1)
+        if self.resume is not None and (not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume)):
+            raise ConfigError(f"resume takes 'latest' or a checkpoint's path, got {self.resume!r}")
         if self.threads_per_rank is not None:
             _check_int("threads_per_rank", self.threads_per_rank, 1)
         if self.max_seq_length is not None:

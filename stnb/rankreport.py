@@ -68,6 +68,8 @@ class RankReport:
     training: dict | None = None         # what a user's trainer trains with (None: stnb's recipe)
     collectives: dict | None = None      # collective calls per step: kind -> count, bytes (``instruments.collectives``)
     outside_steps: dict | None = None    # the step spread; evaluation / saves between steps (``instruments.outside``)
+    checkpoints: list = field(default_factory=list)  # every checkpoint saved: step, path, seconds, bytes per rank
+    resumed_from: dict | None = None     # the checkpoint this run resumed from (``instruments.checkpoints``)
 
     def __post_init__(self):
         if not isinstance(self.verification, dict):

@@ -33,7 +33,7 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
     # train holds exactly the columns the loss reads (a DatasetDict, one dataset per loss, for softmax+cosine)
     train, dev = load(config.data, config.train_size, config.dev_size, config.seed, columns=config.columns)
     args = dict(
-        output_dir=tempfile.mkdtemp(prefix="stnb-trainer-"),
+        output_dir=output_dir(config),
         per_device_train_batch_size=config.per_device_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         max_steps=config.steps,
@@ -41,7 +41,9 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
         lr_scheduler_type="constant",
         logging_steps=LOGGING_STEPS,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps" if config.checkpoint_every else "no",
+        save_steps=config.checkpoint_every or 500,
+        save_total_limit=config.keep,
         disable_tqdm=True,
         seed=config.seed,
         data_seed=config.seed,
@@ -61,6 +63,16 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
                                       train_dataset=train, loss=make_loss(config, model),
                                       evaluator=dev_evaluator(dev) if config.evaluate else None,
                                       callbacks=[evaluated_after()] if config.dev_points else None)
+
+
+def output_dir(config: TrainConfig) -> str:
+    """The trainer's folder: ``checkpoint_dir`` (kept) when the run checkpoints or resumes, else a scratch folder
+    (``builds.RecipeBuild.clean_up`` removes it)."""
+    import os
+
+    if config.checkpoint_dir:
+        return os.path.abspath(os.path.expanduser(config.checkpoint_dir))
+    return tempfile.mkdtemp(prefix="stnb-trainer-")
 
 
 def evaluated_after():

@@ -54,6 +54,10 @@ class RunResult:
     status: str = "ok"                 # ok | not runnable here | failed
     reason: str = ""
     saved_to: str | None = None
+    # checkpoints (stnb.checkpoints): each saved one {step, path, seconds (the slowest rank), bytes_written (per
+    # rank)}; the one this run resumed from {path, step, written_by, written_strategy, started_at_step}
+    checkpoints: list = field(default_factory=list)
+    resumed_from: dict | None = None
     build: str | None = None           # the user's build function (stnb.run(build, ...)); None: stnb's recipe
     overridden_args: dict = field(default_factory=dict)  # {argument: {"from", "to", "why"}} a strategy owns
     config: dict = field(default_factory=dict)
@@ -179,6 +183,9 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0, wall_time_s: 
         collectives=[r.collectives for r in rank_results],
         outside_steps=[r.outside_steps for r in rank_results],
         saved_to=(r0.saved_model or {}).get("saved_to"),
+        checkpoints=[{**c, "seconds": max(r.checkpoints[i]["seconds"] for r in rank_results)}
+                     for i, c in enumerate(r0.checkpoints)],
+        resumed_from=r0.resumed_from,
         build=r0.build,
         overridden_args=r0.overridden_args or {},
         config=(build or RecipeBuild()).result_config(config, training),

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from . import checks, prepare, strategies
+from . import checkpoints, checks, prepare, strategies
 from .config import TrainConfig
 from .processes import rank_context, wait_for_all
 from .model_types import load_like
@@ -60,16 +60,19 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
     memory.prepared(trainer)
     loss_sync = strategies.LossParameterSync(trainer)
     trainer.add_callback(loss_sync.callback())
+    saves = ins.Checkpoints(trainer, strategy, here.rank, here.world, here.distributed)  # whole or absent
+    resume = saves.resume_from(checkpoints.find(config.resume, trainer.args.output_dir) if config.resume else None)
     # attach the instruments
     steps = ins.StepLog(here.launch_time)
     time_split = ins.TimeSplit(trainer, steps, config.comm_hook)
     verify = ins.FirstStepChecks(trainer, strategy, config, here.requested, here.world, loss_sync, time_split.timed)
     batch = overridden.get("per_device_train_batch_size")  # asked: the loss's first batch is checked against it
     attached = ins.attach(trainer, [flops, steps, time_split, memory, verify, allocator, ins.Collectives(),
-                                    ins.OutsideSteps(trainer, steps), ins.LossInputs(trainer, batch and batch["to"])])
+                                    ins.OutsideSteps(trainer, steps), ins.LossInputs(trainer, batch and batch["to"]),
+                                    saves])
     try:
         with memory.training_steps():
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume)
         strategy.after_training(trainer)  # the model as the strategy keeps it between steps (sharded)
         prepare.drop_autocast(trainer.model)  # evaluated and saved below as before training: full precision
         digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))

@@ -21,6 +21,8 @@ instrument              module             what it reports (RankReport fields; e
 ``Collectives``         ``collectives``    ``collectives``: every collective call per step, its kind and bytes
 ``OutsideSteps``        ``outside``        ``outside_steps``: the step times' spread; evaluation and checkpoint
                                            saves between steps, timed, with their frequency
+``Checkpoints``         ``checkpoints``    ``checkpoints``, ``resumed_from``; verification: ``resumed_at_step``
+                                           (``stnb.checkpoints``: whole or absent, rotated after, resumed)
 ======================  =================  ========================================================================
 
 Each instrument's ``report()`` returns its RankReport fields and ``verification()`` its entries of the
@@ -31,10 +33,11 @@ Callbacks run in the order they were added: ``attach`` adds them to the trainer 
 from __future__ import annotations
 
 __all__ = ["Instrument", "attach", "reports", "Flops", "StepLog", "TimeSplit", "MemoryUse", "FirstStepChecks",
-           "AllocatorRelease", "LossInputs", "Collectives", "OutsideSteps", "ORDER"]
+           "AllocatorRelease", "LossInputs", "Collectives", "OutsideSteps", "Checkpoints", "ORDER"]
 
 from .base import Instrument, reports
 from .allocator import AllocatorRelease
+from .checkpoints import Checkpoints
 from .checks import FirstStepChecks
 from .collectives import Collectives
 from .flops import Flops
@@ -49,7 +52,7 @@ from .timesplit import TimeSplit
 #: time split marks the step's end, then the memory is measured, then the strategy's step check runs; the
 #: collectives of a step are counted after the first step's verification and the time split's barrier
 ORDER = (Flops, StepLog, TimeSplit, MemoryUse, FirstStepChecks, AllocatorRelease, Collectives, OutsideSteps,
-         LossInputs)
+         LossInputs, Checkpoints)
 
 
 def attach(trainer, instruments) -> list:

@@ -56,10 +56,14 @@ class MemoryUse(Instrument):
             self.breakdown = memory.measure(self.trainer.model, optimizer, self.strategy.held_bytes(self.trainer))
 
     def on_step_end(self, args, state, control, **kw):
-        if control.should_evaluate:  # the trainer evaluates next (transformers' flow callback runs first)
-            self.peak.pause_phase()
+        if control.should_evaluate or control.should_save:  # the trainer evaluates or saves next
+            self.peak.pause_phase()                          # (transformers' flow callback runs first)
 
     def on_evaluate(self, args, state, control, **kw):
+        if not control.should_save:  # a checkpoint follows the evaluation: still paused
+            self.peak.resume_phase()
+
+    def on_save(self, args, state, control, **kw):
         self.peak.resume_phase()
 
     def on_step_begin(self, args, state, control, **kw):

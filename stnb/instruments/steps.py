@@ -2,8 +2,8 @@
 notebook shows per rank (``stnb.report_progress``).
 
 A step is timed from its begin callback to its end callback; the next one from there (so the data loading
-between steps counts in the step), or from the end of an evaluation the trainer ran between them
-(``on_evaluate``: eval_strategy='steps', the dev curve): evaluation is timed apart (``OutsideSteps``), never
+between steps counts in the step), or from the end of an evaluation or a checkpoint the trainer ran between them
+(``on_evaluate``: eval_strategy='steps', the dev curve; ``on_save``: a checkpoint): evaluation is timed apart (``OutsideSteps``), never
 in a step. ``began`` and ``last_end`` are the clock other instruments share
 (``TimeSplit`` splits the same steps): this instrument runs before them at each event.
 """
@@ -42,6 +42,8 @@ class StepLog(Instrument):
     def on_evaluate(self, args, state, control, **kw):
         if self.last_end is not None:  # between two steps: the next one is timed from here
             self.last_end = time.perf_counter()
+
+    on_save = on_evaluate  # a checkpoint, like an evaluation, is timed apart (``OutsideSteps``)
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:

@@ -45,5 +45,7 @@ class TimeSplit(Instrument):
     def on_evaluate(self, args, state, control, **kw):
         self.timer.resume(self.steps.last_end)  # the next step begins where the evaluation ended
 
+    on_save = on_evaluate  # and where a checkpoint ended
+
     def report(self) -> dict:
         return {"time_split": self.timer.summary()}

@@ -49,6 +49,9 @@ class Strategy(abc.ABC):
     env: ClassVar[dict] = {}           # environment the ranks need (set before they import anything)
     owns_deepspeed: ClassVar[bool] = False  # the trainer's own deepspeed=... argument belongs to it
     master_weights: ClassVar[bool] = False  # the optimizer keeps its own fp32 copy of the (partitioned) weights
+    #: how its checkpoints hold the training state (``stnb.checkpoints``): 'trainer' (the trainer's own files:
+    #: whole model, optimizer, scheduler, each rank's RNG) or another format a strategy writes itself (``saving``)
+    checkpoint_format: ClassVar[str] = "trainer"
 
     baseline: ClassVar[bool] = False   # the one every other strategy is compared with (single)
     order: ClassVar[int] = 1000        # place in the registry's order (the Panel's list, tables); built-ins 10..70
@@ -148,6 +151,10 @@ class Strategy(abc.ABC):
     def prepare(self, trainer, config, device_type: str, world: int) -> dict:
         """Apply the strategy to the trainer before ``train()``. Returns {"info": ..., "overridden": ...}."""
         return {"info": {}, "overridden": {}}
+
+    def saving(self, trainer) -> None:
+        """Make the trainer write and read this strategy's state in its checkpoints (``checkpoint_format``),
+        in every rank, before training: the default leaves the trainer's own saving and loading as they are."""
 
     def on_first_step(self, trainer, config, world: int, timed=None) -> dict:
         """Called at the first step's begin, before verification (e.g. a DDP comm hook; ``timed`` wraps a

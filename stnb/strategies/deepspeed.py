@@ -104,6 +104,7 @@ class DeepSpeed(Strategy):
     knobs = ("stage", "deepspeed_config")
     choices = {"stage": STAGES}
     owns_deepspeed = True
+    checkpoint_format = "deepspeed"  # the engine's own: each rank writes its ZeRO partition (global_step<N>/)
     master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
     order = 70
 

@@ -56,6 +56,36 @@ class Zero1(Strategy):
                             f"({', '.join(ZERO_OPTIMIZERS)}); use one of them, or strategy='ddp'")
         return problems
 
+    checkpoint_format = "zero1-shards"
+
+    def saving(self, trainer):
+        """Each rank writes and reads its own partition of the optimizer state (``optimizer.rank<r>-of-<n>.pt``):
+        ZeroRedundancyOptimizer's whole state dict would need a consolidation on rank 0, the whole state in one
+        process. The model, the scheduler and the RNG states are the trainer's own files."""
+        import os
+
+        import torch
+
+        def shard(folder):
+            return os.path.join(folder, f"optimizer.rank{trainer.args.process_index}-of-{trainer.args.world_size}.pt")
+
+        def local():  # this rank's partition: the optimizer ZeroRedundancyOptimizer wraps (under accelerate's)
+            return getattr(trainer.optimizer, "optimizer", trainer.optimizer).optim
+
+        def save(output_dir):
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(local().state_dict(), shard(output_dir))
+            if trainer.args.should_save:
+                torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+        def load(checkpoint):
+            if checkpoint is None:
+                return
+            local().load_state_dict(torch.load(shard(checkpoint), map_location="cpu", weights_only=True))
+            trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+        trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler = save, load
+
     def prepare(self, trainer, config, device_type, world):
         kw, overridden = apply_ddp(trainer, config)
 
