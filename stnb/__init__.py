@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-_LAZY = ("examples", "export", "memory", "plots", "scaleout", "scaling", "timesplit", "widgets")
+_LAZY = ("checkpoints", "examples", "export", "memory", "plots", "scaleout", "scaling", "timesplit", "widgets")
 
 
 def __getattr__(name):

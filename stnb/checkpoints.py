@@ -149,3 +149,26 @@ def check_recipe(config) -> None:
         raise ConfigError(f"checkpoint_dir={folder!r} already holds another run's checkpoints (latest {latest}); "
                           "resume='latest' continues that run, or choose a new folder (stnb never mixes two runs' "
                           "checkpoints)")
+
+
+def to_model(checkpoint, like=None, device: str = "cpu"):
+    """The model a checkpoint holds, as an ordinary sentence-transformers model on one device. A checkpoint in
+    the trainer's format is a saved model already (``SentenceTransformer(checkpoint)``); a sharded one is read
+    by the strategy that wrote it into ``like`` (the untrained model or its path; default: the manifest's
+    ``base_model``, stnb's recipe records it), whatever number of ranks wrote it."""
+    from . import strategies
+
+    checkpoint = find(checkpoint, None)  # a checkpoint, or a run folder: its newest
+    written = manifest(checkpoint)
+    fmt = written.get("format", "trainer")
+    writer = next((s for s in strategies.all_strategies() if s.checkpoint_format == fmt and hasattr(s, "checkpoint_model")),
+                  None)
+    if writer is None:
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer(checkpoint, device=device)
+    like = like or written.get("base_model")
+    if like is None:
+        raise CheckpointError(f"{checkpoint} holds shards ({fmt}); pass like= the untrained model (or its path) to "
+                              "read them into")
+    return writer.checkpoint_model(checkpoint, like, device)

@@ -60,7 +60,7 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
     memory.prepared(trainer)
     loss_sync = strategies.LossParameterSync(trainer)
     trainer.add_callback(loss_sync.callback())
-    saves = ins.Checkpoints(trainer, strategy, here.rank, here.world, here.distributed)  # whole or absent
+    saves = ins.Checkpoints(trainer, strategy, here.rank, here.world, here.distributed, build.initial_path)
     resume = saves.resume_from(checkpoints.find(config.resume, trainer.args.output_dir) if config.resume else None)
     # attach the instruments
     steps = ins.StepLog(here.launch_time)

@@ -22,7 +22,7 @@ from stnb.checkpoints import CheckpointError
 
 RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=6, train_size=64, evaluate=False,
            threads_per_rank=1, timeout=300, warmup_steps_excluded=1, checkpoint_every=2)
-STRATEGIES = ["single", "ddp", "zero1", "deepspeed"]
+STRATEGIES = ["single", "ddp", "zero1", "zero2", "fsdp", "deepspeed"]
 
 
 def _rank() -> int:
@@ -215,6 +215,24 @@ def test_keep_rotates_only_complete_checkpoints_and_only_rank_0_writes_the_model
     assert written["step"] == 6 and written["world_size"] == 2 and written["strategy"] == "ddp"
     # checkpoint time is outside the steps, as evaluation is: timed apart by OutsideSteps
     assert r.outside_steps[0]["work"]["save"]["calls"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_a_sharded_checkpoint_is_written_in_parts_and_opens_on_one_device(tmp_path, strategy):
+    """Each of 2 ranks writes about half of the state (torch.distributed.checkpoint: its own shards); the last
+    checkpoint, opened in this process (no process group: DCP reshards 2 -> 1), holds the trained model."""
+    r = stnb.run(_config(strategy, tmp_path, save_to=str(tmp_path / "model")), echo=False)
+    assert r.verified, r.reason
+    for c in r.checkpoints:
+        rank0, rank1 = c["bytes_written"]
+        assert max(rank0, rank1) < 0.7 * (rank0 + rank1), c  # neither rank writes the whole state
+    from sentence_transformers import SentenceTransformer
+
+    opened = checkpoints.to_model(tmp_path).state_dict()  # the run folder: its newest, checkpoint-6
+    trained = SentenceTransformer(str(tmp_path / "model"), device="cpu").state_dict()
+    assert opened.keys() == trained.keys()
+    assert all((opened[k] == trained[k]).all() for k in trained)
 
 
 # ---- refused before any rank starts (no process is started for these) ----------------------------------

@@ -351,16 +351,18 @@ def test_fsdp_arguments_of_accelerate_are_refused_with_the_fix(tmp_path):
     assert not procs.children()
 
 
-def test_fsdp_refuses_checkpoints_even_of_the_model_alone(tmp_path):
-    """The trainer saves a checkpoint at the end of training whatever save_steps says, and its
-    save_pretrained cannot write the sharded model (save_only_model=True included): refused with the fix."""
+def test_fsdp_trains_a_users_trainer_that_checkpoints_and_writes_the_shards(tmp_path):
+    """Issue 48: the trainer's own save_strategy='steps' under fsdp (refused before, as save_pretrained cannot write
+    a model sharded before training): each checkpoint holds the model's shards (torch.distributed.checkpoint)."""
     def build():
         trainer = build_matryoshka_and_triplet(str(tmp_path), "triplet")
-        trainer.args.save_strategy, trainer.args.save_steps, trainer.args.save_only_model = "steps", 500, True
+        trainer.args.save_strategy, trainer.args.save_steps = "steps", 2
         return trainer
 
-    with pytest.raises(stnb.LaunchError, match="save_strategy='steps' with FSDP.*set save_strategy='no'"):
-        stnb.run(build, strategy="fsdp", echo=False, **FAST)
+    r = stnb.run(build, strategy="fsdp", echo=False, **FAST)
+    assert r.verified, r.reason
+    assert [c["step"] for c in r.checkpoints] == [2, 3]  # every 2 steps, and the last
+    assert os.path.isdir(os.path.join(r.checkpoints[-1]["path"], "dcp-model"))
     assert not procs.children()
 
 

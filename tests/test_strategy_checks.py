@@ -322,17 +322,25 @@ def test_fsdp_and_zero2_refuse_one_process_and_an_old_transformers(monkeypatch):
         s.validate(TrainConfig(strategy=name))  # num_processes left to the machine
 
 
-def test_fsdp_refuses_the_trainers_own_checkpoints(tmp_path):
+def test_fsdp_checkpoints_except_a_loss_with_its_own_parameters(tmp_path, monkeypatch):
+    """Issue 48: the trainer's checkpoints are written sharded; refused only where the sharded optimizer checkpoint
+    cannot name the state (a loss's own parameters, unless save_only_model)."""
+    from stnb.strategies import tensors
+
     for name, label in (("fsdp", "FSDP (ZeRO-3)"), ("zero2", "ZeRO-2")):
         s = strategies.get(name)
-        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path))), None) == []
+        monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: [])
+        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps")), None) == []
+        monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: [("classifier.weight", None)])
+        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path))), None) == []  # no checkpoints asked
+        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps", save_only_model=True)),
+                          None) == []
         as_text = st_args(str(tmp_path))
         as_text.save_strategy = "epoch"  # set after construction: a plain string, not transformers' enum
-        assert s.refusals(SimpleNamespace(args=as_text), None)[0].startswith("save_strategy='epoch' with ")
-        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps")), None) == [
-            f"save_strategy='steps' with {label}: the trainer's checkpoints (at least one, at the end of training) "
-            "cannot save a model sharded before training; set save_strategy='no' in your arguments, and "
-            "stnb.run(build, save_to=...) saves the trained model, gathered and checked"]
+        assert s.refusals(SimpleNamespace(args=as_text), None) == [
+            f"save_strategy='epoch' with {label} and a loss with its own parameters (classifier.weight): the sharded "
+            "optimizer checkpoint names its state by the model's parameters, and these are not the model's; use "
+            "strategy='ddp' or 'zero1' to checkpoint this loss, or save_only_model=True"]
 
 
 def test_reshard_plan_keeps_the_last_block_whole_and_zero2_every_block():

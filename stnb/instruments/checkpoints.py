@@ -34,18 +34,18 @@ class Checkpoints(Instrument):
     """In every rank of a run whose trainer saves checkpoints: each save written whole or not at all, rotated
     after it is complete, written only by the ranks that should, timed and measured; the resume checked."""
 
-    def __init__(self, trainer, strategy, rank: int, world: int, distributed: bool):
-        self.trainer, self.strategy = trainer, strategy
+    def __init__(self, trainer, strategy, rank: int, world: int, distributed: bool, base_model: str | None = None):
+        self.trainer, self.strategy, self.base_model = trainer, strategy, base_model
         self.rank, self.world, self.distributed = rank, world, distributed
         self.saves: list = []
         self.resumed: dict | None = None
         args = trainer.args
         self.keep = args.save_total_limit  # stnb rotates, once the new checkpoint is complete
         self.active = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+        strategy.saving(trainer)  # how this strategy's state is written and read (the trainer's own by default)
         if self.active:
             args.save_total_limit = None
             self._wrap()
-        strategy.saving(trainer)  # how this strategy's state is written and read (the trainer's own by default)
 
     def _wrap(self) -> None:
         trainer = self.trainer
@@ -94,7 +94,7 @@ class Checkpoints(Instrument):
         if self.rank == 0:
             record = {"step": step, "strategy": self.strategy.name, "format": self.strategy.checkpoint_format,
                       "world_size": self.world, "distributed": self.strategy.distributed,
-                      "bytes_written": written, "written_at": time.time()}
+                      "bytes_written": written, "written_at": time.time(), "base_model": self.base_model}
             with open(os.path.join(staged, MANIFEST), "w") as f:
                 json.dump(record, f, indent=1)
             state.save_to_json(os.path.join(staged, TRAINER_STATE))  # the best checkpoint's final path

@@ -72,15 +72,81 @@ class FullyShardedDataParallel(Strategy):
                               f"fails on its sharded parameters; pip install 'transformers>={NEEDS_TRANSFORMERS}', "
                               "or use strategy='ddp' or 'zero1'")
 
+    checkpoint_format = "dcp"
+
     def refusals(self, trainer, config):
+        from .tensors import loss_owned_parameters
+
         save = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
-        if save != "no":
-            # the trainer saves at the end of training too, and its save_pretrained (save_only_model
-            # included) cannot write a model sharded before training
-            return [f"save_strategy={save!r} with {self.label}: the trainer's checkpoints (at least one, at the end of "
-                    "training) cannot save a model sharded before training; set save_strategy='no' in your "
-                    "arguments, and stnb.run(build, save_to=...) saves the trained model, gathered and checked"]
+        if save == "no" or trainer.args.save_only_model:
+            return []
+        owned = loss_owned_parameters(trainer)
+        if owned:
+            # torch.distributed.checkpoint names the optimizer's state by the model's parameter names
+            return [f"save_strategy={save!r} with {self.label} and a loss with its own parameters "
+                    f"({', '.join(n for n, _ in owned[:3])}): the sharded optimizer checkpoint names its state by "
+                    "the model's parameters, and these are not the model's; use strategy='ddp' or 'zero1' to "
+                    "checkpoint this loss, or save_only_model=True"]
         return []
+
+    def saving(self, trainer):
+        """Each rank writes and reads only its shards with ``torch.distributed.checkpoint`` (the model in
+        ``dcp-model/``, the optimizer in ``dcp-optimizer/``; ``get_state_dict`` / ``set_state_dict``): a model
+        sharded before training has no whole copy to ``save_pretrained``. Rank 0 writes the scheduler; the RNG
+        states and the trainer state are the trainer's. ``stnb.checkpoints.to_model`` opens the model on one
+        device, whatever number of ranks wrote it."""
+        import os
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict as sd
+
+        def optimizer():
+            return getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under accelerate's wrapper
+
+        def save_model(output_dir=None, state_dict=None):
+            dcp.save(sd.get_model_state_dict(trainer.model), checkpoint_id=os.path.join(output_dir, "dcp-model"))
+
+        def save_optimizer_and_scheduler(output_dir):
+            dcp.save(sd.get_optimizer_state_dict(trainer.model, optimizer()),
+                     checkpoint_id=os.path.join(output_dir, "dcp-optimizer"))
+            if trainer.args.should_save:
+                torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+        def load_model(checkpoint, model=None):
+            state = sd.get_model_state_dict(trainer.model)
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp-model"))
+            sd.set_model_state_dict(trainer.model, state)
+
+        def load_optimizer_and_scheduler(checkpoint):
+            if checkpoint is None:
+                return
+            state = sd.get_optimizer_state_dict(trainer.model, optimizer())
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp-optimizer"))
+            sd.set_optimizer_state_dict(trainer.model, optimizer(), state)
+            trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+        trainer._save, trainer._save_optimizer_and_scheduler = save_model, save_optimizer_and_scheduler
+        trainer._load_from_checkpoint, trainer._load_optimizer_and_scheduler = load_model, load_optimizer_and_scheduler
+
+    @staticmethod
+    def checkpoint_model(checkpoint, like, device: str = "cpu"):
+        """The model in a checkpoint this strategy wrote, as an ordinary model on one device: ``like`` (the
+        untrained model, a path) loaded, then its tensors read from the shards (DCP reshards from any number of
+        ranks to this one process)."""
+        import os
+
+        import torch.distributed.checkpoint as dcp
+
+        if isinstance(like, str):
+            from sentence_transformers import SentenceTransformer
+
+            like = SentenceTransformer(like, device=device)
+        model = like
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp-model"))
+        model.load_state_dict(state, strict=True)
+        return model
 
     def prepare(self, trainer, config, device_type, world):
         info = {"initial_weights": same_start(trainer.model)}
