@@ -249,3 +249,18 @@ def test_mfu_counts_the_flops_of_the_measured_steps_every_rank_took_per_sample()
     assert mfu["flops_per_sample"] == pytest.approx((2.0 + 4.0 + 3.0 + 1.0) / samples)
     assert mfu["tokens_per_sample"] == pytest.approx((20 + 40 + 30 + 10) / samples)
     assert mfu["mfu"] is None and mfu["peak_source"].startswith("none: CPU run")
+
+
+def test_checkpoints_merge_with_the_slowest_ranks_seconds_and_every_ranks_bytes():
+    """RunResult.checkpoints: rank 0's list of saves, each with the slowest rank's seconds and rank 0's record of
+    the bytes every rank wrote; resumed_from is rank 0's."""
+    saves = [[{"step": 2, "path": "c-2", "seconds": 0.5, "bytes_written": [10, 1]},
+              {"step": 4, "path": "c-4", "seconds": 0.2, "bytes_written": [11, 1]}],
+             [{"step": 2, "path": "c-2", "seconds": 0.3, "bytes_written": None},
+              {"step": 4, "path": "c-4", "seconds": 0.9, "bytes_written": None}]]
+    resumed = {"path": "c-0", "step": 0, "started_at_step": 0}
+    res = merge(_cfg(), [_rank(0, [1.0, 1.0], checkpoints=saves[0], resumed_from=resumed),
+                         _rank(1, [1.0, 1.0], checkpoints=saves[1])], device="cpu")
+    assert res.checkpoints == [{"step": 2, "path": "c-2", "seconds": 0.5, "bytes_written": [10, 1]},
+                               {"step": 4, "path": "c-4", "seconds": 0.9, "bytes_written": [11, 1]}]
+    assert res.resumed_from == resumed

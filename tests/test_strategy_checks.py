@@ -331,14 +331,15 @@ def test_fsdp_checkpoints_except_a_loss_with_its_own_parameters(tmp_path, monkey
         s = strategies.get(name)
         monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: [])
         assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps")), None) == []
-        monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: [("classifier.weight", None)])
+        owned = [(f"p{i}", None) for i in range(4)]
+        monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: owned)
         assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path))), None) == []  # no checkpoints asked
         assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps", save_only_model=True)),
                           None) == []
         as_text = st_args(str(tmp_path))
         as_text.save_strategy = "epoch"  # set after construction: a plain string, not transformers' enum
         assert s.refusals(SimpleNamespace(args=as_text), None) == [
-            f"save_strategy='epoch' with {label} and a loss with its own parameters (classifier.weight): the sharded "
+            f"save_strategy='epoch' with {label} and a loss with its own parameters (p0, p1, p2): the sharded "
             "optimizer checkpoint names its state by the model's parameters, and these are not the model's; use "
             "strategy='ddp' or 'zero1' to checkpoint this loss, or save_only_model=True"]
 
