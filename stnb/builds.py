@@ -35,6 +35,7 @@ class RecipeBuild:
     def __init__(self, model_path: str | None = None):
         self.model_path = model_path
         self.frozen: list = []
+        self.scratch = True  # the trainer's output_dir is a scratch folder (not checkpoint_dir): removed after
 
     # ---- before launch -------------------------------------------------------------
     def check(self, config: TrainConfig) -> None:
@@ -56,11 +57,12 @@ class RecipeBuild:
         # resolved by the launcher's check (check_inputs); here only when train_rank was handed RecipeBuild()
         self.model_path = self.model_path or resolve_model(config.model)
         trainer = build_trainer(config, self.model_path, device, device != "cpu", distributed)
+        self.scratch = not config.checkpoint_dir
         self.frozen = freeze_unused_pooler(trainer.model)
         return trainer
 
     def clean_up(self, trainer) -> None:
-        if not getattr(trainer, "stnb_config", None) or not trainer.stnb_config.checkpoint_dir:
+        if self.scratch:
             shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the recipe's scratch folder (not checkpoints)
 
     def facts(self, trainer) -> dict:

@@ -52,7 +52,7 @@ def complete(folder) -> list:
     for name in os.listdir(folder):
         m = _STEP.match(name)
         path = os.path.join(folder, name)
-        if m and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        if m and _is_checkpoint(path):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
@@ -75,34 +75,40 @@ def manifest(path) -> dict:
 def find(resume, folder) -> str:
     """The checkpoint ``resume`` names: 'latest' (the newest complete one in ``folder``), a run folder (its
     newest), or a checkpoint folder. CheckpointError naming what is there instead."""
-    if resume == "latest" or (resume and os.path.isdir(resume) and not _is_checkpoint(resume)
-                              and os.path.basename(os.path.dirname(os.path.abspath(resume))) != PARTIAL):
-        where = folder if resume == "latest" else resume
-        found = complete(where) if where else []
-        if found:
-            return found[-1][1]
-        half = partial(where) if where else []
-        raise CheckpointError(
-            f"resume={resume!r}: no complete checkpoint in {where!r}"
-            + (f" (half-written, never completed by every rank: {', '.join(map(os.path.basename, half))})"
-               if half else "")
-            + "; train with checkpoint_every=N (your trainer: save_strategy='steps', save_steps=N) first, or "
-              "leave resume out to start from step 0")
-    path = os.fspath(resume)
-    if not os.path.exists(path):
-        raise CheckpointError(f"resume={resume!r}: no such folder; give 'latest', a run's checkpoint folder or "
-                              "one of its checkpoint-N folders")
-    if os.path.basename(os.path.dirname(os.path.abspath(path))) == PARTIAL:
-        raise CheckpointError(f"resume={resume!r} is a half-written checkpoint (not every rank finished writing "
-                              f"it); resume from {os.path.dirname(os.path.dirname(os.path.abspath(path)))!r} "
-                              "('latest' there) instead")
-    if not _is_checkpoint(path):
-        raise CheckpointError(f"resume={resume!r} holds no {TRAINER_STATE}: not a trainer checkpoint")
-    return path
+    where = folder
+    if resume != "latest":
+        path = os.path.abspath(os.fspath(resume))
+        if not os.path.exists(path):
+            raise CheckpointError(f"resume={resume!r}: no such folder; give 'latest', a run's checkpoint folder or "
+                                  "one of its checkpoint-N folders")
+        if PARTIAL in (os.path.basename(path), os.path.basename(os.path.dirname(path))):
+            raise CheckpointError(f"resume={resume!r} is a half-written checkpoint (not every rank finished writing "
+                                  f"it); resume from {os.path.dirname(os.path.dirname(path))!r} ('latest' there) "
+                                  "instead")
+        if _is_checkpoint(path):
+            return os.fspath(resume)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"resume={resume!r} holds no {TRAINER_STATE}: not a trainer checkpoint")
+        where = resume  # a run folder: its newest
+    found = complete(where) if where else []
+    if found:
+        return found[-1][1]
+    half = partial(where) if where else []
+    raise CheckpointError(
+        f"resume={resume!r}: no complete checkpoint in {where!r}"
+        + (f" (half-written, never completed by every rank: {', '.join(map(os.path.basename, half))})" if half else "")
+        + "; train with checkpoint_every=N (your trainer: save_strategy='steps', save_steps=N) first, or leave "
+          "resume out to start from step 0")
 
 
 def _is_checkpoint(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), TRAINER_STATE))
+
+
+def step_of(path) -> int:
+    """The optimizer step a checkpoint was written after (its trainer state's ``global_step``)."""
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        return int(json.load(f)["global_step"])
 
 
 def check_serves(path, strategy, world: int) -> dict:
@@ -139,13 +145,12 @@ def check_recipe(config) -> None:
     if config.resume:
         path = find(config.resume, os.path.expanduser(folder))
         check_serves(path, config.strategy_object(), config.world_size())
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            step = int(json.load(f)["global_step"])
+        step = step_of(path)
         if step >= config.steps:
             raise CheckpointError(f"{path} is at step {step} and this run ends at steps={config.steps}: nothing is "
                                   f"left to train; ask for more steps (steps > {step})")
-    elif every and complete(os.path.expanduser(folder)):
-        latest = os.path.basename(complete(os.path.expanduser(folder))[-1][1])
+    elif every and (found := complete(os.path.expanduser(folder))):
+        latest = os.path.basename(found[-1][1])
         raise ConfigError(f"checkpoint_dir={folder!r} already holds another run's checkpoints (latest {latest}); "
                           "resume='latest' continues that run, or choose a new folder (stnb never mixes two runs' "
                           "checkpoints)")
@@ -161,8 +166,8 @@ def to_model(checkpoint, like=None, device: str = "cpu"):
     checkpoint = find(checkpoint, None)  # a checkpoint, or a run folder: its newest
     written = manifest(checkpoint)
     fmt = written.get("format", "trainer")
-    writer = next((s for s in strategies.all_strategies() if s.checkpoint_format == fmt and hasattr(s, "checkpoint_model")),
-                  None)
+    writer = next((s for s in strategies.all_strategies()
+                   if s.checkpoint_format == fmt and hasattr(s, "checkpoint_model")), None)
     if writer is None:
         from sentence_transformers import SentenceTransformer
 

@@ -175,14 +175,9 @@ class TrainConfig:
         embedding rows some rank used; exact).
     DeepSpeed knobs (deepspeed): stage (ZeRO stage 1, 2 or 3; default 2, accelerate's) and deepspeed_config
         (a DeepSpeed config dict merged over stnb's; a value contradicting the run is refused).
-    checkpoint_every: save a checkpoint every N optimizer steps into ``checkpoint_dir`` (0: none), the
-        trainer's own (model, optimizer, scheduler, every rank's RNG, the data position), each one complete or
-        absent (``stnb.checkpoints``); keep: how many to keep (None: all), never deleting the only complete one.
-        A checkpoint_dir that already holds another run's checkpoints is refused unless you resume it.
-    resume: 'latest' (the newest complete checkpoint in ``checkpoint_dir``; with your own trainer, in its
-        output_dir) or a checkpoint's path: training continues from it, and RunResult.resumed_from says from
-        which step (checked: training began right after it). The checkpoint must come from the same strategy
-        and number of ranks; anything else is refused before training.
+    checkpoint_every, keep, checkpoint_dir, resume: a checkpoint every N steps into checkpoint_dir (the trainer's
+        own, each complete or absent), the newest ``keep`` kept; resume='latest' or a checkpoint's path continues
+        from it (``stnb.checkpoints``, docs/checkpoints.md).
     override_args: only with your own build function (``stnb.run(build, override_args=...)``):
         training arguments of your trainer stnb replaces in every rank, ``{name: value}`` or
         ``{name: (value, why)}``; the names in ``OVERRIDABLE_ARGS`` (per_device_train_batch_size).

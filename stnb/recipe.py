@@ -41,9 +41,7 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
         lr_scheduler_type="constant",
         logging_steps=LOGGING_STEPS,
         report_to="none",
-        save_strategy="steps" if config.checkpoint_every else "no",
-        save_steps=config.checkpoint_every or 500,
-        save_total_limit=config.keep,
+        save_strategy="no",
         disable_tqdm=True,
         seed=config.seed,
         data_seed=config.seed,
@@ -56,6 +54,8 @@ def build_trainer(config: TrainConfig, model_path: str, device: str, use_cuda: b
         # stnb freezes the unused pooler (strategies.freeze_unused_pooler), so DDP need not search the graph
         ddp_find_unused_parameters=bool(config.extra.get("find_unused_parameters", False)),
     )
+    if config.checkpoint_every:  # stnb.checkpoints: into checkpoint_dir, each one complete or absent
+        args.update(save_strategy="steps", save_steps=config.checkpoint_every, save_total_limit=config.keep)
     if config.evaluate and config.dev_points:  # the dev curve: the trainer evaluates on every rank, into log_history
         args.update(eval_strategy="steps", eval_steps=config.dev_eval_steps())
     args.update(config.strategy_object().trainer_arguments(config, device.split(":")[0]))  # deepspeed=...

@@ -112,7 +112,8 @@ def build_with_dropout(out: str, keep=None, best=False):
     extra = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
                  metric_for_best_model="dev_spearman_cosine") if best else {}
     return SentenceTransformerTrainer(
-        model=model, args=st_args(out, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=keep, **extra),
+        model=model,
+        args=st_args(out, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=keep, **extra),
         train_dataset=train, loss=losses.CosineSimilarityLoss(model), evaluator=dev if best else None)
 
 
@@ -253,6 +254,9 @@ def test_resume_latest_with_no_checkpoint_is_refused_naming_the_half_written_one
         checkpoints.find("latest", tmp_path)
     with pytest.raises(CheckpointError, match="half-written"):
         checkpoints.find(str(tmp_path / checkpoints.PARTIAL / "checkpoint-4"), tmp_path)
+    _fake_checkpoint(tmp_path / checkpoints.PARTIAL / "checkpoint-4", 4)  # rank 0 finished, another rank did not
+    with pytest.raises(CheckpointError, match="half-written"):
+        checkpoints.find(str(tmp_path / checkpoints.PARTIAL), tmp_path)  # the staging folder is no run folder
     with pytest.raises(CheckpointError, match="no such folder"):
         checkpoints.find(str(tmp_path / "nowhere"), tmp_path)
 

@@ -14,7 +14,8 @@ import os
 import shutil
 import time
 
-from ..checkpoints import MANIFEST, PARTIAL, PREFIX, TRAINER_STATE, check_serves
+from ..checkpoints import MANIFEST, PARTIAL, PREFIX, TRAINER_STATE, check_serves, step_of
+from ..strategies import save_strategy
 from .base import Instrument
 
 
@@ -41,9 +42,8 @@ class Checkpoints(Instrument):
         self.resumed: dict | None = None
         args = trainer.args
         self.keep = args.save_total_limit  # stnb rotates, once the new checkpoint is complete
-        self.active = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
         strategy.saving(trainer)  # how this strategy's state is written and read (the trainer's own by default)
-        if self.active:
+        if save_strategy(args) != "no":
             args.save_total_limit = None
             self._wrap()
 
@@ -89,12 +89,13 @@ class Checkpoints(Instrument):
             dist.all_gather_object(written, wrote)  # also the barrier: every rank finished writing
         staged, final = os.path.join(run_dir, PARTIAL, name), os.path.join(run_dir, name)
         state = self.trainer.state
-        if state.best_model_checkpoint and os.path.dirname(state.best_model_checkpoint) == os.path.join(run_dir, PARTIAL):
-            state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(state.best_model_checkpoint))
+        best = state.best_model_checkpoint
+        if best and os.path.dirname(best) == os.path.join(run_dir, PARTIAL):  # the trainer named it while staged
+            state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
         if self.rank == 0:
             record = {"step": step, "strategy": self.strategy.name, "format": self.strategy.checkpoint_format,
-                      "world_size": self.world, "distributed": self.strategy.distributed,
-                      "bytes_written": written, "written_at": time.time(), "base_model": self.base_model}
+                      "world_size": self.world, "bytes_written": written, "written_at": time.time(),
+                      "base_model": self.base_model}
             with open(os.path.join(staged, MANIFEST), "w") as f:
                 json.dump(record, f, indent=1)
             state.save_to_json(os.path.join(staged, TRAINER_STATE))  # the best checkpoint's final path
@@ -122,9 +123,7 @@ class Checkpoints(Instrument):
         if path is None:
             return None
         written = check_serves(path, self.strategy, self.world)
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            step = int(json.load(f)["global_step"])
-        self.resumed = {"path": path, "step": step, "written_by": written.get("world_size"),
+        self.resumed = {"path": path, "step": step_of(path), "written_by": written.get("world_size"),
                         "written_strategy": written.get("strategy"), "started_at_step": None}
         return path
 

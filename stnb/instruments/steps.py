@@ -2,9 +2,9 @@
 notebook shows per rank (``stnb.report_progress``).
 
 A step is timed from its begin callback to its end callback; the next one from there (so the data loading
-between steps counts in the step), or from the end of an evaluation or a checkpoint the trainer ran between them
-(``on_evaluate``: eval_strategy='steps', the dev curve; ``on_save``: a checkpoint): evaluation is timed apart (``OutsideSteps``), never
-in a step. ``began`` and ``last_end`` are the clock other instruments share
+between steps counts in the step), or from the end of an evaluation or a checkpoint the trainer ran between
+them (``on_evaluate``: eval_strategy='steps', the dev curve; ``on_save``: a checkpoint): both are timed apart
+(``OutsideSteps``), never in a step. ``began`` and ``last_end`` are the clock other instruments share
 (``TimeSplit`` splits the same steps): this instrument runs before them at each event.
 """
 

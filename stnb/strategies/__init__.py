@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 
 from ..errors import ConfigError, VerificationError
-from .base import PARTS, Strategy, mixed_precision, replicated_check
+from .base import PARTS, Strategy, mixed_precision, replicated_check, save_strategy, torch_optimizer
 from .dp import autocast_data_parallel
 from .ddp import ddp_kwargs
 from .fsdp import shard_fsdp
@@ -215,4 +215,4 @@ __all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "fi
            "all_strategies", "is_distributed", "distributed_names", "baseline_name", "validate_config", "availability",
            "verify_prepared", "verify", "verify_ranks", "autocast_data_parallel", "ddp_kwargs", "shard_fsdp",
            "freeze_unused_pooler", "local_numel", "loss_owned_parameters", "param_counts", "LossParameterSync",
-           "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision"]
+           "optimizer_parameter_names", "shard_problems", "tensor_bytes", "mixed_precision", "save_strategy", "torch_optimizer"]

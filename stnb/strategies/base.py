@@ -28,6 +28,7 @@ import abc
 from typing import ClassVar
 
 PARTS = ("params", "grads", "optimizer_state")
+SCHEDULER = "scheduler.pt"  # transformers' SCHEDULER_NAME: the scheduler's file in a checkpoint
 
 
 class Strategy(abc.ABC):
@@ -212,6 +213,37 @@ def replicated_check(rank_results: list) -> tuple[dict, list]:
 def mixed_precision(args) -> str:
     """'bf16', 'fp16' or 'no', as a trainer's training arguments ask."""
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+
+
+def save_strategy(args) -> str:
+    """'no', 'steps', 'epoch' or 'best', as a trainer's training arguments ask (transformers' enum, or a plain string
+    set after construction)."""
+    return str(getattr(args.save_strategy, "value", args.save_strategy))
+
+
+def save_scheduler(trainer, folder: str) -> None:
+    """The learning-rate scheduler into a checkpoint, as the trainer writes it (the writing rank only): for a
+    strategy that writes the optimizer itself (``Strategy.saving``)."""
+    import os
+
+    import torch
+
+    if trainer.args.should_save:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER))
+
+
+def load_scheduler(trainer, folder: str) -> None:
+    """The learning-rate scheduler back from a checkpoint ``save_scheduler`` wrote (every rank)."""
+    import os
+
+    import torch
+
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(folder, SCHEDULER), weights_only=True))
+
+
+def torch_optimizer(trainer):
+    """The trainer's torch optimizer (accelerate's AcceleratedOptimizer wraps it once training is prepared)."""
+    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
 
 
 def rebuild_optimizer(trainer, rebuild) -> None:

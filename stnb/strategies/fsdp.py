@@ -17,7 +17,8 @@ next block's all-gather, and on CPU the all-gathers are asynchronous (``shard_fs
 
 from __future__ import annotations
 
-from .base import Strategy, mixed_precision, rebuild_optimizer
+from .base import (Strategy, load_scheduler, mixed_precision, rebuild_optimizer, save_scheduler, save_strategy,
+                   torch_optimizer)
 from .stepcost import pipeline, step
 
 # The Trainer's contract for a model sharded before training (``is_distributed_loading_by_transformers``:
@@ -73,11 +74,12 @@ class FullyShardedDataParallel(Strategy):
                               "or use strategy='ddp' or 'zero1'")
 
     checkpoint_format = "dcp"
+    DCP_MODEL, DCP_OPTIMIZER = "dcp-model", "dcp-optimizer"  # a checkpoint's folders of shards (every rank's)
 
     def refusals(self, trainer, config):
         from .tensors import loss_owned_parameters
 
-        save = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
+        save = save_strategy(trainer.args)
         if save == "no" or trainer.args.save_only_model:
             return []
         owned = loss_owned_parameters(trainer)
@@ -97,34 +99,29 @@ class FullyShardedDataParallel(Strategy):
         device, whatever number of ranks wrote it."""
         import os
 
-        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import state_dict as sd
 
-        def optimizer():
-            return getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under accelerate's wrapper
-
         def save_model(output_dir=None, state_dict=None):
-            dcp.save(sd.get_model_state_dict(trainer.model), checkpoint_id=os.path.join(output_dir, "dcp-model"))
+            dcp.save(sd.get_model_state_dict(trainer.model), checkpoint_id=os.path.join(output_dir, self.DCP_MODEL))
 
         def save_optimizer_and_scheduler(output_dir):
-            dcp.save(sd.get_optimizer_state_dict(trainer.model, optimizer()),
-                     checkpoint_id=os.path.join(output_dir, "dcp-optimizer"))
-            if trainer.args.should_save:
-                torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            dcp.save(sd.get_optimizer_state_dict(trainer.model, torch_optimizer(trainer)),
+                     checkpoint_id=os.path.join(output_dir, self.DCP_OPTIMIZER))
+            save_scheduler(trainer, output_dir)
 
         def load_model(checkpoint, model=None):
             state = sd.get_model_state_dict(trainer.model)
-            dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp-model"))
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, FullyShardedDataParallel.DCP_MODEL))
             sd.set_model_state_dict(trainer.model, state)
 
         def load_optimizer_and_scheduler(checkpoint):
             if checkpoint is None:
                 return
-            state = sd.get_optimizer_state_dict(trainer.model, optimizer())
-            dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp-optimizer"))
-            sd.set_optimizer_state_dict(trainer.model, optimizer(), state)
-            trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+            state = sd.get_optimizer_state_dict(trainer.model, torch_optimizer(trainer))
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, self.DCP_OPTIMIZER))
+            sd.set_optimizer_state_dict(trainer.model, torch_optimizer(trainer), state)
+            load_scheduler(trainer, checkpoint)
 
         trainer._save, trainer._save_optimizer_and_scheduler = save_model, save_optimizer_and_scheduler
         trainer._load_from_checkpoint, trainer._load_optimizer_and_scheduler = load_model, load_optimizer_and_scheduler
@@ -144,7 +141,7 @@ class FullyShardedDataParallel(Strategy):
             like = SentenceTransformer(like, device=device)
         model = like
         state = model.state_dict()
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp-model"))
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, FullyShardedDataParallel.DCP_MODEL))
         model.load_state_dict(state, strict=True)
         return model
 

@@ -9,7 +9,7 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 
 from __future__ import annotations
 
-from .base import Strategy, rebuild_optimizer
+from .base import Strategy, load_scheduler, rebuild_optimizer, save_scheduler, torch_optimizer
 from .ddp import DDP_CHOICES, DDP_KNOBS, apply_ddp, check_ddp_wrapper, ddp_step
 from .stepcost import step
 
@@ -69,20 +69,19 @@ class Zero1(Strategy):
         def shard(folder):
             return os.path.join(folder, f"optimizer.rank{trainer.args.process_index}-of-{trainer.args.world_size}.pt")
 
-        def local():  # this rank's partition: the optimizer ZeroRedundancyOptimizer wraps (under accelerate's)
-            return getattr(trainer.optimizer, "optimizer", trainer.optimizer).optim
+        def local():  # this rank's partition: the optimizer ZeroRedundancyOptimizer wraps
+            return torch_optimizer(trainer).optim
 
         def save(output_dir):
             os.makedirs(output_dir, exist_ok=True)
             torch.save(local().state_dict(), shard(output_dir))
-            if trainer.args.should_save:
-                torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            save_scheduler(trainer, output_dir)
 
         def load(checkpoint):
             if checkpoint is None:
                 return
             local().load_state_dict(torch.load(shard(checkpoint), map_location="cpu", weights_only=True))
-            trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+            load_scheduler(trainer, checkpoint)
 
         trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler = save, load
 
@@ -119,7 +118,7 @@ class Zero1(Strategy):
         """After the first optimizer step: the local optimizer holds state for this rank's partition only."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        opt = torch_optimizer(trainer)
         if not isinstance(opt, ZeroRedundancyOptimizer):
             return {}, [f"the trainer's optimizer is {type(opt).__name__}, not a ZeroRedundancyOptimizer"]
         names = {id(p): n for n, p in trainer.model.named_parameters()}
