@@ -44,6 +44,10 @@ class RecipeBuild:
     def check_inputs(self, config: TrainConfig) -> None:
         self.model_path = config.recipe.check_inputs()  # resolved once here ('tiny' is built here)
 
+    def checkpoints(self, config: TrainConfig) -> bool | None:
+        """Whether the run writes checkpoints (None: only its trainer knows, in the ranks)."""
+        return bool(config.checkpoint_every)
+
     # ---- in a rank -----------------------------------------------------------------
     @property
     def initial_path(self) -> str | None:
@@ -109,6 +113,9 @@ class UserBuild:
 
     def check_inputs(self, config: TrainConfig) -> None:
         pass  # the function's model and data are its own
+
+    def checkpoints(self, config: TrainConfig) -> bool | None:
+        return None  # its trainer's save_strategy says, once built in a rank
 
     def build(self, config: TrainConfig, device: str, distributed: bool):
         from .prepare import call_build

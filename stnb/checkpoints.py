@@ -1,5 +1,5 @@
 """Checkpoints that survive a stop, and a run resumed from one (``TrainConfig(checkpoint_every=..., keep=...,
-checkpoint_dir=..., resume="latest" | path)``; a user's trainer: its own ``save_strategy`` / ``save_steps`` /
+checkpoint_dir=..., resume="latest" | "auto" | path)``; a user's trainer: its own ``save_strategy`` / ``save_steps`` /
 ``save_total_limit`` and ``stnb.run(build, resume=...)``).
 
 The trainer writes the checkpoint (``Trainer._save_checkpoint``: the model, the optimizer and scheduler, every
@@ -28,17 +28,16 @@ import json
 import os
 import re
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
+from .files import MANIFEST, manifest
 
-MANIFEST = "stnb-checkpoint.json"
 PARTIAL = ".stnb-partial"
 PREFIX = "checkpoint-"           # transformers' PREFIX_CHECKPOINT_DIR
 TRAINER_STATE = "trainer_state.json"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed from: missing, half-written, or not one this run can load."""
+#: resume= besides a checkpoint's path: LATEST, the newest complete checkpoint (refused when there is none); AUTO,
+#: the newest if there is one, else step 0 (what a script that may be requeued asks)
+LATEST, AUTO = "latest", "auto"
 
 
 # ---- reading what is on disk --------------------------------------------------------------------
@@ -63,20 +62,23 @@ def partial(folder) -> list:
     return sorted(os.path.join(root, n) for n in os.listdir(root)) if os.path.isdir(root) else []
 
 
-def manifest(path) -> dict:
-    """The manifest stnb wrote beside a checkpoint ({} for one written without stnb)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
+def resume_point(resume, folder, restarted: bool = False) -> str | None:
+    """The checkpoint a run continues from (None: step 0), in the rank, once its ``folder`` (the trainer's
+    output_dir) is known. ``restarted``: the engine restarted this very run (a requeued SLURM job): the newest
+    complete checkpoint in ``folder`` wins over ``resume`` (it is further along the same run)."""
+    found = complete(folder) if folder else []
+    if found and (restarted or resume == AUTO):
+        return found[-1][1]
+    if resume in (None, "", AUTO):
+        return None
+    return find(resume, folder)
 
 
 def find(resume, folder) -> str:
     """The checkpoint ``resume`` names: 'latest' (the newest complete one in ``folder``), a run folder (its
     newest), or a checkpoint folder. CheckpointError naming what is there instead."""
     where = folder
-    if resume != "latest":
+    if resume != LATEST:
         path = os.path.abspath(os.fspath(resume))
         if not os.path.exists(path):
             raise CheckpointError(f"resume={resume!r}: no such folder; give 'latest', a run's checkpoint folder or "
@@ -98,7 +100,7 @@ def find(resume, folder) -> str:
         f"resume={resume!r}: no complete checkpoint in {where!r}"
         + (f" (half-written, never completed by every rank: {', '.join(map(os.path.basename, half))})" if half else "")
         + "; train with checkpoint_every=N (your trainer: save_strategy='steps', save_steps=N) first, or leave "
-          "resume out to start from step 0")
+          "resume out (or resume='auto': the newest if there is one) to start from step 0")
 
 
 def _is_checkpoint(path) -> bool:
@@ -111,23 +113,23 @@ def step_of(path) -> int:
         return int(json.load(f)["global_step"])
 
 
-def check_serves(path, strategy, world: int) -> dict:
+def check_serves(path, strategy, world: int, batch: dict | None = None) -> dict:
     """The checkpoint's manifest; CheckpointError when this run (``strategy`` on ``world`` ranks) cannot load
-    what it holds: another format (a sharded checkpoint into replicated training, or the reverse), or a
-    sharded one written by another number of ranks."""
+    what it holds (``strategy.loads`` says which layouts it reads: its own, or another whose writer can be read
+    by parameter name, ``stnb.strategies.layouts``), or would train on with another global batch (``batch``:
+    this run's, ``batch_of``; None: not known here)."""
     written = manifest(path)
     if not written:
         return {}  # a checkpoint of the trainer without stnb: the trainer's own format
-    fmt, mine = written.get("format", "trainer"), strategy.checkpoint_format
-    if fmt != mine:
-        raise CheckpointError(
-            f"{path} was written by strategy {written.get('strategy')!r} ({fmt} format) and strategy "
-            f"{strategy.name!r} loads the {mine} format; resume it with strategy={written.get('strategy')!r}")
-    if written.get("world_size") != world:
-        raise CheckpointError(
-            f"{path} was written by {written.get('world_size')} rank(s) of {written.get('strategy')!r}; this run has "
-            f"{world}: resume it with num_processes={written.get('world_size')} (another number of ranks changes the "
-            "global batch and the data each rank reads)")
+    from .strategies import owner
+
+    why = strategy.loads(path, written, world, owner(written.get("format", "trainer")))
+    if why:
+        raise CheckpointError(f"{path} was written by {written.get('world_size')} rank(s) of strategy "
+                              f"{written.get('strategy')!r} ({written.get('format', 'trainer')} format); strategy "
+                              f"{strategy.name!r} on {world} rank(s) cannot resume it: {why}")
+    if batch is not None:
+        _check_batch(path, written, world, batch)
     return written
 
 
@@ -142,17 +144,19 @@ def check_recipe(config) -> None:
                           "resume='latest' reads them from)")
     if keep and not every:
         raise ConfigError(f"keep={keep} keeps checkpoints, and checkpoint_every=0 writes none: set checkpoint_every=N")
-    if config.resume:
-        path = find(config.resume, os.path.expanduser(folder))
-        check_serves(path, config.strategy_object(), config.world_size())
+    path = config.resume and resume_point(config.resume, os.path.expanduser(folder))
+    if path:
+        check_serves(path, config.strategy_object(), config.world_size(),
+                     batch_of(config.per_device_batch_size, config.gradient_accumulation_steps, config.world_size(),
+                              config.devices_per_process()))
         step = step_of(path)
         if step >= config.steps:
             raise CheckpointError(f"{path} is at step {step} and this run ends at steps={config.steps}: nothing is "
                                   f"left to train; ask for more steps (steps > {step})")
-    elif every and (found := complete(os.path.expanduser(folder))):
+    elif every and not config.resume and (found := complete(os.path.expanduser(folder))):
         latest = os.path.basename(found[-1][1])
         raise ConfigError(f"checkpoint_dir={folder!r} already holds another run's checkpoints (latest {latest}); "
-                          "resume='latest' continues that run, or choose a new folder (stnb never mixes two runs' "
+                          "resume='latest' (or 'auto') continues that run, or choose a new folder (stnb never mixes two runs' "
                           "checkpoints)")
 
 
@@ -161,14 +165,13 @@ def to_model(checkpoint, like=None, device: str = "cpu"):
     the trainer's format is a saved model already (``SentenceTransformer(checkpoint)``); a sharded one is read
     by the strategy that wrote it into ``like`` (the untrained model or its path; default: the manifest's
     ``base_model``, stnb's recipe records it), whatever number of ranks wrote it."""
-    from . import strategies
+    from .strategies import owner
 
     checkpoint = find(checkpoint, None)  # a checkpoint, or a run folder: its newest
     written = manifest(checkpoint)
     fmt = written.get("format", "trainer")
-    writer = next((s for s in strategies.all_strategies()
-                   if s.checkpoint_format == fmt and hasattr(s, "checkpoint_model")), None)
-    if writer is None:
+    writer = owner(fmt)
+    if not hasattr(writer, "checkpoint_model"):
         from sentence_transformers import SentenceTransformer
 
         return SentenceTransformer(checkpoint, device=device)
@@ -177,3 +180,38 @@ def to_model(checkpoint, like=None, device: str = "cpu"):
         raise CheckpointError(f"{checkpoint} holds shards ({fmt}); pass like= the untrained model (or its path) to "
                               "read them into")
     return writer.checkpoint_model(checkpoint, like, device)
+
+
+# ---- the global batch a resumed run keeps ------------------------------------------------------------
+def batch_of(per_device: int, accumulation: int, world: int, devices: int = 1) -> dict:
+    """A run's batch as a checkpoint's manifest records it: the samples of one optimizer step over every rank
+    (``devices``: those one process drives, dp's GPUs)."""
+    return {"per_device_batch_size": per_device, "gradient_accumulation_steps": accumulation,
+            "devices_per_rank": devices, "global_batch": per_device * devices * accumulation * world}
+
+
+def _check_batch(path, written: dict, world: int, batch: dict) -> None:
+    """CheckpointError when the run resuming ``written`` would take other batches than the run that wrote it: the
+    data position (batches skipped) and the optimizer's steps count batches of the global batch."""
+    had, have = written.get("global_batch"), batch["global_batch"]
+    if had is None:
+        if written.get("world_size") != world:
+            raise CheckpointError(f"{path} does not record its global batch (written before stnb recorded it): on "
+                                  f"{world} rank(s) it cannot be kept; resume it with "
+                                  f"num_processes={written.get('world_size')}")
+        return
+    if had == have:
+        return
+    p, a, d = batch["per_device_batch_size"], batch["gradient_accumulation_steps"], batch.get("devices_per_rank", 1)
+    fixes = []
+    if had % (world * a * d) == 0:
+        fixes.append(f"per_device_batch_size={had // (world * a * d)} (your own trainer: per_device_train_batch_size)")
+    if had % (world * p * d) == 0 and had // (world * p * d) != a:
+        fixes.append(f"gradient_accumulation_steps={had // (world * p * d)}")
+    fix = (" or ".join(fixes) if fixes
+           else f"a number of ranks that divides it (num_processes={written.get('world_size')})")
+    raise CheckpointError(
+        f"{path} was written by a run whose optimizer step took {had} samples ({written.get('world_size')} rank(s) x "
+        f"{written.get('per_device_batch_size')} per device x {written.get('gradient_accumulation_steps')} "
+        f"accumulated); this run's takes {have} ({world} rank(s) x {p} x {a}): the data position and the optimizer's "
+        f"steps count batches of {had} samples. Keep it with {fix}")

@@ -117,7 +117,7 @@ class RunOptions:
     # process control
     timeout: float | None = run_option(None)
     stall_timeout: float | None = run_option(60.0)
-    # continue a stopped run: 'latest' (the newest complete checkpoint) or a checkpoint's path (stnb.checkpoints)
+    # continue a stopped run: 'latest', 'auto' (step 0 when there is none) or a checkpoint's path (stnb.checkpoints)
     resume: str | None = run_option(None)
     # a user's trainer (stnb.run(build, ...)): training arguments stnb replaces, reported as overridden
     override_args: dict | None = run_option(None)
@@ -176,8 +176,8 @@ class TrainConfig:
     DeepSpeed knobs (deepspeed): stage (ZeRO stage 1, 2 or 3; default 2, accelerate's) and deepspeed_config
         (a DeepSpeed config dict merged over stnb's; a value contradicting the run is refused).
     checkpoint_every, keep, checkpoint_dir, resume: a checkpoint every N steps into checkpoint_dir (the trainer's
-        own, each complete or absent), the newest ``keep`` kept; resume='latest' or a checkpoint's path continues
-        from it (``stnb.checkpoints``, docs/checkpoints.md).
+        own, each complete or absent), the newest ``keep`` kept; resume='latest' (or 'auto': step 0
+        when there is none) or a checkpoint's path continues from it (``stnb.checkpoints``, docs/checkpoints.md).
     override_args: only with your own build function (``stnb.run(build, override_args=...)``):
         training arguments of your trainer stnb replaces in every rank, ``{name: value}`` or
         ``{name: (value, why)}``; the names in ``OVERRIDABLE_ARGS`` (per_device_train_batch_size).
@@ -385,7 +385,7 @@ class TrainConfig:
         if self.keep is not None:
             _check_int("keep", self.keep, 1)
         if self.resume is not None and (not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume)):
-            raise ConfigError(f"resume takes 'latest' or a checkpoint's path, got {self.resume!r}")
+            raise ConfigError(f"resume takes 'latest', 'auto' or a checkpoint's path, got {self.resume!r}")
         if self.threads_per_rank is not None:
             _check_int("threads_per_rank", self.threads_per_rank, 1)
         if self.max_seq_length is not None:

@@ -11,6 +11,11 @@ class ConfigError(StnbError, ValueError):
     """A configuration or argument is invalid. Raised before any process starts."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from: missing, half-written, or not one this run can load
+    (``stnb.checkpoints``)."""
+
+
 class StrategyUnavailable(StnbError):
     """The strategy cannot run on this hardware (e.g. DP without 2 GPUs)."""
 

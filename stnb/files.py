@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+
+#: the file stnb writes beside every checkpoint it completed (``stnb.checkpoints``)
+MANIFEST = "stnb-checkpoint.json"
 
 
 def write_atomic(target, text: str | bytes, mode: int = 0o644, on_open_error=None) -> None:
@@ -45,3 +49,12 @@ def shown(path) -> str:
             rel = os.path.relpath(path, root)
             return prefix + rel if rel != "." else (prefix.rstrip(os.sep) or ".")
     return path
+
+
+def manifest(path) -> dict:
+    """The manifest stnb wrote beside a checkpoint ({} for one written without stnb)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}

@@ -55,7 +55,8 @@ class RunResult:
     reason: str = ""
     saved_to: str | None = None
     # checkpoints (stnb.checkpoints): each saved one {step, path, seconds (the slowest rank), bytes_written (per
-    # rank)}; the one this run resumed from {path, step, written_by, written_strategy, started_at_step}
+    # rank)}; the one this run resumed from {path, step, written_by, written_strategy, read_by, read_strategy,
+    # started_at_step, and on another layout loaded: {how, model_tensors_checked, optimizer_tensors_checked, rng}}
     checkpoints: list = field(default_factory=list)
     resumed_from: dict | None = None
     build: str | None = None           # the user's build function (stnb.run(build, ...)); None: stnb's recipe

@@ -27,7 +27,7 @@ from .saving import save_checked
 
 
 def train_rank(config: TrainConfig, build, launch_time: float | None = None,
-               world_size: int | None = None) -> RankReport:
+               world_size: int | None = None, restarted: bool = False) -> RankReport:
     """Runs in every rank: build, apply the strategy, attach the instruments, train, report (its RankReport).
 
     build: what the rank trains (``stnb.builds``): stnb's recipe for ``config`` (``RecipeBuild(model_path)``) or
@@ -35,6 +35,7 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
         same things.
     world_size: the world size the caller requested (default: the config's); verification
         compares it with the process group this rank is in.
+    restarted: the engine restarted this run (a requeued SLURM job): it continues from its newest checkpoint.
     """
     import torch
 
@@ -61,7 +62,7 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
     loss_sync = strategies.LossParameterSync(trainer)
     trainer.add_callback(loss_sync.callback())
     saves = ins.Checkpoints(trainer, strategy, here.rank, here.world, here.distributed, build.initial_path)
-    resume = saves.resume_from(checkpoints.find(config.resume, trainer.args.output_dir) if config.resume else None)
+    resume = saves.resume_from(checkpoints.resume_point(config.resume, trainer.args.output_dir, restarted))
     # attach the instruments
     steps = ins.StepLog(here.launch_time)
     time_split = ins.TimeSplit(trainer, steps, config.comm_hook)

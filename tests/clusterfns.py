@@ -40,3 +40,28 @@ def build_rank1_raises():
     if os.environ.get("RANK") == "1":
         raise ValueError("rank 1 fails on purpose")
     return build()
+
+
+def build_checkpointed(out: str, steps: int = 120, every: int = 10, slow_s: float = 0.0):
+    """A user's trainer that checkpoints every ``every`` steps into ``out`` (the same folder in every attempt of
+    a job); ``slow_s`` seconds more per step in a SLURM job's first attempt only (SLURM_RESTART_COUNT unset or 0):
+    a long run cut short by a requeue, whose next attempt then finishes in seconds."""
+    import time
+
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer import losses
+    from transformers import TrainerCallback
+
+    from stnb.models import tiny_path
+
+    class Slow(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            time.sleep(slow_s)
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    trainer = SentenceTransformerTrainer(
+        model=model, args=st_args(out, max_steps=steps, save_strategy="steps", save_steps=every),
+        train_dataset=_pairs(), loss=losses.MultipleNegativesRankingLoss(model))
+    if slow_s and not int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+        trainer.add_callback(Slow())
+    return trainer

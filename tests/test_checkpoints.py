@@ -19,6 +19,8 @@ import pytest
 import stnb
 from stnb import checkpoints
 from stnb.checkpoints import CheckpointError
+from stnb.errors import ConfigError
+from stnb.strategies import layouts
 
 RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=6, train_size=64, evaluate=False,
            threads_per_rank=1, timeout=300, warmup_steps_excluded=1, checkpoint_every=2)
@@ -176,6 +178,52 @@ def test_the_best_checkpoint_is_loaded_at_the_end_and_kept_by_the_rotation(tmp_p
 
 
 @pytest.mark.slow
+def test_the_stop_button_keeps_the_last_checkpoint_and_spawned_ranks_continue_from_it(monkeypatch, tmp_path):
+    """The notebook's Stop button is a SIGINT to the kernel's process: KeyboardInterrupt in the cell while forked
+    ranks train. Every rank is stopped, the checkpoints completed before stay complete, and resume='latest' in
+    spawned ranks continues to the losses and weights of the run that never stopped."""
+    import threading
+    import time
+
+    from transformers import Trainer
+
+    steps = dict(steps=12)
+    never = stnb.run(_config("ddp", tmp_path / "never", **steps, save_to=str(tmp_path / "never-model")), echo=False)
+    folder = tmp_path / "stopped"
+    real = Trainer.training_step
+
+    def slow_after_the_first_checkpoint(self, *a, **kw):  # time for the button to be pressed mid-run
+        if self.state.global_step >= 2:
+            time.sleep(0.3)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Trainer, "training_step", slow_after_the_first_checkpoint)
+
+    def press_stop():
+        end = time.time() + 240
+        while not checkpoints.complete(folder) and time.time() < end:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)  # what Jupyter's Stop does to the kernel
+
+    presser = threading.Thread(target=press_stop, daemon=True)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        stnb.run(_config("ddp", folder, **steps), echo=False)
+    presser.join(timeout=5)
+    kept = [s for s, _ in checkpoints.complete(folder)]
+    assert kept and kept[-1] < 12, kept  # (one being written when the button was pressed stays half-written)
+    monkeypatch.undo()
+    resumed = stnb.run(_config("ddp", folder, **steps, resume="latest", start_method="spawn",
+                               save_to=str(tmp_path / "resumed-model")), echo=False)
+    assert resumed.verified, resumed.reason
+    step = resumed.resumed_from["step"]
+    assert step == kept[-1] and resumed.resumed_from["started_at_step"] == step
+    assert resumed.losses == never.losses[step:]
+    wa, wb = _weights(tmp_path / "never-model"), _weights(tmp_path / "resumed-model")
+    assert all((wa[k] == wb[k]).all() for k in wa)
+
+
+@pytest.mark.slow
 def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest(monkeypatch, tmp_path):
     """Rank 1 dies writing its RNG state into checkpoint-4: rank 0 had written the model and the optimizer, yet
     checkpoint-4 never becomes a checkpoint; 'latest' is still checkpoint-2 (and keep=1 did not delete it).
@@ -236,6 +284,96 @@ def test_a_sharded_checkpoint_is_written_in_parts_and_opens_on_one_device(tmp_pa
     assert all((opened[k] == trained[k]).all() for k in trained)
 
 
+# ---- resumed on another layout: another number of ranks, another strategy's format -------------------------
+LAYOUTS = [  # (writer, its ranks, per device) -> (reader, its ranks, per device): the global batch kept
+    ("ddp", 2, 4, "single", 1, 8),
+    ("single", 1, 8, "ddp", 2, 4),
+    ("fsdp", 2, 4, "single", 1, 8),     # DCP's shards read whole in one process
+    ("single", 1, 8, "fsdp", 2, 4),     # the whole state cut into each rank's DTensor shards
+    ("zero1", 2, 4, "zero1", 1, 8),     # the optimizer partitions re-partitioned
+    ("fsdp", 2, 4, "zero1", 2, 4),
+    ("zero1", 2, 4, "zero2", 2, 4),
+    ("fsdp", 2, 6, "fsdp", 3, 4),       # DCP's own resharding (3 ranks on this 2-core machine)
+]
+
+
+def _layout_run(strategy, ranks, per_device, folder, size, **kw):
+    return stnb.run(stnb.TrainConfig(**{**RUN, "strategy": strategy, "num_processes": None if strategy == "single"
+                                        else ranks, "per_device_batch_size": per_device, "train_size": size,
+                                        "checkpoint_dir": str(folder), **kw}), echo=False)
+
+
+def _written_then_resumed(monkeypatch, tmp_path, writer, w_ranks, w_batch, reader, r_ranks, r_batch):
+    """(the run that wrote checkpoint-2 and went on to step 6, the run that resumed it on the other layout, the
+    two trained models' weights)."""
+    if max(w_ranks, r_ranks) > 2:
+        monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: max(w_ranks, r_ranks))  # oversubscribed, forked
+    size = w_ranks * w_batch * RUN["steps"]  # one epoch: no partial batch on either layout
+    written = _layout_run(writer, w_ranks, w_batch, tmp_path / "w", size, save_to=str(tmp_path / "wm"))
+    resumed = _layout_run(reader, r_ranks, r_batch, tmp_path / "r", size, resume=str(tmp_path / "w" / "checkpoint-2"),
+                          save_to=str(tmp_path / "rm"))
+    return written, resumed, _weights(tmp_path / "wm"), _weights(tmp_path / "rm")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer,w_ranks,w_batch,reader,r_ranks,r_batch", LAYOUTS,
+                         ids=[f"{w}{n}-to-{r}{m}" for w, n, _, r, m, _ in LAYOUTS])
+def test_a_checkpoint_resumes_on_another_layout_its_tensors_checked_and_training_goes_on_as_it_would_have(
+        monkeypatch, tmp_path, writer, w_ranks, w_batch, reader, r_ranks, r_batch):
+    """Every rank compares each tensor it loaded (its piece of a sharded one) with the checkpoint's; then, with the
+    global batch kept, every step takes the same samples as the run that never stopped: its losses and its final
+    weights equal that run's up to float rounding (the gradient is averaged over other ranks, in another order;
+    the RNG states are not carried, and this tiny BERT draws none)."""
+    written, resumed, wa, wb = _written_then_resumed(monkeypatch, tmp_path, writer, w_ranks, w_batch, reader,
+                                                     r_ranks, r_batch)
+    assert written.verified and resumed.verified, (written.reason, resumed.reason)
+    r = resumed.resumed_from
+    assert (r["written_by"], r["written_strategy"], r["read_by"], r["read_strategy"]) == (w_ranks, writer, r_ranks,
+                                                                                          reader)
+    assert r["step"] == r["started_at_step"] == 2
+    # rank 0's count (under zero1, the optimizer state of its partition only)
+    assert r["loaded"]["model_tensors_checked"] > 30 and r["loaded"]["optimizer_tensors_checked"] >= 3, r["loaded"]
+    assert r["loaded"]["rng"].startswith("not restored")
+    assert ("resharded by its own loading" in r["loaded"]["how"]) == (writer == reader == "fsdp")
+    assert resumed.losses == pytest.approx(written.losses[2:], rel=1e-5)
+    assert wa.keys() == wb.keys()
+    far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    assert not far, f"{len(far)} tensor(s) further apart than float rounding, e.g. {far[:3]}"
+    assert [c["step"] for c in resumed.checkpoints] == [4, 6]
+
+
+def torch_allclose(a, b) -> bool:
+    import torch
+
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["optimizer-not-set", "optimizer-misnamed"])
+def test_a_wrong_load_on_another_layout_is_caught(monkeypatch, tmp_path, fault):
+    """Not true by construction: an optimizer state that is read but never put in place stops the run at the
+    tensor check, before its first step; one put in place under the wrong names (two parameters of the same shape
+    swapped: the check compares with what was read, so it passes) ends with other weights than the run that never
+    stopped, which the comparison above catches."""
+    if fault == "optimizer-not-set":
+        monkeypatch.setattr(layouts, "set_optimizer", lambda *a, **kw: None)
+        with pytest.raises(stnb.LaunchError, match="optimizer state loaded on rank 0 differs from the checkpoint's"):
+            _written_then_resumed(monkeypatch, tmp_path, "ddp", 2, 4, "single", 1, 8)
+        return
+    by_name = layouts.by_name
+
+    def misnamed(saved, groups):
+        q, k = (f"0.model.encoder.layer.0.attention.self.{w}.weight" for w in ("query", "key"))
+        swap = {q: k, k: q}
+        return by_name(saved, [[swap.get(n, n) for n in g] for g in groups])
+
+    monkeypatch.setattr(layouts, "by_name", misnamed)
+    written, resumed, wa, wb = _written_then_resumed(monkeypatch, tmp_path, "ddp", 2, 4, "single", 1, 8)
+    assert resumed.verified, resumed.reason
+    moved = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    assert any("layer.0.attention.self.query" in k for k in moved), f"the swap changed nothing there: {moved[:5]}"
+
+
 # ---- refused before any rank starts (no process is started for these) ----------------------------------
 def _fake_checkpoint(folder, step, **manifest):
     os.makedirs(folder, exist_ok=True)
@@ -269,16 +407,98 @@ def test_latest_is_the_newest_complete_checkpoint_by_step_not_by_name(tmp_path):
     assert checkpoints.find(str(tmp_path), None) == str(tmp_path / "checkpoint-10")  # a run folder: its newest
 
 
-def test_a_checkpoint_of_another_strategy_or_rank_count_is_refused(tmp_path):
+def test_auto_resumes_the_newest_if_any_and_a_restarted_run_prefers_its_newest(tmp_path):
+    """resume='auto': the newest complete checkpoint, else step 0 (None); a run the engine restarted (a requeued
+    SLURM job) continues from its own newest checkpoint even when resume= named an older one."""
+    run = tmp_path / "run"
+    assert checkpoints.resume_point("auto", run) is None and checkpoints.resume_point(None, run) is None
+    assert checkpoints.resume_point(None, run, restarted=True) is None  # restarted before its first checkpoint
+    os.makedirs(run / checkpoints.PARTIAL / "checkpoint-6")  # half-written: never resumed from
+    _fake_checkpoint(run / "checkpoint-2", 2)
+    _fake_checkpoint(run / "checkpoint-4", 4)
+    newest = str(run / "checkpoint-4")
+    assert checkpoints.resume_point("auto", run) == newest
+    assert checkpoints.resume_point(None, run) is None  # not asked, not restarted: step 0
+    assert checkpoints.resume_point(str(run / "checkpoint-2"), run) == str(run / "checkpoint-2")
+    assert checkpoints.resume_point(str(run / "checkpoint-2"), run, restarted=True) == newest
+    assert checkpoints.resume_point(None, run, restarted=True) == newest
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        checkpoints.resume_point("latest", tmp_path / "empty")
+    # the recipe: 'auto' into an empty folder trains from step 0; into a run's folder, it continues it
+    cfg = dict(model="tiny", steps=6, checkpoint_every=2)
+    checkpoints.check_recipe(stnb.TrainConfig(**cfg, checkpoint_dir=str(tmp_path / "empty"), resume="auto"))
+    with pytest.raises(ConfigError, match="already holds another run's checkpoints"):
+        checkpoints.check_recipe(stnb.TrainConfig(**cfg, checkpoint_dir=str(run)))
+    with pytest.raises(CheckpointError, match="is at step 4 and this run ends at steps=4"):
+        checkpoints.check_recipe(stnb.TrainConfig(**{**cfg, "steps": 4}, checkpoint_dir=str(run), resume="auto"))
+
+
+def _written(folder, strategy, fmt, ranks, per_device, names=True, **extra):
+    """A fake checkpoint of ``ranks`` ranks of ``strategy`` (``per_device`` samples each), with the names of its
+    optimizer's parameters where its format has them (``names``)."""
+    _fake_checkpoint(folder, 2, strategy=strategy, format=fmt, world_size=ranks,
+                     **{**checkpoints.batch_of(per_device, 1, ranks), **extra})
+    if names and fmt == "trainer":
+        layouts.write_names(os.path.join(folder, layouts.NAMES), [["w"]])
+    if names and fmt == "zero1-shards":
+        for r in range(ranks):
+            layouts.write_names(os.path.join(folder, f"optimizer.rank{r}-of-{ranks}.names.json"), [["w"]])
+    return str(folder)
+
+
+def test_each_strategy_declares_the_layouts_it_resumes_and_the_rest_is_refused_with_the_fix(tmp_path):
+    """Before any process starts (``check_serves``): a checkpoint readable by parameter name resumes on any number
+    of ranks and strategy; DeepSpeed's only on its own; a numbered one (no names) only on its own layout."""
     from stnb import strategies
 
-    _fake_checkpoint(tmp_path / "checkpoint-2", 2, strategy="zero1", format="zero1-shards", world_size=2)
-    path = str(tmp_path / "checkpoint-2")
-    with pytest.raises(CheckpointError, match="strategy='zero1'"):
-        checkpoints.check_serves(path, strategies.get("ddp"), 2)
-    with pytest.raises(CheckpointError, match="num_processes=2"):
-        checkpoints.check_serves(path, strategies.get("zero1"), 3)
-    assert checkpoints.check_serves(path, strategies.get("zero1"), 2)["world_size"] == 2
+    def serves(path, strategy, ranks, per_device):
+        batch = checkpoints.batch_of(per_device, 1, ranks)
+        return checkpoints.check_serves(path, strategies.get(strategy), ranks, batch)
+
+    ddp = _written(tmp_path / "ddp", "ddp", "trainer", 2, 4)
+    assert serves(ddp, "single", 1, 8)["world_size"] == 2
+    assert serves(ddp, "zero1", 1, 8) and serves(ddp, "fsdp", 2, 4)
+    fsdp = _written(tmp_path / "fsdp", "fsdp", "dcp", 2, 4)
+    assert serves(fsdp, "single", 1, 8) and serves(fsdp, "zero1", 2, 4) and serves(fsdp, "zero2", 2, 4)
+    zero1 = _written(tmp_path / "zero1", "zero1", "zero1-shards", 2, 4)
+    assert serves(zero1, "zero1", 1, 8) and serves(zero1, "ddp", 2, 4)
+    numbered = _written(tmp_path / "numbered", "zero1", "zero1-shards", 2, 4, names=False)
+    with pytest.raises(CheckpointError, match="without the names.*strategy='zero1' and num_processes=2"):
+        serves(numbered, "zero1", 1, 8)
+    assert serves(numbered, "zero1", 2, 4)  # its own layout: its own files
+    numbered = _written(tmp_path / "numbered-ddp", "ddp", "trainer", 2, 4, names=False)
+    with pytest.raises(CheckpointError, match="optimizer-params.json"):
+        serves(numbered, "single", 1, 8)
+    ds = _written(tmp_path / "ds", "deepspeed", "deepspeed", 2, 4)
+    with pytest.raises(CheckpointError, match="num_processes=2.*ds_to_universal"):
+        serves(ds, "deepspeed", 1, 8)
+    with pytest.raises(CheckpointError, match="ds_to_universal"):
+        serves(ds, "single", 1, 8)
+    with pytest.raises(CheckpointError, match="DeepSpeed's engine loads only its own"):
+        serves(ddp, "deepspeed", 2, 4)
+    assert serves(ds, "deepspeed", 2, 4)["world_size"] == 2
+
+
+def test_a_resume_that_would_change_the_global_batch_is_refused_naming_what_keeps_it(tmp_path):
+    from stnb import strategies
+
+    fsdp = _written(tmp_path / "fsdp", "fsdp", "dcp", 2, 4)
+    with pytest.raises(CheckpointError, match=r"took 8 samples.*takes 4.*per_device_batch_size=8.*"
+                                              r"gradient_accumulation_steps=2"):
+        checkpoints.check_serves(fsdp, strategies.get("single"), 1, checkpoints.batch_of(4, 1, 1))
+    with pytest.raises(CheckpointError, match="num_processes=2"):  # no per-device batch gives 8 on 3 ranks
+        checkpoints.check_serves(fsdp, strategies.get("fsdp"), 3, checkpoints.batch_of(4, 1, 3))
+    old = tmp_path / "old"
+    _fake_checkpoint(old, 2, strategy="ddp", format="trainer", world_size=2)  # before the batch was recorded
+    layouts.write_names(os.path.join(old, layouts.NAMES), [["w"]])
+    with pytest.raises(CheckpointError, match="does not record its global batch"):
+        checkpoints.check_serves(str(old), strategies.get("single"), 1, checkpoints.batch_of(8, 1, 1))
+    # stnb's recipe: before any process starts
+    cfg = dict(strategy="single", model="tiny", steps=6, evaluate=False, checkpoint_every=2,
+               checkpoint_dir=str(tmp_path / "next"), resume=fsdp)
+    with pytest.raises(CheckpointError, match="per_device_batch_size=8"):
+        stnb.TrainConfig(**cfg, per_device_batch_size=4).check_recipe_options()
+    stnb.TrainConfig(**cfg, per_device_batch_size=8).check_recipe_options()  # the global batch kept
 
 
 def test_the_recipe_refuses_bad_checkpoint_options_before_launch(tmp_path):

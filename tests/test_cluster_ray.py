@@ -7,6 +7,7 @@ No mock of Ray anywhere."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import sys
@@ -15,7 +16,7 @@ import threading
 import pytest
 
 import stnb
-from cluster_engines import kill_rank_when_training
+from cluster_engines import kill_rank_when_training, wait_for
 from stnb.errors import ConfigError, LaunchError
 
 pytestmark = pytest.mark.cluster
@@ -80,6 +81,40 @@ def test_a_killed_worker_is_named(ray_cluster, tmp_path):
     e = info.value
     assert e.rank == 1 and e.kind == "killed", str(e)
     assert f"rank 1 on {socket.gethostname()} ended without a result or an error" in str(e)
+
+
+def test_a_killed_worker_with_max_failures_continues_from_the_checkpoint_reported_to_ray(ray_cluster, tmp_path):
+    """max_failures=1: a worker killed once Ray Train holds a reported checkpoint; Ray restarts the workers, which
+    continue from that checkpoint, and the run ends as the same run that never stopped (compared step by step)."""
+    run = dict(strategy="ddp", model="tiny", steps=120, train_size=64, evaluate=False, per_device_batch_size=4,
+               timeout=300, threads_per_rank=1, checkpoint_every=10)
+    # the uninterrupted run, on the same engine (a local launch from this process would leave multiprocessing's
+    # helper process behind, or fork Ray's threads)
+    never = stnb.run(**run, checkpoint_dir=str(tmp_path / "never"), echo=False,
+                     cluster=stnb.Ray(num_workers=2, storage_path=str(tmp_path / "never-ray")))
+    storage = tmp_path / "ray"
+
+    def reported_then_kill():
+        def registered():  # Ray Train's own record of the checkpoints it holds
+            found = glob.glob(os.path.join(str(storage), "stnb-*", "checkpoint_manager_snapshot.json"))
+            try:
+                return found and json.load(open(found[0]))["checkpoint_results"]
+            except (OSError, ValueError):
+                return None
+        wait_for(registered, "Ray Train to hold a reported checkpoint", 240)
+        kill_rank_when_training(lambda: glob.glob(os.path.join(str(storage), "stnb-*", "stnb"))[0], 1)
+
+    killer = threading.Thread(target=reported_then_kill, daemon=True)
+    killer.start()
+    res = stnb.run(**run, checkpoint_dir=str(tmp_path / "checkpoints"), echo=False,
+                   cluster=stnb.Ray(num_workers=2, storage_path=str(storage), max_failures=1))
+    killer.join(timeout=10)
+    assert not killer.is_alive()
+    assert res.verified, res.reason
+    step = res.resumed_from["step"]
+    assert step >= 10 and step % 10 == 0 and res.resumed_from["started_at_step"] == step, res.resumed_from
+    assert res.losses == never.losses[step:]
+    assert res.checkpoints[-1]["step"] == 120
 
 
 # ---- refused before starting ------------------------------------------------------------------------

@@ -5,9 +5,11 @@ which rank failed, on which node, with its log tail. No mock of the scheduler an
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 
@@ -15,6 +17,7 @@ import pytest
 
 import stnb
 from cluster_engines import kill_rank_when_training, wait_for
+from stnb import checkpoints
 from stnb.errors import ConfigError, LaunchError
 
 pytestmark = pytest.mark.cluster
@@ -113,6 +116,83 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# ---- a job SLURM stops and starts again continues from its newest checkpoint --------------------------------
+
+REQUEUED_STEPS = 200  # enough for the first attempt to be cut short; the next one trains the rest in seconds
+
+
+@pytest.fixture(scope="module")
+def never_requeued(slurm_cluster, tmp_path_factory):
+    """The same user trainer (clusterfns.build_checkpointed) run locally on 2 ranks without a stop: the run a
+    requeued job must continue exactly."""
+    import clusterfns
+
+    out = tmp_path_factory.mktemp("never-requeued")
+    return stnb.run(functools.partial(clusterfns.build_checkpointed, str(out), REQUEUED_STEPS), strategy="ddp",
+                    num_processes=2, device="cpu", threads_per_rank=1, timeout=600, echo=False)
+
+
+def _start_requeued(job) -> None:
+    """SLURM holds a requeued job back until its BeginTime (a minute or two from now); start it now, as an
+    operator would (``scontrol update``), once the job waits for it."""
+    def held():
+        info = job._scontrol() or {}
+        return info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
+
+    wait_for(held, f"job {job.job_id} to be requeued (PENDING, BeginTime)", 300)
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True, timeout=30)
+
+
+def _continued(res, never) -> None:
+    """``res`` ran again after SLURM requeued it and continued ``never``'s run from its newest checkpoint."""
+    assert res.verified, res.reason
+    assert res.cluster["restarts"] == 1 and res.cluster["state"] == "COMPLETED"
+    step = res.resumed_from["step"]
+    assert step >= 10 and step % 10 == 0 and res.resumed_from["started_at_step"] == step, res.resumed_from
+    assert res.losses == never.losses[step:]  # every step after the checkpoint, exactly as the run that never stopped
+    assert res.checkpoints[-1]["step"] == REQUEUED_STEPS
+
+
+def test_a_job_requeued_mid_run_continues_from_its_newest_checkpoint(slurm_cluster, tmp_path, never_requeued):
+    """``scontrol requeue`` (what an operator or a preemption in requeue mode does): SLURM kills the tasks and
+    starts the job again under the same id; the handle follows it and its result is the continued run."""
+    import clusterfns
+
+    out = tmp_path / "checkpoints"
+    job = stnb.run(functools.partial(clusterfns.build_checkpointed, str(out), REQUEUED_STEPS, 10, 0.1),
+                   strategy="ddp", threads_per_rank=1, cluster=_slurm(tmp_path), echo=False)
+    wait_for(lambda: checkpoints.complete(out), "the job's first checkpoint", 300)
+    subprocess.run(["scontrol", "requeue", job.job_id], check=True, timeout=30)
+    _start_requeued(job)
+    _continued(job.result(timeout=600), never_requeued)
+
+
+def test_a_job_at_its_time_limit_is_requeued_and_continues(slurm_cluster, tmp_path, never_requeued):
+    """requeue=True: SLURM signals the job signal_delay_s before its 4-minute limit, submitit's handler requeues it
+    (its checkpoint protocol), and the next attempt continues from the newest checkpoint."""
+    import clusterfns
+
+    out = tmp_path / "checkpoints"
+    # signalled about 90 s into each attempt (SLURM checks its timers every 30 s or so): the first, 0.7 s a step
+    # slower, is still training then; the second trains the rest in well under that, startup included
+    job = stnb.run(functools.partial(clusterfns.build_checkpointed, str(out), REQUEUED_STEPS, 10, 0.7),
+                   strategy="ddp", threads_per_rank=1, echo=False,
+                   cluster=stnb.Slurm(tasks_per_node=2, folder=str(tmp_path / "runs"), time_min=4, requeue=True,
+                                      signal_delay_s=150))
+    _start_requeued(job)
+    res = job.result(timeout=600)
+    _continued(res, never_requeued)
+    assert "Requeued job" in job.logs()[0]  # submitit's handler did it, not the time limit killing the job
+
+
+def test_requeue_without_checkpoints_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"Slurm\(requeue=True\) continues a requeued job from its newest checkpoint, "
+                                          r"and this run writes none: set checkpoint_every=N"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=_slurm(tmp_path, requeue=True))
+    with pytest.raises(ConfigError, match=r"Slurm\(requeue=...\) takes True or False, got 'yes'"):
+        stnb.run(strategy="ddp", **RECIPE, cluster=_slurm(tmp_path, requeue="yes"))
 
 
 # ---- refused before submitting ------------------------------------------------------------------------

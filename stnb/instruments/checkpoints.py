@@ -14,9 +14,18 @@ import os
 import shutil
 import time
 
-from ..checkpoints import MANIFEST, PARTIAL, PREFIX, TRAINER_STATE, check_serves, step_of
-from ..strategies import save_strategy
+from ..checkpoints import MANIFEST, PARTIAL, PREFIX, TRAINER_STATE, batch_of, check_serves, step_of
+from ..strategies import owner, save_strategy
 from .base import Instrument
+
+
+_SINK = None  # a launcher that tells its engine about every complete checkpoint (Ray Train): fn(path, step)
+
+
+def set_checkpoint_sink(sink) -> None:
+    """Call ``sink(path, step)`` in every rank once each checkpoint is complete (None: nobody)."""
+    global _SINK
+    _SINK = sink
 
 
 def bytes_written() -> int | None:
@@ -94,7 +103,7 @@ class Checkpoints(Instrument):
             state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
         if self.rank == 0:
             record = {"step": step, "strategy": self.strategy.name, "format": self.strategy.checkpoint_format,
-                      "world_size": self.world, "bytes_written": written, "written_at": time.time(),
+                      "world_size": self.world, **self._batch(), "bytes_written": written, "written_at": time.time(),
                       "base_model": self.base_model}
             with open(os.path.join(staged, MANIFEST), "w") as f:
                 json.dump(record, f, indent=1)
@@ -116,15 +125,19 @@ class Checkpoints(Instrument):
             from ..processes import wait_for_all
 
             wait_for_all()  # no rank goes on before the checkpoint is in place (a stop now keeps it)
+        if _SINK is not None:
+            _SINK(final, step)
 
     # ---- resuming ---------------------------------------------------------------------------
     def resume_from(self, path: str | None) -> str | None:
         """``path`` checked against this run before training (every rank); remembered to check the start."""
         if path is None:
             return None
-        written = check_serves(path, self.strategy, self.world)
+        written = check_serves(path, self.strategy, self.world, self._batch())
+        self.trainer.stnb_checkpoint_writer = owner(written.get("format", "trainer"))  # reads it on another layout
         self.resumed = {"path": path, "step": step_of(path), "written_by": written.get("world_size"),
-                        "written_strategy": written.get("strategy"), "started_at_step": None}
+                        "written_strategy": written.get("strategy"), "read_by": self.world,
+                        "read_strategy": self.strategy.name, "started_at_step": None}
         return path
 
     def on_step_begin(self, args, state, control, **kw):
@@ -141,6 +154,14 @@ class Checkpoints(Instrument):
                             f"step {r['started_at_step']}")
         return {"resumed_at_step": r["started_at_step"], "resume_checkpoint_step": r["step"]}, problems
 
+    def _batch(self) -> dict:
+        args = self.trainer.args
+        return batch_of(args.per_device_train_batch_size, args.gradient_accumulation_steps, self.world,
+                        max(1, args.n_gpu))
+
     def report(self) -> dict:
+        loaded = getattr(self.trainer, "stnb_loaded", None)  # another layout: how, tensors checked, RNG
+        if self.resumed is not None and loaded:
+            self.resumed["loaded"] = dict(loaded)
         return {"checkpoints": self.saves, "resumed_from": self.resumed}
 

@@ -12,8 +12,10 @@ seen, the run's folder, where Ray keeps its own logs).
 Failures: ``FailureConfig(max_failures=...)`` (default 0). With 0, a worker that raises or dies ends
 the run: Ray stops the other workers, and stnb raises the LaunchError naming the worker that failed
 first, its node and its log tail. With N > 0, Ray restarts the whole worker group up to N times and the
-training starts over from the beginning (stnb's rank code keeps no checkpoint); the RunResult is the
-last attempt's.
+run continues from the last checkpoint reported to Ray Train: every rank reports each complete checkpoint
+(``ray.train.report``; rank 0 with a small pointer checkpoint naming stnb's checkpoint folder, so Ray copies
+a few bytes, not the model), and a restarted worker resumes from ``ray.train.get_checkpoint()``'s. A run
+without checkpoints starts over; the RunResult is the last attempt's (``resumed_from`` says where it began).
 
 Address: None uses the Ray this process is connected to (``ray.init`` done already), else starts a
 local one for this run and shuts it down afterwards; "auto" or "host:port" connects to a running
@@ -23,6 +25,7 @@ the head node, or submit a script with Ray Jobs.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -34,6 +37,8 @@ from .base import Launcher, Plan, finish
 from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder, failure
 
 INSTALL = 'pip install "stnb[ray]"'
+#: the file of the checkpoint rank 0 reports to Ray Train: where stnb's checkpoint is, and its step
+POINTER = "stnb-checkpoint-pointer.json"
 #: seconds to reach a Ray cluster's address before it counts as unreachable
 CONNECT_TIMEOUT_S = 5
 
@@ -205,6 +210,7 @@ def ray_worker(cfg: dict) -> None:
     import ray
     import ray.train
 
+    from ..instruments.checkpoints import set_checkpoint_sink
     from ..processes.output import redirect_output
     from .rundir import train_in_rank
 
@@ -222,8 +228,32 @@ def ray_worker(cfg: dict) -> None:
     os.environ.update(strategy.rank_env(config, device))
     if local_rank == 0:
         strategy.before_launch(config, device)
-    train_in_rank(run, rank, world, config, cfg["build"], cfg["t0"],
-                  node_id=ray.get_runtime_context().get_node_id(), ip=_node_ip(), local_rank=local_rank)
+    reported = ray.train.get_checkpoint()  # Ray restarted the workers: the last checkpoint reported to it
+    if reported is not None:
+        with reported.as_directory() as folder, open(os.path.join(folder, POINTER)) as f:
+            config = config.replace(resume=json.load(f)["path"])
+    set_checkpoint_sink(lambda path, step: _report_checkpoint(rank, path, step))
+    try:
+        train_in_rank(run, rank, world, config, cfg["build"], cfg["t0"],
+                      node_id=ray.get_runtime_context().get_node_id(), ip=_node_ip(), local_rank=local_rank,
+                      resumed_reported=reported is not None)
+    finally:
+        set_checkpoint_sink(None)
+
+
+def _report_checkpoint(rank: int, path: str, step: int) -> None:
+    """Tell Ray Train about a complete checkpoint (every rank reports; rank 0 with the pointer to it)."""
+    import tempfile
+
+    import ray.train
+
+    if rank != 0:
+        ray.train.report({"step": step})
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, POINTER), "w") as f:
+            json.dump({"path": path, "step": step}, f)
+        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
 def _node_ip() -> str:

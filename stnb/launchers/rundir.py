@@ -47,7 +47,11 @@ class RunDir:
 
     # rank side ---------------------------------------------------------------------------
     def arrive(self, rank: int, **facts) -> None:
-        """This rank started (written before it joins the rendezvous)."""
+        """This rank started (written before it joins the rendezvous); what it left in an earlier attempt of the
+        same run (an engine's restart) is gone."""
+        for stale in (self.file("report", rank, "pkl"), self.file("error", rank)):
+            if os.path.exists(stale):
+                os.unlink(stale)
         record = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **facts}
         write_atomic(self.file("arrived", rank), json.dumps(record))
 
@@ -222,10 +226,11 @@ def _ranks(ranks, node) -> str:
 
 
 def train_in_rank(rundir: RunDir, rank: int, world: int, config, build, t0: float, join=None,
-                  **facts) -> None:
+                  restarted: bool = False, **facts) -> None:
     """What every cluster rank runs: say it arrived, join the process group (``join()``, when the engine
     has not), train with stnb's own rank code (``training.train_rank``, the same verification as a local
-    run), and leave the RankReport (or the error) in the run's folder."""
+    run; ``restarted``: the engine restarted the run, which continues from its newest checkpoint), and leave
+    the RankReport (or the error) in the run's folder."""
     from ..processes.rank import set_progress_sink
     from ..training import train_rank
 
@@ -234,7 +239,7 @@ def train_in_rank(rundir: RunDir, rank: int, world: int, config, build, t0: floa
     try:
         if join is not None:
             join()
-        report = train_rank(config, build, t0, world)
+        report = train_rank(config, build, t0, world, restarted=restarted)
         rundir.write_report(rank, report)
     except BaseException as e:
         rundir.write_error(rank, e)

@@ -7,8 +7,14 @@ task exports torch's rendezvous variables from SLURM's (submitit's ``TorchDistri
 the first node is MASTER_ADDR), joins the process group with a bounded timeout, and runs stnb's own rank
 code (``rundir.train_in_rank``: ``training.train_rank``, the same verification as a local run), leaving
 its report, progress and errors in the run's folder. ``SlurmJob.result()`` merges the reports into the
-RunResult (launcher 'slurm', ``cluster``: job id, nodes and ranks seen, logs) or raises the LaunchError
-that explains the job. Submitting from a machine outside the cluster is out of scope: run the notebook
+RunResult (launcher 'slurm', ``cluster``: job id, nodes and ranks seen, restarts, logs) or raises the
+LaunchError that explains the job.
+
+Requeued jobs: a job SLURM starts again (``scontrol requeue``, a preemption that requeues, or, with
+``requeue=True``, submitit's requeue before the time limit: SLURM signals the job ``signal_delay_s`` before it,
+submitit's handler on rank 0 requeues it) continues from the run's newest complete checkpoint
+(``checkpoints.resume_point``, ``restarted``); the steps after it are trained again. The job keeps its id, so
+the handle follows it; ``result()`` is the resumed run's (``RunResult.resumed_from``). Submitting from a machine outside the cluster is out of scope: run the notebook
 on a login node (or a node of an interactive allocation) that has the SLURM commands.
 """
 
@@ -50,6 +56,10 @@ class Slurm(Launcher):
     folder: the run's folder (a new sub-folder per run holds the tasks' logs, progress and reports); for a
         multi-node job it must be on the cluster's shared filesystem (not /tmp).
     rendezvous_timeout_s: how long the tasks that started wait for the others to join the process group.
+    requeue: requeue the job when SLURM signals its time limit or a preemption (submitit's checkpoint protocol;
+        at most ``max_num_timeout=`` times for time limits, submitit's default 3); the requeued job continues
+        from the newest checkpoint, so the run must write them (``checkpoint_every=`` / your trainer's
+        ``save_strategy``). Signalled ``signal_delay_s=`` seconds (default 90) before the limit.
     slurm_params: any other submitit SLURM parameter without its ``slurm_`` prefix (``qos=``, ``account=``,
         ``constraint=``, ``mem=``, ``additional_parameters={...}`` for sbatch options submitit lacks).
     """
@@ -58,8 +68,9 @@ class Slurm(Launcher):
 
     def __init__(self, nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1,
                  partition: str | None = None, folder="stnb-slurm", time_min: int = 60,
-                 rendezvous_timeout_s: float = 300, job_name: str = "stnb", **slurm_params):
+                 rendezvous_timeout_s: float = 300, job_name: str = "stnb", requeue: bool = False, **slurm_params):
         self.nodes, self.tasks_per_node, self.gpus_per_node = nodes, tasks_per_node, gpus_per_node
+        self.requeue = requeue
         self.cpus_per_task, self.partition, self.folder, self.time_min = cpus_per_task, partition, folder, time_min
         self.rendezvous_timeout_s, self.job_name, self.slurm_params = rendezvous_timeout_s, job_name, slurm_params
 
@@ -76,6 +87,12 @@ class Slurm(Launcher):
         for name in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
             check_int("Slurm", name, getattr(self, name), 1)
         check_int("Slurm", "gpus_per_node", self.gpus_per_node, 0)
+        if not isinstance(self.requeue, bool):
+            raise ConfigError(f"Slurm(requeue=...) takes True or False, got {self.requeue!r}")
+        if self.requeue and plan.build.checkpoints(plan.config) is False:
+            raise ConfigError("Slurm(requeue=True) continues a requeued job from its newest checkpoint, and this run "
+                              "writes none: set checkpoint_every=N and checkpoint_dir=... (a folder every node sees), "
+                              "or leave requeue out")
         if not isinstance(self.rendezvous_timeout_s, (int, float)) or self.rendezvous_timeout_s <= 0:
             raise ConfigError(f"Slurm(rendezvous_timeout_s=...) must be a positive number, got {self.rendezvous_timeout_s!r}")
         try:
@@ -152,8 +169,9 @@ class Slurm(Launcher):
         run = RunDir(os.path.join(self.root, time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]))
         os.makedirs(run.path)
         plan.t0 = time.time()
-        job = self._executor(run.path).submit(slurm_task, run.path, plan.config, plan.build, plan.t0,
-                                                    self.rendezvous_timeout_s)
+        task = RequeuedTask() if self.requeue else slurm_task
+        job = self._executor(run.path).submit(task, run.path, plan.config, plan.build, plan.t0,
+                                              self.rendezvous_timeout_s)
         on_progress, bars = plan.on_progress, None
         if on_progress is None and plan.echo:
             bars = StepBars(f"{plan.config.strategy} (SLURM {job.job_id})")
@@ -283,11 +301,26 @@ class SlurmJob:
         arrived = self.rundir.arrived(self.world)
         ranks = {r: arrived.get(r, {}).get("host") or where.get(r) for r in range(self.world)}
         cluster = {"engine": "slurm", "job_id": self.job_id, "state": state, "partition": self.launcher.partition,
+                   "restarts": max((a.get("restarts") or 0 for a in arrived.values()), default=0),
                    "nodes": sorted({h for h in ranks.values() if h}), "ranks": ranks, "folder": self.rundir.path,
                    "logs": {r: p["stdout"] for r, p in self.paths.items()}}
         self._result = finish(self.plan, [reports[r] for r in range(self.world)], self.launcher.name,
                               n_gpu=self.launcher.gpus_per_node, cluster=cluster)
         return self._result
+
+
+class RequeuedTask:
+    """``slurm_task`` as submitit's checkpointable callable: when SLURM signals the time limit or a preemption,
+    submitit (on rank 0) calls ``checkpoint`` and requeues the job with what it returns, the same task. Nothing
+    is saved then: the trainer's checkpoints are on disk, and the requeued job continues from the newest."""
+
+    def __call__(self, *args) -> None:
+        slurm_task(*args)
+
+    def checkpoint(self, *args):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args)
 
 
 def slurm_task(folder: str, config, build, t0: float, rendezvous_timeout_s: float) -> None:
@@ -318,10 +351,11 @@ def slurm_task(folder: str, config, build, t0: float, rendezvous_timeout_s: floa
     def join():
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
 
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # SLURM started this job again (requeued)
     try:
-        train_in_rank(RunDir(folder), env.rank, env.world_size, config, build, t0, join=join,
+        train_in_rank(RunDir(folder), env.rank, env.world_size, config, build, t0, join=join, restarted=restarts > 0,
                       node=socket.gethostname(), local_rank=env.local_rank, master=f"{env.master_addr}:{env.master_port}",
-                      job_id=os.environ.get("SLURM_JOB_ID"))
+                      job_id=os.environ.get("SLURM_JOB_ID"), restarts=restarts)
     finally:
         destroy_group()
 

@@ -87,6 +87,11 @@ def all_strategies() -> tuple:
     return tuple(_REGISTRY.values())
 
 
+def owner(fmt: str):
+    """The strategy whose checkpoints are in format ``fmt`` (``Strategy.checkpoint_format``; None: none here)."""
+    return next((s for s in _REGISTRY.values() if s.checkpoint_format == fmt), None)
+
+
 def is_distributed(name) -> bool:
     return get(name).distributed
 
@@ -211,7 +216,7 @@ def _register_builtins() -> None:
 
 _register_builtins()
 
-__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "find_strategies", "names",
+__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "find_strategies", "names", "owner",
            "all_strategies", "is_distributed", "distributed_names", "baseline_name", "validate_config", "availability",
            "verify_prepared", "verify", "verify_ranks", "autocast_data_parallel", "ddp_kwargs", "shard_fsdp",
            "freeze_unused_pooler", "local_numel", "loss_owned_parameters", "param_counts", "LossParameterSync",

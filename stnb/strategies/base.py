@@ -27,8 +27,9 @@ from __future__ import annotations
 import abc
 from typing import ClassVar
 
+from .layouts import SCHEDULER, load_scheduler, save_scheduler, torch_optimizer  # noqa: F401 - re-exported
+
 PARTS = ("params", "grads", "optimizer_state")
-SCHEDULER = "scheduler.pt"  # transformers' SCHEDULER_NAME: the scheduler's file in a checkpoint
 
 
 class Strategy(abc.ABC):
@@ -53,6 +54,9 @@ class Strategy(abc.ABC):
     #: how its checkpoints hold the training state (``stnb.checkpoints``): 'trainer' (the trainer's own files:
     #: whole model, optimizer, scheduler, each rank's RNG) or another format a strategy writes itself (``saving``)
     checkpoint_format: ClassVar[str] = "trainer"
+    #: its own loading reads its format on another number of ranks (DCP's resharding); otherwise a checkpoint
+    #: of another layout is loaded through the whole state by name (``stnb.strategies.layouts``)
+    reshards: ClassVar[bool] = False
 
     baseline: ClassVar[bool] = False   # the one every other strategy is compared with (single)
     order: ClassVar[int] = 1000        # place in the registry's order (the Panel's list, tables); built-ins 10..70
@@ -155,7 +159,76 @@ class Strategy(abc.ABC):
 
     def saving(self, trainer) -> None:
         """Make the trainer write and read this strategy's state in its checkpoints (``checkpoint_format``),
-        in every rank, before training: the default leaves the trainer's own saving and loading as they are."""
+        in every rank, before training: the default leaves the trainer's own saving and loading as they are and
+        writes the names of the optimizer's parameters beside ``optimizer.pt`` (``layouts.NAMES``, what another
+        layout reads it by). A strategy that writes its own format calls this last: every strategy loads a
+        checkpoint of another layout that ``loads`` accepts (``layouts.install``)."""
+        from .layouts import NAMES, install, optimizer_names, write_names
+
+        if self.checkpoint_format == "trainer":
+            import os
+
+            save = trainer._save_optimizer_and_scheduler
+
+            def save_with_names(output_dir):
+                save(output_dir)
+                groups = optimizer_names(trainer, torch_optimizer(trainer))
+                if trainer.args.should_save and groups is not None:
+                    write_names(os.path.join(output_dir, NAMES), groups)
+
+            trainer._save_optimizer_and_scheduler = save_with_names
+        install(trainer, self)
+
+    # ---- resuming on another layout (``stnb.strategies.layouts``) -------------------------------
+    def loads(self, path: str, written: dict, world: int, writer) -> str:
+        """Why this strategy on ``world`` ranks cannot resume the checkpoint at ``path`` (``written``: its
+        manifest; ``writer``: the strategy whose format it is, ``strategies.owner``), with the fix; '' when it can:
+        its own format on its own number of ranks, or any checkpoint whose writer can be read whole by parameter
+        name (``unreadable``) on any number of ranks. Asked before any process starts
+        (``stnb.checkpoints.check_serves``)."""
+        fmt = written.get("format", "trainer")
+        if fmt == self.checkpoint_format and written.get("world_size") == world:
+            return ""
+        if writer is None:
+            return f"no strategy here reads its format {fmt!r}"
+        return writer.unreadable(path, written)
+
+    def unreadable(self, path: str, written: dict) -> str:
+        """Why a checkpoint this strategy wrote (at ``path``) cannot be read whole by parameter name on another
+        layout ('' when it can): the trainer's format needs the names of its optimizer's parameters."""
+        import os
+
+        from .layouts import NAMES
+
+        if os.path.isfile(os.path.join(path, NAMES)):
+            return ""
+        return (f"its optimizer state is numbered, without the names of its parameters ({NAMES}: written by stnb "
+                "since resuming on another layout exists, and only when the model owns every parameter the optimizer "
+                f"updates, not a loss's own); resume it with strategy={written.get('strategy')!r} and "
+                f"num_processes={written.get('world_size')}")
+
+    def read_model(self, checkpoint: str, like) -> dict:
+        """The model a checkpoint this strategy wrote holds, whole, by parameter name (``like``: a model of its
+        kind); on another layout, in every rank."""
+        from .layouts import read_saved_model
+
+        return read_saved_model(checkpoint, like)
+
+    def read_optimizer(self, checkpoint: str) -> dict:
+        """The optimizer state a checkpoint this strategy wrote holds, whole, by parameter name (the full optimizer
+        state dict of ``torch.distributed.checkpoint.state_dict``)."""
+        import os
+
+        import torch
+
+        from .layouts import NAMES, by_name, read_names
+
+        saved = torch.load(os.path.join(checkpoint, "optimizer.pt"), map_location="cpu", weights_only=True)
+        return by_name(saved, read_names(os.path.join(checkpoint, NAMES)))
+
+    def local_optimizer(self, trainer):
+        """The torch optimizer holding this rank's optimizer state (ZeroRedundancyOptimizer: its partition's)."""
+        return torch_optimizer(trainer)
 
     def on_first_step(self, trainer, config, world: int, timed=None) -> dict:
         """Called at the first step's begin, before verification (e.g. a DDP comm hook; ``timed`` wraps a
@@ -221,29 +294,10 @@ def save_strategy(args) -> str:
     return str(getattr(args.save_strategy, "value", args.save_strategy))
 
 
-def save_scheduler(trainer, folder: str) -> None:
-    """The learning-rate scheduler into a checkpoint, as the trainer writes it (the writing rank only): for a
-    strategy that writes the optimizer itself (``Strategy.saving``)."""
-    import os
-
-    import torch
-
-    if trainer.args.should_save:
-        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER))
 
 
-def load_scheduler(trainer, folder: str) -> None:
-    """The learning-rate scheduler back from a checkpoint ``save_scheduler`` wrote (every rank)."""
-    import os
-
-    import torch
-
-    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(folder, SCHEDULER), weights_only=True))
 
 
-def torch_optimizer(trainer):
-    """The trainer's torch optimizer (accelerate's AcceleratedOptimizer wraps it once training is prepared)."""
-    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
 
 
 def rebuild_optimizer(trainer, rebuild) -> None:

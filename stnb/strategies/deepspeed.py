@@ -166,6 +166,26 @@ class DeepSpeed(Strategy):
 
             prebuild()
 
+    # ---- resuming (stnb.strategies.layouts) ----------------------------------------------------------
+    def loads(self, path, written, world, writer):
+        """DeepSpeed's engine loads its own checkpoint only, on the number of ranks that wrote it."""
+        fmt, n = written.get("format", "trainer"), written.get("world_size")
+        if fmt == self.checkpoint_format:
+            return "" if n == world else self.unreadable(path, written)
+        return (f"DeepSpeed's engine loads only its own checkpoints (global_step<N>/), and this one is in the "
+                f"{fmt!r} format; resume it with strategy={written.get('strategy')!r}, or start a new run from the "
+                "model it holds (stnb.checkpoints.to_model(<checkpoint>) opens it)")
+
+    def unreadable(self, path, written):
+        n = written.get("world_size")
+        return (f"DeepSpeed's checkpoint holds the ZeRO partitions of {n} rank(s) (global_step<N>/), which its "
+                f"engine loads only on {n} rank(s) and stnb does not read by parameter name; resume it with "
+                f"strategy='deepspeed' and num_processes={n}. DeepSpeed's universal checkpoint re-partitions it: "
+                "python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/global_step<N> "
+                "--output_folder <new folder>, then deepspeed_config={'checkpoint': {'load_universal': True}} "
+                "(not run or tested by stnb); or start a new run from the model it holds "
+                "(model=<the checkpoint's path>)")
+
     def trainer_arguments(self, config, device):
         return {"deepspeed": ds_config(config), "use_cpu": False}
 

@@ -74,6 +74,7 @@ class FullyShardedDataParallel(Strategy):
                               "or use strategy='ddp' or 'zero1'")
 
     checkpoint_format = "dcp"
+    reshards = True  # torch.distributed.checkpoint reads shards written by any number of ranks into this run's
     DCP_MODEL, DCP_OPTIMIZER = "dcp-model", "dcp-optimizer"  # a checkpoint's folders of shards (every rank's)
 
     def refusals(self, trainer, config):
@@ -125,6 +126,24 @@ class FullyShardedDataParallel(Strategy):
 
         trainer._save, trainer._save_optimizer_and_scheduler = save_model, save_optimizer_and_scheduler
         trainer._load_from_checkpoint, trainer._load_optimizer_and_scheduler = load_model, load_optimizer_and_scheduler
+        super().saving(trainer)  # a checkpoint of another layout (stnb.strategies.layouts)
+
+    def unreadable(self, path, written):
+        return ""  # DCP names every tensor; any process reads the shards of every rank
+
+    def read_model(self, checkpoint, like):
+        import os
+
+        from .layouts import read_dcp
+
+        return read_dcp(os.path.join(checkpoint, self.DCP_MODEL))
+
+    def read_optimizer(self, checkpoint):
+        import os
+
+        from .layouts import read_dcp
+
+        return read_dcp(os.path.join(checkpoint, self.DCP_OPTIMIZER))
 
     @staticmethod
     def checkpoint_model(checkpoint, like, device: str = "cpu"):

@@ -66,24 +66,67 @@ class Zero1(Strategy):
 
         import torch
 
-        def shard(folder):
-            return os.path.join(folder, f"optimizer.rank{trainer.args.process_index}-of-{trainer.args.world_size}.pt")
+        from .layouts import optimizer_names, write_names
 
-        def local():  # this rank's partition: the optimizer ZeroRedundancyOptimizer wraps
-            return torch_optimizer(trainer).optim
+        def shard(folder, what="pt"):
+            return os.path.join(folder, self.shard_name(trainer.args.process_index, trainer.args.world_size, what))
 
         def save(output_dir):
             os.makedirs(output_dir, exist_ok=True)
-            torch.save(local().state_dict(), shard(output_dir))
+            torch.save(self.local_optimizer(trainer).state_dict(), shard(output_dir))
+            names = optimizer_names(trainer, self.local_optimizer(trainer))
+            if names is not None:  # what another number of ranks reads the partition by (stnb.strategies.layouts)
+                write_names(shard(output_dir, "names.json"), names)
             save_scheduler(trainer, output_dir)
 
         def load(checkpoint):
             if checkpoint is None:
                 return
-            local().load_state_dict(torch.load(shard(checkpoint), map_location="cpu", weights_only=True))
+            local = self.local_optimizer(trainer)
+            local.load_state_dict(torch.load(shard(checkpoint), map_location="cpu", weights_only=True))
+            # ZeroRedundancyOptimizer copies its own groups' hyperparameters (the scheduled learning rate) into
+            # the local optimizer at every step: they come from the checkpoint too
+            for whole, mine in zip(torch_optimizer(trainer).param_groups, local.param_groups):
+                whole.update({k: v for k, v in mine.items() if k != "params"})
             load_scheduler(trainer, checkpoint)
 
         trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler = save, load
+        super().saving(trainer)  # a checkpoint of another layout (stnb.strategies.layouts)
+
+    @staticmethod
+    def shard_name(rank: int, world: int, what: str = "pt") -> str:
+        """A rank's file of its optimizer partition ('pt'), or of the names of its parameters ('names.json')."""
+        return f"optimizer.rank{rank}-of-{world}.{what}"
+
+    def local_optimizer(self, trainer):
+        return torch_optimizer(trainer).optim  # this rank's partition: the optimizer ZeroRedundancyOptimizer wraps
+
+    def unreadable(self, path, written):
+        import os
+
+        n = written.get("world_size") or 0
+        missing = [r for r in range(n) if not os.path.isfile(os.path.join(path, self.shard_name(r, n, "names.json")))]
+        if not missing:
+            return ""
+        return (f"its optimizer partitions are numbered, without the names of their parameters (written by stnb "
+                "since resuming on another layout exists, and only when the model owns every parameter the "
+                f"optimizer updates); resume it with strategy={written.get('strategy')!r} and num_processes={n}")
+
+    def read_optimizer(self, checkpoint):
+        """Every rank's partition, by parameter name, merged into the whole optimizer state."""
+        import os
+
+        import torch
+
+        from ..files import manifest
+        from .layouts import by_name, merged, read_names
+
+        n = manifest(checkpoint)["world_size"]
+        parts = []
+        for r in range(n):
+            saved = torch.load(os.path.join(checkpoint, self.shard_name(r, n)), map_location="cpu", weights_only=True)
+            parts.append(by_name(saved, read_names(os.path.join(checkpoint, self.shard_name(r, n, "names.json")))))
+        return merged(parts)
 
     def prepare(self, trainer, config, device_type, world):
         kw, overridden = apply_ddp(trainer, config)
