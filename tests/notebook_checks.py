@@ -232,6 +232,41 @@ for node, command in enumerate(script.node_commands("torchrun")):
          """if job is not None:
     assert on_slurm.verified and on_slurm.launcher == "slurm" and on_slurm.world_size == here.world_size
     assert on_slurm.global_batch_size == here.global_batch_size"""),
+        ('import tempfile\n\nruns_dir = ',
+         """every, end = fsdp.checkpoint_every, fsdp.steps
+assert never.verified and len(never.losses) == end
+assert [c["step"] for c in never.checkpoints] == list(range(every, end + 1, every))
+assert [s for s, _ in stnb.checkpoints.complete(runs_dir / "never")] == list(range(every, end + 1, every))[-2:]  # keep=2"""),
+        ('stopped = fsdp.replace(',
+         """import psutil
+
+assert isinstance(interrupted, KeyboardInterrupt) and "all ranks were stopped" in str(interrupted)
+assert stnb.last_launch().error == "interrupted"
+kernel, ranks = psutil.Process(), []            # no rank left running (the ranks are forks of this kernel)
+for p in kernel.children(recursive=True):
+    try:
+        if p.name() == kernel.name() and p.status() != psutil.STATUS_ZOMBIE:
+            ranks.append(p)
+    except psutil.NoSuchProcess:
+        pass
+assert not ranks, ranks"""),
+        ('step, path = stnb.checkpoints.complete(stopped.checkpoint_dir)[-1]',
+         """assert step % every == 0 and every <= step < end      # stopped after a checkpoint, before the end
+assert written["step"] == step and written["strategy"] == "fsdp" and written["world_size"] == N
+assert max(written["bytes_written"]) < 0.7 * sum(written["bytes_written"])   # each rank wrote its shards only
+assert stnb.checkpoints.partial(stopped.checkpoint_dir) == []
+assert [h["step"] for h in logged] == list(range(1, step + 1))
+assert [h["loss"] for h in logged] == never.losses[:step]      # the same run, up to its checkpoint"""),
+        ('resumed = stnb.run(stopped.replace(resume="latest"',
+         """assert resumed.verified and r["step"] == r["started_at_step"] == step
+assert r["written_strategy"] == "fsdp" and r["written_by"] == N and Path(r["path"]).name == f"checkpoint-{step}"
+assert len(resumed.losses) == end - step and resumed.checkpoints[-1]["step"] == end"""),
+        ('from sentence_transformers import SentenceTransformer\n\nresumed_model',
+         """assert a.keys() == b.keys()
+if device == "cpu":              # deterministic: the run that never stopped, bit for bit
+    assert max_diff == 0.0 and resumed.losses == never.losses[step:]"""),
+        ('opened = stnb.checkpoints.to_model(',
+         """assert o.keys() == b.keys() and largest == 0.0   # every rank's shards, read into one model: the saved one"""),
         ('steps, values = zip(*one.dev_curve)',
          """assert 3 <= len(steps) <= 5 and steps[0] == 0 and steps[-1] == prof.steps and list(steps) == sorted(set(steps))
 assert (values[0], values[-1]) == (one.spearman_before, one.spearman_after)"""),
