@@ -153,7 +153,7 @@ def check_recipe(config) -> None:
         if step >= config.steps:
             raise CheckpointError(f"{path} is at step {step} and this run ends at steps={config.steps}: nothing is "
                                   f"left to train; ask for more steps (steps > {step})")
-    elif every and not config.resume and (found := complete(os.path.expanduser(folder))):
+    elif every and (found := complete(os.path.expanduser(folder))):  # (resume='auto' found none there)
         latest = os.path.basename(found[-1][1])
         raise ConfigError(f"checkpoint_dir={folder!r} already holds another run's checkpoints (latest {latest}); "
                           "resume='latest' (or 'auto') continues that run, or choose a new folder (stnb never mixes two runs' "

@@ -235,8 +235,7 @@ def ray_worker(cfg: dict) -> None:
     set_checkpoint_sink(lambda path, step: _report_checkpoint(rank, path, step))
     try:
         train_in_rank(run, rank, world, config, cfg["build"], cfg["t0"],
-                      node_id=ray.get_runtime_context().get_node_id(), ip=_node_ip(), local_rank=local_rank,
-                      resumed_reported=reported is not None)
+                      node_id=ray.get_runtime_context().get_node_id(), ip=_node_ip(), local_rank=local_rank)
     finally:
         set_checkpoint_sink(None)
 

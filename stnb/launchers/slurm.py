@@ -14,8 +14,10 @@ Requeued jobs: a job SLURM starts again (``scontrol requeue``, a preemption that
 ``requeue=True``, submitit's requeue before the time limit: SLURM signals the job ``signal_delay_s`` before it,
 submitit's handler on rank 0 requeues it) continues from the run's newest complete checkpoint
 (``checkpoints.resume_point``, ``restarted``); the steps after it are trained again. The job keeps its id, so
-the handle follows it; ``result()`` is the resumed run's (``RunResult.resumed_from``). Submitting from a machine outside the cluster is out of scope: run the notebook
-on a login node (or a node of an interactive allocation) that has the SLURM commands.
+the handle follows it; ``result()`` is the resumed run's (``RunResult.resumed_from``).
+
+Submitting from a machine outside the cluster is out of scope: run the notebook on a login node (or a node
+of an interactive allocation) that has the SLURM commands.
 """
 
 from __future__ import annotations

@@ -100,7 +100,6 @@ def read_saved_model(checkpoint: str, like) -> dict:
     return plain_class(like)(checkpoint, device="cpu").state_dict()
 
 
-
 # ---- loading in the ranks -----------------------------------------------------------------------
 def install(trainer, strategy) -> None:
     """Make the trainer load a checkpoint of another layout (``Strategy.loads`` accepted it) through the whole
@@ -140,7 +139,6 @@ def install(trainer, strategy) -> None:
         return None
 
     def load_optimizer(checkpoint):
-
         written = other(checkpoint)
         if written is None:
             return own_optimizer(checkpoint)
@@ -191,27 +189,37 @@ def set_optimizer(model, optimizer, whole: dict) -> None:
                 "param_groups": [dict(g) for g in whole["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, copy, options=StateDictOptions(full_state_dict=True, strict=False))
         return
-    names = {id(p): n for n, p in model.named_parameters()}
-    group_of = {n: g for g in whole["param_groups"] for n in g["params"]}
+    names, group_of = _by_name(model, whole)
     own = optimizer.state_dict()  # its groups, parameters numbered in their order
     state, groups = {}, []
     for index, p in enumerate(params):
         if names.get(id(p)) in whole["state"]:
             state[index] = whole["state"][names[id(p)]]
     for group, numbers in zip(optimizer.param_groups, own["param_groups"]):
-        source = next((group_of[names[id(p)]] for p in group["params"] if names.get(id(p)) in group_of), {})
+        source = _source_group(group, names, group_of) or {}
         groups.append({**numbers, **{k: v for k, v in source.items() if k in numbers and k != "params"}})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _by_name(model, whole: dict) -> tuple[dict, dict]:
+    """({id(parameter): its name in ``model``}, {parameter name: the group of ``whole``, a full optimizer state dict,
+    that holds it})."""
+    return ({id(p): n for n, p in model.named_parameters()},
+            {n: g for g in whole["param_groups"] for n in g["params"]})
+
+
+def _source_group(group, names: dict, group_of: dict):
+    """The checkpoint's group holding one of ``group``'s parameters (None: it holds none of them)."""
+    return next((group_of[names[id(p)]] for p in group["params"] if names.get(id(p)) in group_of), None)
 
 
 def set_hyperparameters(model, optimizer, whole: dict) -> None:
     """Each of ``optimizer``'s parameter groups takes the hyperparameters (the learning rate the schedule had
     reached...) of the checkpoint's group holding its parameters. ZeroRedundancyOptimizer copies its own groups'
     into its local optimizer at every step, so they must be right there too."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    group_of = {n: g for g in whole["param_groups"] for n in g["params"]}
+    names, group_of = _by_name(model, whole)
     for group in optimizer.param_groups:
-        source = next((group_of[names[id(p)]] for p in group["params"] if names.get(id(p)) in group_of), None)
+        source = _source_group(group, names, group_of)
         if source is not None:
             group.update({k: v for k, v in source.items() if k != "params" and k in group})
 
@@ -264,7 +272,7 @@ def compare_optimizer(model, mine, optimizer, whole: dict) -> tuple[int, list]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     held = get_optimizer_state_dict(model, mine)
-    names = {id(p): n for n, p in model.named_parameters()}
+    names, group_of = _by_name(model, whole)
     params = [names.get(id(p)) for g in mine.param_groups for p in g["params"]]
     problems, count = [], 0
     unloaded = [n for n in params if n in whole["state"] and n not in held["state"]]
@@ -281,7 +289,6 @@ def compare_optimizer(model, mine, optimizer, whole: dict) -> tuple[int, list]:
                 differing.append(f"{name}[{key}]")
     if differing:
         problems.append(f"{len(differing)} optimizer tensor(s) differ, e.g. {differing[:3]}")
-    group_of = {n: g for g in whole["param_groups"] for n in g["params"]}
     for group in optimizer.param_groups:
         for p in group["params"]:
             want = group_of.get(names.get(id(p)))
@@ -297,19 +304,19 @@ def compare_optimizer(model, mine, optimizer, whole: dict) -> tuple[int, list]:
 def save_scheduler(trainer, folder: str) -> None:
     """The learning-rate scheduler into a checkpoint, as the trainer writes it (the writing rank only): for a
     strategy that writes the optimizer itself (``Strategy.saving``)."""
-    import os
-
     import torch
 
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER))
+
+
 def load_scheduler(trainer, folder: str) -> None:
     """The learning-rate scheduler back from a checkpoint ``save_scheduler`` wrote (every rank)."""
-    import os
-
     import torch
 
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(folder, SCHEDULER), weights_only=True))
+
+
 def torch_optimizer(trainer):
     """The trainer's torch optimizer (accelerate's AcceleratedOptimizer wraps it once training is prepared)."""
     return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
