@@ -224,6 +224,31 @@ def test_the_stop_button_keeps_the_last_checkpoint_and_spawned_ranks_continue_fr
 
 
 @pytest.mark.slow
+def test_a_progress_callback_that_raises_keyboardinterrupt_stops_the_run_as_the_stop_button_does(tmp_path):
+    """A display's own Stop (``on_progress`` raising KeyboardInterrupt, in the watchdog's thread) stops the cell
+    with KeyboardInterrupt and every rank with it, not only the watchdog: the run does not train on to its last
+    step unwatched, and the checkpoint completed before it stays complete."""
+    import psutil
+
+    folder, calls = tmp_path / "stopped", []
+
+    def stop_once_a_checkpoint_is_complete(states):
+        calls.append(len(states))
+        if checkpoints.complete(folder):
+            raise KeyboardInterrupt
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(KeyboardInterrupt):
+        stnb.run(_config("ddp", folder, steps=200, train_size=2000), on_progress=stop_once_a_checkpoint_is_complete,
+                 echo=False)
+    kept = [s for s, _ in checkpoints.complete(folder)]
+    assert calls and kept and kept[-1] < 200, kept  # stopped long before the last step
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+
+
+@pytest.mark.slow
 def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest(monkeypatch, tmp_path):
     """Rank 1 dies writing its RNG state into checkpoint-4: rank 0 had written the model and the optimizer, yet
     checkpoint-4 never becomes a checkpoint; 'latest' is still checkpoint-2 (and keep=1 did not delete it).

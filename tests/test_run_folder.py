@@ -41,3 +41,27 @@ def test_a_rank_that_raised_comes_before_the_ranks_that_vanished(tmp_path):
     named = failure("SLURM job 7", 3, run, {}, {}, failed_first=(1,))
     assert (named.rank, named.kind) == (0, "raised") and "raised ValueError: rank 0 gives up" in str(named)
     assert failure("SLURM job 7", 1, _folder(tmp_path / "done", arrived=(0,), reports=(0,)), {}, {}) is None
+
+
+def test_a_progress_display_that_stops_itself_ends_the_feed_not_the_job(tmp_path):
+    """A cluster run's progress callback (in the feed's thread; the cell returned long ago) that raises
+    KeyboardInterrupt ends the feed quietly, the interrupt kept in ``feed.error``: no thread dies with an
+    unhandled exception, and the job is left to ``handle.cancel()``."""
+    import threading
+
+    from stnb.launchers.rundir import ProgressFeed
+
+    run, seen, unhandled = _folder(tmp_path), [], []
+
+    def stop(states):
+        seen.append([s.rank for s in states])
+        raise KeyboardInterrupt
+
+    hook, threading.excepthook = threading.excepthook, unhandled.append
+    try:
+        feed = ProgressFeed(run, 2, stop, interval=0.01).start()
+        feed._thread.join(timeout=10)
+    finally:
+        threading.excepthook = hook
+    assert not feed._thread.is_alive() and not unhandled
+    assert seen == [[0, 1]] and isinstance(feed.error, KeyboardInterrupt)

@@ -138,8 +138,8 @@ class ProgressFeed:
                 self.on_progress(self.rundir.states(self.world))
                 if stopping and self.on_end is not None and not self._stop.is_set():
                     self.on_end()
-            except Exception as e:  # a display that fails must not take the run with it
-                self.error = e
+            except (Exception, KeyboardInterrupt) as e:  # a display that fails (or stops itself) ends the feed,
+                self.error = e                            # not the job: handle.cancel() ends the job
                 return
             if stopping:
                 return

@@ -12,6 +12,7 @@ rank's stack (faulthandler, SIGUSR1) and kills the ranks; it records why in ``re
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import threading
@@ -151,6 +152,13 @@ class Watchdog(threading.Thread):
     def _report_progress(self) -> None:
         try:
             self.on_progress(self.ch.states())
+        except KeyboardInterrupt:
+            # raised by the callback itself (a display's own Stop): in this thread it would end the watchdog and
+            # leave the ranks training unwatched; it stops the launch as the Stop button does, in the main thread
+            if threading.current_thread() is threading.main_thread():
+                raise
+            self.on_progress = None
+            _thread.interrupt_main(signal.SIGINT)
         except Exception:
             traceback.print_exc()
 
