@@ -77,6 +77,11 @@ MODULES = (
     Module("strategies.tensors", "stnb/strategies/tensors.py", ("x_param_counts", "x_local_numel",
                                                                 "x_shard_problems")),
     Module("plots/table", "stnb/plots/table.py"),
+    # which checkpoint a run resumes from and every refusal before a rank starts (issue 48). Left out: to_model
+    # (reads a model into torch; the slow test_checkpoints runs open a 2-rank FSDP checkpoint on one device)
+    Module("checkpoints", "stnb/checkpoints.py", ("x_complete", "x_partial", "x_resume_point", "x_find",
+                                                  "x__is_checkpoint", "x_step_of", "x_check_serves", "x_check_recipe",
+                                                  "x_batch_of", "x__check_batch")),
     # ---- issue 33 item 3, part B: where the time and the memory went, and the predictor ----
     # the time split: one step's marks turned into parts that add up to the step, the wait split off the
     # exposed communication, the problems and the per-rank table; the readings' bookkeeping (forward

@@ -544,3 +544,156 @@ def test_a_user_build_takes_resume_but_not_the_recipes_checkpoint_options():
     with pytest.raises(stnb.ConfigError, match="save_strategy='steps'"):
         stnb.TrainConfig.for_build(checkpoint_every=2)
     assert stnb.TrainConfig.for_build(resume="latest").resume == "latest"
+
+
+# ---- what each refusal says, word for word (the mutation run mutates stnb/checkpoints.py: a refusal's text is
+# what the user reads, so a changed word must turn a test red) ---------------------------------------------
+def _refusal(call, *args) -> str:
+    with pytest.raises((CheckpointError, ConfigError)) as e:
+        call(*args)
+    return str(e.value)
+
+
+def test_complete_and_partial_list_only_checkpoint_folders_oldest_step_first(tmp_path):
+    assert checkpoints.complete(tmp_path / "nowhere") == [] and checkpoints.partial(tmp_path / "nowhere") == []
+    for name in ("checkpoint-10", "checkpoint-9", "checkpoint-9-old", "my-checkpoint-3"):
+        _fake_checkpoint(tmp_path / name, 1)
+    (tmp_path / "checkpoint-11").write_text("a file, not a folder")
+    assert checkpoints.complete(tmp_path) == [(9, str(tmp_path / "checkpoint-9")),
+                                              (10, str(tmp_path / "checkpoint-10"))]
+    for name in ("checkpoint-8", "checkpoint-12"):
+        os.makedirs(tmp_path / checkpoints.PARTIAL / name)
+    assert checkpoints.partial(tmp_path) == [str(tmp_path / checkpoints.PARTIAL / n) for n in ("checkpoint-12",
+                                                                                                 "checkpoint-8")]
+    assert checkpoints.step_of(tmp_path / "checkpoint-9") == 1
+    _fake_checkpoint(tmp_path / "checkpoint-2", 2)  # three: the newest is the last, not the second
+    assert checkpoints.resume_point("auto", tmp_path) == str(tmp_path / "checkpoint-10")
+    assert checkpoints.resume_point("", tmp_path) is None and checkpoints.resume_point(None, None) is None
+
+
+def test_find_says_what_is_there_instead_word_for_word(tmp_path):
+    nowhere = str(tmp_path / "nowhere")
+    assert _refusal(checkpoints.find, nowhere, None) == (
+        f"resume={nowhere!r}: no such folder; give 'latest', a run's checkpoint folder or one of its checkpoint-N "
+        "folders")
+    half = tmp_path / "run" / checkpoints.PARTIAL / "checkpoint-4"
+    os.makedirs(half)
+    assert _refusal(checkpoints.find, str(half), None) == (
+        f"resume={str(half)!r} is a half-written checkpoint (not every rank finished writing it); resume from "
+        f"{str(tmp_path / 'run')!r} ('latest' there) instead")
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    assert _refusal(checkpoints.find, str(afile), None) == (
+        f"resume={str(afile)!r} holds no trainer_state.json: not a trainer checkpoint")
+    tail = ("; train with checkpoint_every=N (your trainer: save_strategy='steps', save_steps=N) first, or leave "
+            "resume out (or resume='auto': the newest if there is one) to start from step 0")
+    run = str(tmp_path / "run")
+    os.makedirs(tmp_path / "run" / checkpoints.PARTIAL / "checkpoint-6")
+    assert _refusal(checkpoints.find, "latest", run) == (
+        f"resume='latest': no complete checkpoint in {run!r} (half-written, never completed by every rank: "
+        f"checkpoint-4, checkpoint-6){tail}")
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert _refusal(checkpoints.find, empty, None) == f"resume={empty!r}: no complete checkpoint in {empty!r}{tail}"
+    assert _refusal(checkpoints.find, "latest", None) == f"resume='latest': no complete checkpoint in None{tail}"
+    _fake_checkpoint(tmp_path / "run" / "checkpoint-2", 2)
+    given = os.path.relpath(tmp_path / "run" / "checkpoint-2")
+    assert checkpoints.find(given, None) == given  # a checkpoint: the path as given
+
+
+def test_check_serves_names_the_writer_the_reader_and_why(tmp_path):
+    from stnb import strategies
+
+    assert checkpoints.check_serves(str(tmp_path), strategies.get("single"), 1) == {}  # the trainer's own: no manifest
+    ds = _written(tmp_path / "ds", "deepspeed", "deepspeed", 2, 4)
+    why = strategies.get("single").loads(ds, checkpoints.manifest(ds), 1, strategies.owner("deepspeed"))
+    assert why and _refusal(checkpoints.check_serves, ds, strategies.get("single"), 1) == (
+        f"{ds} was written by 2 rank(s) of strategy 'deepspeed' (deepspeed format); strategy 'single' on 1 rank(s) "
+        f"cannot resume it: {why}")
+    ddp = _written(tmp_path / "ddp", "ddp", "trainer", 2, 4)
+    assert checkpoints.check_serves(ddp, strategies.get("single"), 1)["global_batch"] == 8  # batch=None: not checked
+    assert _refusal(checkpoints.check_serves, ddp, strategies.get("single"), 1, checkpoints.batch_of(4, 1, 1)
+                    ).startswith(f"{ddp} was written by a run whose optimizer step took 8 samples")
+    unknown = tmp_path / "unknown"
+    _fake_checkpoint(unknown, 2, strategy="other", world_size=3)
+    assert _refusal(checkpoints.check_serves, str(unknown), strategies.get("single"), 1).endswith(
+        "(trainer format); strategy 'single' on 1 rank(s) cannot resume it: its optimizer state is numbered, without "
+        "the names of its parameters (optimizer-params.json: written by stnb since resuming on another layout "
+        "exists, and only when the model owns every parameter the optimizer updates, not a loss's own); resume it "
+        "with strategy='other' and num_processes=3")
+
+
+def test_the_global_batch_refusal_word_for_word_with_every_fix_it_can_offer(tmp_path):
+    def refusal(written, world, batch):
+        return _refusal(checkpoints._check_batch, "ck", written, world, batch)
+
+    assert checkpoints.batch_of(4, 2, 3, 2) == {"per_device_batch_size": 4, "gradient_accumulation_steps": 2,
+                                                "devices_per_rank": 2, "global_batch": 48}
+    two = {"world_size": 2, **checkpoints.batch_of(4, 2, 2)}  # 16 samples a step
+    checkpoints._check_batch("ck", two, 1, checkpoints.batch_of(8, 2, 1))  # kept: no refusal
+    head = ("ck was written by a run whose optimizer step took 16 samples (2 rank(s) x 4 per device x 2 accumulated); "
+            "this run's takes {have} ({world} rank(s) x {p} x {a}): the data position and the optimizer's steps count "
+            "batches of 16 samples. Keep it with ")
+    assert refusal(two, 1, checkpoints.batch_of(4, 2, 1)) == head.format(have=8, world=1, p=4, a=2) + (
+        "per_device_batch_size=8 (your own trainer: per_device_train_batch_size) or gradient_accumulation_steps=4")
+    assert refusal(two, 1, checkpoints.batch_of(16, 2, 1)) == head.format(have=32, world=1, p=16, a=2) + (
+        "per_device_batch_size=8 (your own trainer: per_device_train_batch_size) or gradient_accumulation_steps=1")
+    assert refusal(two, 1, checkpoints.batch_of(3, 2, 1)) == head.format(have=6, world=1, p=3, a=2) + (
+        "per_device_batch_size=8 (your own trainer: per_device_train_batch_size)")  # 16 is no multiple of 3
+    assert refusal(two, 4, checkpoints.batch_of(2, 1, 4)) == head.format(have=8, world=4, p=2, a=1) + (
+        "per_device_batch_size=4 (your own trainer: per_device_train_batch_size) or gradient_accumulation_steps=2")
+    assert refusal(two, 3, checkpoints.batch_of(4, 2, 3)) == head.format(have=24, world=3, p=4, a=2) + (
+        "a number of ranks that divides it (num_processes=2)")
+    dp = {"per_device_batch_size": 4, "gradient_accumulation_steps": 1, "global_batch": 8}  # no devices_per_rank
+    assert refusal(two, 1, dp).endswith("Keep it with per_device_batch_size=16 (your own trainer: "
+                                        "per_device_train_batch_size) or gradient_accumulation_steps=4")
+    assert refusal(two, 1, checkpoints.batch_of(2, 1, 1, 2)).endswith(
+        "Keep it with per_device_batch_size=8 (your own trainer: per_device_train_batch_size) or "
+        "gradient_accumulation_steps=4")  # two devices a rank (dp)
+    # two devices a rank and accumulation together: each fix divides by ranks x devices x the other factor
+    small = {"world_size": 1, **checkpoints.batch_of(2, 1, 1)}  # 2 samples a step
+    assert refusal(small, 1, checkpoints.batch_of(2, 2, 1, 2)).endswith(
+        "Keep it with a number of ranks that divides it (num_processes=1)")  # 2 is no multiple of 4
+    four = {"world_size": 1, **checkpoints.batch_of(4, 1, 1)}
+    assert refusal(four, 1, checkpoints.batch_of(2, 4, 1, 2)).endswith("Keep it with gradient_accumulation_steps=1")
+    old = {"world_size": 2}
+    checkpoints._check_batch("ck", old, 2, checkpoints.batch_of(4, 1, 2))  # unrecorded, same ranks: kept
+    assert refusal(old, 1, checkpoints.batch_of(8, 1, 1)) == (
+        "ck does not record its global batch (written before stnb recorded it): on 1 rank(s) it cannot be kept; "
+        "resume it with num_processes=2")
+
+
+def test_the_recipes_checkpoint_refusals_word_for_word(monkeypatch, tmp_path):
+    def refusal(**kw):
+        return _refusal(checkpoints.check_recipe, stnb.TrainConfig(**{**cfg, **kw}))
+
+    cfg = dict(strategy="single", model="tiny", steps=6, evaluate=False, per_device_batch_size=8)
+    assert refusal(checkpoint_every=2, keep=3, resume="latest") == (
+        "checkpoint_every=2, keep=3, resume='latest' needs checkpoint_dir=... (the folder the checkpoints go to and "
+        "resume='latest' reads them from)")
+    assert refusal(keep=3).startswith("keep=3 needs checkpoint_dir=...")
+    assert refusal(keep=3, checkpoint_dir=str(tmp_path)) == (
+        "keep=3 keeps checkpoints, and checkpoint_every=0 writes none: set checkpoint_every=N")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _fake_checkpoint(tmp_path / "run" / "checkpoint-4", 4, strategy="single", format="trainer", world_size=1,
+                     **checkpoints.batch_of(8, 1, 1))
+    assert refusal(checkpoint_every=2, checkpoint_dir="~/run") == (
+        "checkpoint_dir='~/run' already holds another run's checkpoints (latest checkpoint-4); resume='latest' (or "
+        "'auto') continues that run, or choose a new folder (stnb never mixes two runs' checkpoints)")
+    path = str(tmp_path / "run" / "checkpoint-4")
+    assert refusal(steps=4, checkpoint_dir="~/run", resume="latest") == (
+        f"{path} is at step 4 and this run ends at steps=4: nothing is left to train; ask for more steps (steps > 4)")
+    checkpoints.check_recipe(stnb.TrainConfig(**{**cfg, "steps": 5}, checkpoint_dir="~/run", resume="latest"))
+    checkpoints.check_recipe(stnb.TrainConfig(**cfg, checkpoint_dir="~/new", checkpoint_every=2))  # a new folder
+    assert "per_device_batch_size=8" in refusal(checkpoint_dir="~/run", resume="latest", per_device_batch_size=4)
+    # the batch this run would take: ranks x per device x accumulation x devices a rank (dp's GPUs)
+    _fake_checkpoint(tmp_path / "two" / "checkpoint-2", 2, strategy="ddp", format="trainer", world_size=2,
+                     **checkpoints.batch_of(2, 2, 2))
+    layouts.write_names(os.path.join(tmp_path / "two" / "checkpoint-2", layouts.NAMES), [["w"]])
+    two = dict(checkpoint_dir="~/two", resume="latest", per_device_batch_size=2, gradient_accumulation_steps=2)
+    checkpoints.check_recipe(stnb.TrainConfig(**{**cfg, **two, "strategy": "ddp", "num_processes": 2}))
+    assert "this run's takes 16 (2 rank(s) x 4 x 2)" in refusal(**{**two, "per_device_batch_size": 4}, strategy="ddp",
+                                                                 num_processes=2)
+    monkeypatch.setattr("stnb.hardware.gpu_count", lambda: 2)  # dp drives two GPUs from one process
+    checkpoints.check_recipe(stnb.TrainConfig(**{**cfg, **two, "strategy": "dp", "per_device_batch_size": 2,
+                                                 "gradient_accumulation_steps": 2}))
