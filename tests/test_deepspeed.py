@@ -192,6 +192,8 @@ BAD = [
     ("config-precision", dict(stage=1, deepspeed_config={"bf16": {"enabled": True}}),
      ["bf16.enabled=True", "mixed precision is 'no'"]),
     ("config-not-a-dict", dict(stage=1, deepspeed_config="ds.json"), ["deepspeed_config must be a dict"]),
+    ("bf16-on-cpu", dict(stage=1, mixed_precision="bf16"),  # transformers asks use_cpu, which accelerate refuses
+     ["mixed_precision='bf16' with strategy='deepspeed' on CPU", "use strategy='zero1', 'zero2' or 'fsdp'"]),
 ]
 
 

@@ -135,17 +135,20 @@ def test_the_recorded_units_bucket_size_hook_and_resharding_are_the_runs():
 
 
 def test_fsdp_gathers_parameters_in_the_training_precision_and_reduces_fp32():
-    """Issue 31 item 2, the dtype sent: stnb's FSDP (MixedPrecisionPolicy) gathers parameters in bf16 / fp16 and
-    reduce-scatters fp32 gradients; DDP's gradients are the fp32 parameters' (2 B only with a hook); DP and ZeRO-1
-    move fp32 parameters. A bf16 run's FSDP row gathers half the bytes, the other rows move the same."""
-    fp32, bf16 = from_result(run()), from_result(run(config={"mixed_precision": "bf16"}))
+    """Issue 31 item 2, the dtype sent: stnb's FSDP (MixedPrecisionPolicy) gathers parameters in bf16 / fp16 on GPUs
+    and reduce-scatters fp32 gradients; DDP's gradients are the fp32 parameters' (2 B only with a hook); DP and ZeRO-1
+    move fp32 parameters. A bf16 GPU run's FSDP row gathers half the bytes, the other rows move the same. On CPU
+    FSDP gathers fp32 whatever the flag (issue 49 item 3: the trainer's autocast only, as under single)."""
+    fp32, bf16 = from_result(run()), from_result(run(config={"mixed_precision": "bf16"}, device="cuda"))
     assert (fp32.gather_bytes, bf16.gather_bytes) == (4 * PARAMS, 2 * PARAMS)
+    assert from_result(run(config={"mixed_precision": "bf16"})).gather_bytes == 4 * PARAMS  # a CPU run
     assert fp32.param_bytes == bf16.param_bytes == 4 * PARAMS and fp32.grad_bytes == bf16.grad_bytes == 4 * TRAINABLE
     assert said(bf16)["bytes on the wire"] == ("from the run's settings", "gradients 4 B each (fp32), FSDP's "
                                                "gathered parameters 2 B each (bf16 param_dtype), its reduce-scatters fp32")
     assert said(fp32)["bytes on the wire"][1] == ("gradients 4 B each (fp32), FSDP's gathered parameters 4 B each "
                                                   "(fp32), its reduce-scatters fp32")
-    assert said(from_result(run(config={"mixed_precision": "fp16", "comm_hook": "fp16"})))["bytes on the wire"][1] == (
+    assert said(from_result(run(config={"mixed_precision": "fp16", "comm_hook": "fp16"}, device="cuda")))[
+            "bytes on the wire"][1] == (
         "gradients 2 B each (the fp16 hook), FSDP's gathered parameters 2 B each (fp16 param_dtype), its "
         "reduce-scatters fp32")
     # the same measured step, a slow link (communication dominates): FSDP gathers in half the time, DDP the same

@@ -62,6 +62,22 @@ def ds_config(config) -> dict:
     return overlay(out, config.deepspeed_config or {})
 
 
+def half_precision_engine(precision: str) -> dict:
+    """The ``overridden_args`` entry of a precision flag under DeepSpeed ({} for none): its bf16 / fp16 engine
+    (the trainer fills the config's "auto" from the flag) converts the whole model, where single and ddp
+    autocast the forward over float32 parameters. Only on a GPU: on CPU the flags are refused (``refusals``,
+    ``check_recipe``)."""
+    if precision not in HALF_ENGINE:
+        return {}
+    dtype = HALF_ENGINE[precision]
+    return {precision: {"from": True, "to": f"DeepSpeed's {precision} engine: the model held and computed in {dtype}",
+                        "why": f"single and ddp autocast the forward over float32 parameters; DeepSpeed converts the "
+                               f"model to {dtype} (norms, residual adds and pooling too; float32 master weights in "
+                               "its optimizer), as accelerate launch --use_deepspeed does, and its embeddings reach "
+                               f"the loss in {dtype}. single's computation with {precision}=True: strategy='ddp' or "
+                               "'zero1'"}}
+
+
 def overlay(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -87,6 +103,14 @@ def contradictions(cfg: dict, stage: int, batch: int, accumulation: int, precisi
                             f"({where})")
     return problems
 
+
+BF16_ON_CPU = ("transformers accepts bf16 without a GPU only with use_cpu=True, which accelerate refuses under "
+               "DeepSpeed, so DeepSpeed cannot train bf16 on CPU; use strategy='zero1', 'zero2' or 'fsdp' (ZeRO stages "
+               "1, 2 and 3 without DeepSpeed: bf16 autocast on CPU, as under single), or train without bf16")
+FP16_ON_CPU = ("fp16=True on CPU: under single and ddp the trainer leaves it without effect (accelerate autocasts "
+               "fp16 only on GPUs) and computes in float32, while DeepSpeed's fp16 engine would compute in float16; "
+               "remove fp16=True (float32, as under every other strategy), or run on a GPU")
+HALF_ENGINE = {"bf16": "bfloat16", "fp16": "float16"}
 
 LOSS_PARAMETERS_FIX = ("DeepSpeed's ZeRO optimizer handles only its engine's module's parameters (deepspeed 0.19.8 "
                        "fails on a loss's own at every stage), so it cannot train them: use strategy='zero1' or "
@@ -140,7 +164,8 @@ class DeepSpeed(Strategy):
 
     def check_recipe(self, config):
         """stnb's recipe trains with the config's batch, accumulation and precision: the DeepSpeed config
-        must agree (a user's trainer is checked in the rank, against its own arguments)."""
+        must agree (a user's trainer is checked in the rank, against its own arguments), and bf16 is refused on
+        CPU (``BF16_ON_CPU``; fp16 on CPU the config refuses for every strategy)."""
         from ..errors import ConfigError
 
         self.validate(config)
@@ -150,6 +175,8 @@ class DeepSpeed(Strategy):
             raise ConfigError("the DeepSpeed config contradicts the run: " + "; ".join(problems)
                               + ". Leave these keys out of deepspeed_config (stnb fills them from the run) or make "
                                 "them agree")
+        if config.mixed_precision == "bf16" and config.resolved_device() == "cpu":
+            raise ConfigError(f"mixed_precision='bf16' with strategy='deepspeed' on CPU: {BF16_ON_CPU}")
 
     def rank_env(self, config, device):
         env = {"ACCELERATE_USE_DEEPSPEED": "true",
@@ -207,7 +234,10 @@ class DeepSpeed(Strategy):
         if args.use_cpu:
             problems.append("use_cpu=True in your arguments: accelerate refuses DeepSpeed in its CPU mode "
                             "(accelerate/state.py, AcceleratorState: `ACCELERATE_USE_DEEPSPEED == 'true' and not cpu`); "
-                            "remove use_cpu (stnb runs the ranks on CPU with DS_ACCELERATOR=cpu)")
+                            "remove use_cpu (stnb runs the ranks on CPU with DS_ACCELERATOR=cpu)"
+                            + (f"; with bf16=True: {BF16_ON_CPU}" if args.bf16 else ""))
+        if args.fp16 and args.device.type == "cpu":
+            problems.append(FP16_ON_CPU)
         if args.deepspeed:
             theirs = getattr(args, "hf_deepspeed_config", None)
             cfg = theirs.config if theirs is not None else args.deepspeed
@@ -227,7 +257,8 @@ class DeepSpeed(Strategy):
         return problems
 
     def prepare(self, trainer, config, device_type, world):
-        return {"info": {"data_split": split_data_across_ranks(trainer)}, "overridden": {}}
+        return {"info": {"data_split": split_data_across_ranks(trainer)},
+                "overridden": half_precision_engine(mixed_precision(trainer.args))}
 
     def on_first_step(self, trainer, config, world, timed=None):
         """Before the engine's first optimizer step, note the gradients this rank holds (the engine's

@@ -13,6 +13,10 @@ after the first backward likewise, and the ranks' shards add up to the model.
 Laid out for speed where it costs no peak memory (issue 20, measured in docs/scaling.md): the root and the
 last block keep their gathered parameters for the backward that needs them first, each unit prefetches the
 next block's all-gather, and on CPU the all-gathers are asynchronous (``shard_fsdp``).
+
+A trainer's ``fp16`` / ``bf16`` mean what they mean under ``single`` on CPU (the trainer's autocast over float32
+parameters, no param_dtype); on GPUs FSDP2's half-precision parameters, said in ``overridden_args``
+(``precision_policy``).
 """
 
 from __future__ import annotations
@@ -166,14 +170,15 @@ class FullyShardedDataParallel(Strategy):
 
     def prepare(self, trainer, config, device_type, world):
         info = {"initial_weights": same_start(trainer.model)}
+        precision = mixed_precision(trainer.args)
         info.update(shard_fsdp(trainer.model, device_type, world, config.fsdp_layer_cls,
-                               self.reshard_after_forward(config), mixed_precision(trainer.args)))
+                               self.reshard_after_forward(config), precision))
         trainer.stnb_after_forward = watch_after_forward(trainer.model, self.reshard_after_forward(config))
         keep_shards_apart(trainer)
         # the trainer reads this at construction; the model was sharded after it (the same contract)
         trainer.is_distributed_loading_by_transformers = True
         trainer.place_model_on_device = False
-        return {"info": info, "overridden": {}}
+        return {"info": info, "overridden": precision_policy(precision, device_type)[2]}
 
     def check_prepared(self, trainer, world_size):
         import torch
@@ -271,24 +276,49 @@ def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None
 
     classes = tuple(layer_classes(model, layer_cls))
     mesh = init_device_mesh(device, (world_size,))
-    mp = MixedPrecisionPolicy()
-    if mixed_precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    elif mixed_precision == "fp16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    blocks_mp, root_mp, _ = precision_policy(mixed_precision, device.split(":")[0])
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     plan = reshard_plan(len(blocks), reshard_after_forward)
+    mp = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in blocks_mp.items()})
     units = [fully_shard(m, mesh=mesh, reshard_after_forward=r, mp_policy=mp) for m, r in zip(blocks, plan)]
     # the root is gathered again by its backward hook as soon as backward starts; kept, it costs no peak memory
     # (a CrossEncoder's BatchEncoding output, which torch's pytree cannot look into, needs it kept anyway)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in root_mp.items()}))
     prefetch(model, units, asynchronous=device == "cpu")
     # Trainer contract for models that own their placement and gradient reduction
     model.is_distributed_loading_by_transformers = True
     return {"wrapped_layer_class": [c.__name__ for c in classes], "wrapped_layers": len(units),
             "reshard_after_forward": reshard_after_forward, "blocks_resharded_after_forward": sum(plan),
             "root_reshard_after_forward": False, "forward_prefetch": len(units) > 0,
-            "async_all_gather": device == "cpu"}
+            "async_all_gather": device == "cpu", "mixed_precision_policy": root_mp}
+
+
+def precision_policy(mixed_precision: str, device_type: str) -> tuple[dict, dict, dict]:
+    """What a trainer's precision flag (``mixed_precision``: 'bf16', 'fp16' or 'no') makes of FSDP2 on
+    ``device_type``: (the blocks' MixedPrecisionPolicy, the root's, both as {field: torch dtype name}; the
+    ``overridden_args`` entry, {} when fsdp computes as ``single`` does).
+
+    Under single and ddp the flag means accelerate's autocast around the model's forward over float32
+    parameters, its outputs handed back in float32: bf16 on CPU and GPUs, fp16 on GPUs only (on CPU
+    accelerate leaves fp16=True without effect: float32). On CPU fsdp adds nothing to it, no param_dtype:
+    the same computation as single, and a loss's own float32 parameters (a projection) meet float32
+    embeddings. On a GPU fsdp gathers and computes the parameters in the flag's dtype (FSDP2's
+    param_dtype, as accelerate's FSDP2 and torchtitan apply it: half the all-gather bytes), reduces the
+    gradients in float32 and hands the root's output back in float32; norms, residual adds and pooling then
+    run in that dtype too, which autocast keeps in float32: said in ``overridden_args``."""
+    if mixed_precision not in ("bf16", "fp16") or device_type == "cpu":
+        return {}, {}, {}
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}[mixed_precision]
+    blocks = {"param_dtype": dtype, "reduce_dtype": "float32"}
+    root = {**blocks, "output_dtype": "float32"}
+    policy = ", ".join(f"{k}={v}" for k, v in root.items())
+    why = (f"single and ddp autocast the forward over float32 parameters; fsdp on a GPU gathers the parameters in "
+           f"{dtype} and computes in it, norms, residual adds and pooling too (FSDP2's mixed precision, as "
+           "accelerate's FSDP2 applies it: half the all-gather bytes); gradients are reduced and the embeddings "
+           f"reach the loss in float32. single's computation with {mixed_precision}=True: strategy='ddp' or 'zero1'")
+    return blocks, root, {mixed_precision: {"from": True, "to": f"MixedPrecisionPolicy({policy}) + autocast",
+                                            "why": why}}
 
 
 def reshard_plan(blocks: int, reshard_after_forward: bool) -> list[bool]:
