@@ -48,7 +48,7 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser cluster-deps lab test test-fast test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
+.PHONY: help venv install browser cluster-deps lab test test-fast test-under-load test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
@@ -56,6 +56,7 @@ help:
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci): the in-process tests, then the"
 	@echo "                  slow ones on TEST_WORKERS=3 workers"
 	@echo "  make test-fast  the in-process tests only (about a minute)"
+	@echo "  make test-under-load  make test beside LOAD_PROCS=2 CPU-bound processes (a busy runner or laptop)"
 	@echo "  make test-oldest  the fast tests and one notebook on the oldest supported versions ($(OLDEST_VENV),"
 	@echo "                  constraints/oldest.txt)"
 	@echo "  make mutants    mutmut over the modules that decide what users are told: survival rate per module;"
@@ -144,6 +145,13 @@ TEST_WORKERS ?= 3
 test: install browser cluster-deps
 	$(TEST_ENV) $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 	$(TEST_ENV) $(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks -m slow -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+
+# make test with LOAD_PROCS CPU-bound processes stnb did not start beside it (tests/under_load.py): what a busy
+# CI runner or laptop does to the suite; every one is stopped when make test ends
+LOAD_PROCS ?= 2
+
+test-under-load: install browser cluster-deps
+	$(PY) tests/under_load.py --procs $(LOAD_PROCS) -- $(MAKE) test
 
 # The in-process tests alone, while you work (no install step): about a minute
 test-fast:
