@@ -215,3 +215,37 @@ def test_accumulate_option_names_and_baselines_the_variants(capsys):
     assert items[alloc.baseline].config.reuse_freed_memory is False
     assert cli(["bench", "--ddp-knobs", "--accumulate", "1"]) == 2
     assert "--accumulate must be >= 2" in capsys.readouterr().err
+
+
+def test_the_checkpoints_section_measures_each_strategys_checkpoint_and_who_wrote_it(tmp_path, capsys):
+    """``--checkpoints``: every strategy trains with checkpoint_every (4 checkpoints of 8 steps), its checkpoint's
+    seconds (the slowest rank's) and the bytes each rank wrote come from the run; fsdp's and zero2's two ranks each
+    write about half of what one device writes, ddp's rank 0 all of it and rank 1 next to nothing; the folders are
+    removed after each run; the document's section shows the same numbers."""
+    results, doc = tmp_path / "quick.jsonl", tmp_path / "BENCH.md"
+    assert cli(["bench", "--quick", "--checkpoints", "--results", str(results), "--write-doc", str(doc)]) == 0
+    out = capsys.readouterr().out
+    rows = {_tag(r)["name"]: r for r in _lines(results)}
+    assert rows["dp"]["status"] == "not runnable here"
+    ran = {k: r for k, r in rows.items() if k != "dp"}
+    assert set(ran) == {"single", "ddp x2", "zero1 x2", "zero2 x2", "fsdp x2", "deepspeed x2"}
+    assert all(r["status"] == "ok" and r["verified"] for r in ran.values()), {k: r["reason"] for k, r in ran.items()}
+    assert all([c["step"] for c in r["checkpoints"]] == [2, 4, 6, 8] for r in ran.values())
+    assert all(c["seconds"] > 0 for r in ran.values() for c in r["checkpoints"])
+    one = rows["single"]["checkpoints"][-1]["bytes_written"][0]
+    for name in ("zero2 x2", "fsdp x2"):
+        wrote = rows[name]["checkpoints"][-1]["bytes_written"]
+        assert len(wrote) == 2 and all(0.35 * one < b < 0.65 * one for b in wrote), (name, wrote, one)
+    rank0, rank1 = rows["ddp x2"]["checkpoints"][-1]["bytes_written"]
+    assert 0.9 * one < rank0 < 1.1 * one and rank1 < 0.05 * one
+    assert not os.listdir(tmp_path / "quick-checkpoints"), "a run's checkpoints were left behind"
+    summary = {r["variant"]: r for r in bench.summarize(bench.plan(bench.BenchOptions.from_preset(
+        "quick", sections=("checkpoints",), results=str(results))), {_tag(r)["key"]: r for r in _lines(results)},
+        bench.BenchOptions.from_preset("quick"))["sections"]["checkpoints"]}
+    fsdp = summary["fsdp x2"]
+    assert fsdp["checkpoints"] == 4 and abs(fsdp["largest_share"] - 0.5) < 0.1
+    section = doc.read_text().split("<!-- stnb-bench:quick/cpu/checkpoints -->")[1]
+    cells = next(line for line in section.splitlines() if line.startswith("| fsdp x2 |")).split(" | ")
+    assert cells[1:4] == ["4", f"{fsdp['seconds']:.2f}", " / ".join(f"{b / 1e6:.1f}" for b in fsdp["bytes_per_rank"])]
+    assert "== checkpoints: seconds (slowest rank)" in out
+    assert not procs.children()

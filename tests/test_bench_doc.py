@@ -55,6 +55,10 @@ def synthetic(opts, scale: float = 1.0, mfu=None):
                        step_times=[0.5, 0.25 + 0.01 * i, 0.25], world_size=n, launcher=it.launcher,
                        global_batch_size=it.config.per_device_batch_size * n, time_to_first_step_s=1.5 + i,
                        mfu={"mfu": mfu and mfu * (1 + i / 100), "tokens_per_sample": 20.0})
+            if it.section == "checkpoints":  # 4 checkpoints, each rank's bytes and the slowest rank's seconds
+                row["checkpoints"] = [{"step": 2 * k + 2, "seconds": 0.1 * i + 0.02 * k,
+                                       "bytes_written": [2e6 * (i + 1) * (r + 1) + 1e5 * k for r in range(n)]}
+                                      for k in range(4)]
         latest[it.key] = row
     return bench.summarize(items, latest, opts), [latest[it.key] for it in items]
 
@@ -68,7 +72,7 @@ def test_doc_holds_the_summary_numbers_and_updates_one_kind_of_run(tmp_path):
     text = doc.read_text()
     assert text.startswith("# my benchmarks\n\nwritten by hand, kept.\n")
     names = set(document.parse_sections(text))
-    assert names == {"reference", "quick/cpu/sweep", "quick/cpu/launchers", "quick/cpu/knobs"}
+    assert names == {"reference", "quick/cpu/sweep", "quick/cpu/launchers", "quick/cpu/knobs", "quick/cpu/checkpoints"}
 
     sweep = tables(section(text, "quick/cpu/sweep"))[0]
     assert [r["run"] for r in sweep] == [v["variant"] for v in summary["sections"]["sweep"]]
@@ -98,6 +102,16 @@ def test_doc_holds_the_summary_numbers_and_updates_one_kind_of_run(tmp_path):
     for r, v in zip(knobs, kn["variants"]):
         assert r["variant"] == v["variant"]
         assert num(r["efficiency"]) == pytest.approx(v["efficiency"], abs=5e-4) if v["efficiency"] else True
+
+    ck = {v["variant"]: v for v in summary["sections"]["checkpoints"]}
+    costs = {r["strategy"]: r for r in tables(section(text, "quick/cpu/checkpoints"))[0]}
+    assert list(costs) == list(ck) and costs["dp"]["status"].startswith("not runnable here")
+    fsdp = costs["fsdp x2"]
+    i = next(k for k, it in enumerate(bench.plan(opts)) if it.name == "fsdp x2")
+    assert (fsdp["checkpoints"], num(fsdp["s each"])) == ("4", pytest.approx(0.1 * i + 0.03, abs=0.005))
+    assert fsdp["MB per rank"] == f"{2 * (i + 1) + 0.15:.1f} / {4 * (i + 1) + 0.15:.1f}"  # each rank's median
+    assert num(fsdp["largest rank's share"]) == pytest.approx(100 * ck["fsdp x2"]["largest_share"], abs=0.5)
+    assert costs["single"]["MB all ranks"] == costs["single"]["MB per rank"]
 
     ref = tables(section(text, "reference"))[0]
     assert [num(r["samples/s"]) for r in ref] == list(reference.SAMPLES_PER_SECOND.values())

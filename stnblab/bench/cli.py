@@ -54,6 +54,8 @@ def add_cli(subparsers) -> None:
     arg("--sweep", action="store_true", help="run the sweep section (default: every section)")
     arg("--launchers", action="store_true", help="run the launcher comparison section")
     arg("--ddp-knobs", action="store_true", help="run the DDP knobs section")
+    arg("--checkpoints", action="store_true", help="run the checkpoint cost section (seconds and bytes per rank "
+                                                   "of a checkpoint, every strategy)")
     arg("--knobs", type=_csv(str), default=None, help="only these knob variants (comma-separated)")
     arg("--accumulate", type=int, default=None, metavar="A",
         help="micro-batches per optimizer step in the 'accumulate A ...' knob variants (default 4)")
@@ -91,7 +93,8 @@ def options_from_args(a) -> BenchOptions:
         raise ConfigError(f"--quick is its own preset; drop --preset {a.preset} or --quick")
     preset = "quick" if a.quick else (a.preset or "default")
     check_preset(preset, a.device or "auto")  # before anything else: st-docs refuses here with its reasons
-    sections = tuple(s for s, on in (("sweep", a.sweep), ("launchers", a.launchers), ("knobs", a.ddp_knobs)) if on)
+    sections = tuple(s for s, on in (("sweep", a.sweep), ("launchers", a.launchers), ("knobs", a.ddp_knobs),
+                                     ("checkpoints", a.checkpoints)) if on)
     for name in ("steps", "warmup", "repeats", "sweep_repeats", "batch_size", "comparison_nproc", "train_size"):
         v = getattr(a, name)
         if v is not None and v < (0 if name == "warmup" else 1):

@@ -1,7 +1,7 @@
 """The benchmarks document (BENCHMARKS.md): the measured tables of bench runs, kept section by section.
 
 ``python -m stnb bench ... --write-doc [PATH]`` (``BenchOptions.doc``) writes each section of the run
-(sweep, launchers, knobs) between markers named after the kind of run, preset/device/section:
+(sweep, launchers, knobs, checkpoints) between markers named after the kind of run, preset/device/section:
 
     <!-- stnb-bench:quick/cpu/sweep -->  ...  <!-- /stnb-bench:quick/cpu/sweep -->
 
@@ -24,7 +24,7 @@ from stnb import reference
 from stnb.files import write_atomic
 from stnb.errors import ConfigError
 from .options import BenchOptions, bench_device
-from .planning import is_concurrent
+from .planning import CHECKPOINTS_A_RUN, is_concurrent
 
 DEFAULT_DOC = "BENCHMARKS.md"
 REFERENCE_SECTION = "reference"
@@ -104,7 +104,7 @@ def write_document(path, summary: dict, opts: BenchOptions, rows=(), device: str
     old = path.read_text() if path.exists() else HEADER
     facts = _run_facts(opts, rows, device)
     blocks = {REFERENCE_SECTION: reference_markdown()}
-    for section in ("sweep", "launchers", "knobs"):
+    for section in _SECTIONS:
         if section in summary["sections"]:
             blocks[section_name(opts.preset, device, section)] = _SECTIONS[section](summary, opts, device, facts)
     write_atomic(path, replace_sections(old, blocks), 0o644)
@@ -188,7 +188,24 @@ def _knobs(summary, opts, device, facts) -> str:
                       *_notes(summary, "knobs")])
 
 
-_SECTIONS = {"sweep": _sweep, "launchers": _launchers, "knobs": _knobs}
+def _checkpoints(summary, opts, device, facts) -> str:
+    rows = summary["sections"]["checkpoints"]
+    head = ["strategy", "checkpoints", "s each", "MB per rank", "MB all ranks", "largest rank's share", "step s",
+            "status"]
+    body = [[r["variant"], _n(r["checkpoints"], "d"), _n(r["seconds"], ".2f"),
+             " / ".join(_n(b / 1e6 if b is not None else None) for b in r["bytes_per_rank"]) or "-",
+             _n(r["bytes_total"] / 1e6 if r["bytes_total"] else None), _n(r["largest_share"], ".0%"),
+             _n(r["step_s"], ".3f"), _status(r)] for r in rows]
+    return "\n".join([f"## Checkpoints: preset {opts.preset}, {device}", "", *facts, "",
+                      "Each strategy through `stnb.run` with `checkpoint_every` (a checkpoint every "
+                      f"{max(1, opts.steps // CHECKPOINTS_A_RUN)} steps), per-device batch {opts.batch_size}: the "
+                      "seconds of a checkpoint (the slowest rank's, from the trainer's save to every rank's file in "
+                      "place; outside the step times) and the bytes each rank wrote (/proc/self/io), medians over "
+                      "every checkpoint of every repeat. The largest rank's share is 1/n where every rank writes an "
+                      "equal part of the state, 100% where rank 0 writes it all.", "", *_table(head, body), *_notes(summary, "checkpoints")])
+
+
+_SECTIONS = {"sweep": _sweep, "launchers": _launchers, "knobs": _knobs, "checkpoints": _checkpoints}
 _RATIO_NAMES = {"stnb_vs_raw": "stnb / notebook_launcher", "stnb_vs_torchrun": "stnb / torchrun",
                 "raw_vs_torchrun": "notebook_launcher / torchrun", "efficiency_stnb": "efficiency, stnb.launch",
                 "efficiency_raw": "efficiency, notebook_launcher", "efficiency_torchrun": "efficiency, torchrun",
@@ -211,7 +228,8 @@ def _notes(summary, section) -> list:
     """The summary's notes that concern ``section`` (the quick-mode warning concerns every one)."""
     elsewhere = {"sweep": lambda n: not n.startswith("quick mode"),
                  "launchers": is_concurrent,
-                 "knobs": lambda n: n.startswith("time to first step")}[section]
+                 "knobs": lambda n: n.startswith("time to first step"),
+                 "checkpoints": lambda n: not n.startswith("quick mode")}[section]
     notes = [n for n in summary.get("notes", []) if not elsewhere(n)]
     return ["", "Notes:", "", *(f"- {n}" for n in notes)] if notes else []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from stnb import reference
 from stnb.errors import ConfigError
 
-SECTIONS = ("sweep", "launchers", "knobs")
+SECTIONS = ("sweep", "launchers", "knobs", "checkpoints")
 
 # every preset's sweep runs the strategies that ask for a bench row (``Strategy.bench``: single, dp, ddp,
 # fsdp), asked of the registry when the options are made (``bench_strategies``)
@@ -132,6 +132,11 @@ class BenchOptions:
 
     def results_path(self) -> Path:
         return Path(self.results or os.path.join("artifacts", "bench", f"{self.preset}.jsonl"))
+
+    def checkpoint_root(self) -> Path:
+        """Where the checkpoints section's runs write their checkpoints (one folder per strategy, emptied before
+        each run and removed after it: only their cost is kept)."""
+        return self.results_path().with_name(self.results_path().stem + "-checkpoints")
 
     def report_path(self) -> Path:
         if self.report:

@@ -222,7 +222,22 @@ def plan(opts: BenchOptions) -> list:
                 add("knobs", name, launcher, cfg, rep, baseline=bname,
                     unavailable=_unavailable(cfg.replace(strategy="ddp", num_processes=n)
                                              if launcher == "concurrent" else cfg, device, nmax))
+    # -- checkpoints: every strategy's checkpoint cost (seconds of the slowest rank, bytes each rank wrote)
+    if "checkpoints" in opts.sections:
+        every = max(1, opts.steps // CHECKPOINTS_A_RUN)
+        for rep in range(opts.repeats if opts.preset != "quick" else 1):
+            for s in _rotate([s.name for s in registry.all_strategies()], rep):
+                several = registry.is_distributed(s)
+                cfg = (ddp if several else one).replace(strategy=s, num_processes=n if several else None,
+                                                        checkpoint_every=every,
+                                                        checkpoint_dir=str(opts.checkpoint_root() / s))
+                add("checkpoints", f"{s} x{n}" if several else s, "stnb", cfg, rep,
+                    unavailable=_unavailable(cfg, device, nmax))
     return items
+
+
+#: checkpoints a run of the checkpoints section writes (every steps // this many steps)
+CHECKPOINTS_A_RUN = 4
 
 
 def _unavailable(cfg, device, nmax) -> str | None:

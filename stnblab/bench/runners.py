@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ def execute(item: Item, opts: BenchOptions):
     cfg = item.config
     if item.unavailable:
         return RunResult.unavailable(cfg, item.unavailable)
+    if cfg.checkpoint_dir:  # the checkpoints section: a fresh folder each run, removed after (its cost is kept)
+        shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)
     try:
         if item.launcher == "stnb":
             from stnb.runner import run
@@ -63,6 +66,9 @@ def execute(item: Item, opts: BenchOptions):
         r.reason = msg if len(msg) <= 6000 else msg[:2000] + "\n[...]\n" + msg[-4000:]
         r.launcher = item.launcher
         return r
+    finally:
+        if cfg.checkpoint_dir:
+            shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)
     res.config = cfg.to_dict()  # keep the bench tag (merge stores the config it was given)
     if res.status == "ok" and not res.verified:  # its numbers are not a measurement of what was asked
         res.status = "failed"

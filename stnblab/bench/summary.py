@@ -164,6 +164,10 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
                 "DDP's gap is all-reduce and synchronisation.")
         if dflt and dflt["efficiency"] is not None and "launchers" not in names_in:
             out["targets"].insert(0, target_verdict("efficiency_default", dflt["efficiency"]))
+    if "checkpoints" in names_in:
+        out["sections"]["checkpoints"] = [_checkpoint_cost(variant_stats("checkpoints", n),
+                                                           [r for r in by.get(("checkpoints", n), {}).values() if ok(r)])
+                                          for n in names_in["checkpoints"]]
     shares = [(bench_tag(r).get("foreign_cpu_share"), key) for key, reps in by.items() for r in reps.values()
               if ok(r) and key[0] != "sweep"]
     noisy = [x for x in shares if x[0] is not None and x[0] > NOISY]
@@ -178,6 +182,19 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
     out["notes"].append("Raw DDP on a 2-core CPU machine was measured at 0.80-0.88 of the 2-core limit "
                         "(issue); the limit is 2 x a 1-thread single process, measured in the same repeat.")
     return out
+
+
+def _checkpoint_cost(st: dict, rows: list) -> dict:
+    """A checkpoints-section variant's cost: seconds per checkpoint (the slowest rank's, median over every
+    checkpoint of every repeat), each rank's bytes per checkpoint (median), their sum and the largest rank's share
+    of it (1/n when every rank writes its part)."""
+    saves = [c for r in rows for c in (r.get("checkpoints") or [])]
+    world = max((len(c.get("bytes_written") or []) for c in saves), default=0)
+    per_rank = [_median([(c.get("bytes_written") or [None] * world)[i] for c in saves]) for i in range(world)]
+    total = sum(b for b in per_rank if b is not None) if per_rank and None not in per_rank else None
+    return {**st, "checkpoints": len(rows[0].get("checkpoints") or []) if rows else None,
+            "seconds": _median([c.get("seconds") for c in saves]), "bytes_per_rank": per_rank, "bytes_total": total,
+            "largest_share": max(per_rank) / total if total else None}
 
 
 def _concurrent_n(reps: dict) -> int | None:
@@ -256,6 +273,18 @@ def format_summary(s: dict) -> str:
                          f"{_pct(r['other_load']):>12}")
             if not r["ok"] and r["reason"]:
                 lines.append(f"    {r['status']}: {r['reason'].splitlines()[0][:110]}")
+        lines.append("")
+    ck = s["sections"].get("checkpoints")
+    if ck:
+        lines.append("== checkpoints: seconds (slowest rank) and MB each rank wrote, per checkpoint (medians) ==")
+        lines.append(f"{'strategy':<16}{'checkpoints':>12}{'s each':>9}{'MB per rank':>24}{'MB all':>9}"
+                     f"{'largest rank':>14}{'step s':>9}  status")
+        for r in ck:
+            mb = " / ".join(_f(b / 1e6 if b is not None else None) for b in r["bytes_per_rank"]) or "-"
+            lines.append(f"{r['variant']:<16}{_f(r['checkpoints'], 'd'):>12}{_f(r['seconds'], '.2f'):>9}{mb:>24}"
+                         f"{_f(r['bytes_total'] / 1e6 if r['bytes_total'] else None):>9}"
+                         f"{_pct(r['largest_share']):>14}{_f(r['step_s'], '.3f'):>9}  "
+                         f"{r['status'] if r['status'] == 'ok' else r['status'] + ': ' + r['reason'][:70]}")
         lines.append("")
     if s["targets"]:
         lines.append("== targets ==")
