@@ -19,6 +19,7 @@ class SimClock(HostClock):
     """Simulated seconds: a mark reads ``now``, the stand-in work moves it on."""
 
     method = "simulated clock"
+    pace = 1.0  # how many times longer than its stand-in seconds the work takes (a first step's is slower)
 
     def __init__(self):
         self.now = 0.0
@@ -27,13 +28,14 @@ class SimClock(HostClock):
         return self.now
 
     def advance(self, seconds):
-        self.now += seconds
+        self.now += seconds * self.pace
 
 
 class DeviceSimClock:
     """SimClock's readings as a device clock (not the host's, like CUDA events): what a GPU run's split sees."""
 
     method = "simulated device clock"
+    pace = 1.0
     mark, advance, done, settle = SimClock.mark, SimClock.advance, HostClock.done, HostClock.settle
     seconds = HostClock.seconds
 
@@ -155,13 +157,16 @@ def ddp_timer(clock, hook_name="none"):
     return timer, tr, model
 
 
-def ddp_rank_summary(steps, calls=2, hook_name="none", between=0.0):
+def ddp_rank_summary(steps, calls=2, hook_name="none", between=0.0, slow_first=0, pace=1.0):
     """One rank's ``time_split`` (StepTimer.summary) of ``steps`` simulated DDP steps, ``between`` seconds
-    (logging, evaluation) before each step after the first."""
+    (logging, evaluation) before each step after the first; the first ``slow_first`` steps' work takes ``pace``
+    times as long (a real run's warm-up: allocations, caches, the first collectives)."""
     clock = SimClock()
     timer, tr, model = ddp_timer(clock, hook_name)
     timer.on_step_begin(clock.now)
     for i in range(steps):
         clock.advance(between if i else 0.0)
+        clock.pace = pace if i < slow_first else 1.0
         one_step(timer, tr, model, calls=calls)
+    clock.pace = 1.0
     return timer.summary()

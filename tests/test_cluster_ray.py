@@ -83,6 +83,24 @@ def test_a_killed_worker_is_named(ray_cluster, tmp_path):
     assert f"rank 1 on {socket.gethostname()} ended without a result or an error" in str(e)
 
 
+def test_a_worker_that_never_arrives_is_a_rendezvous_failure_not_a_kill(ray_cluster, tmp_path):
+    """Rank 1's worker process exits before stnb's rank code runs (tests/neverarrives.py); Ray Train then ends rank
+    0, which had arrived. The error is the rendezvous's: the rank that never arrived, and on which node, the rank
+    that did; never that a rank was killed by a signal or the out-of-memory killer."""
+    import neverarrives
+
+    with pytest.raises(LaunchError) as info:
+        stnb.run(neverarrives.build, strategy="ddp", cluster=stnb.Ray(num_workers=2, storage_path=str(tmp_path)),
+                 echo=False)
+    e = info.value
+    host = socket.gethostname()
+    assert (e.kind, e.rank, e.ranks) == ("rendezvous", 1, [1]), str(e)
+    assert f"the rendezvous did not complete: rank(s) 0 ({host}) arrived, rank(s) 1 never started (nodes: {host})" \
+        in str(e), str(e)
+    assert f"last lines of rank 1's log (on {host})" in e.rank_traceback
+    assert "killed" not in str(e) and "out-of-memory" not in str(e) and "signal" not in str(e)
+
+
 def test_a_killed_worker_with_max_failures_continues_from_the_checkpoint_reported_to_ray(ray_cluster, tmp_path):
     """max_failures=1: a worker killed once Ray Train holds a reported checkpoint; Ray restarts the workers, which
     continue from that checkpoint, and the run ends as the same run that never stopped (compared step by step)."""

@@ -95,6 +95,24 @@ def test_a_killed_task_is_named_and_the_job_ends(slurm_cluster, tmp_path):
     assert f"rank 1 on {socket.gethostname()} ended without a result or an error" in str(e)
 
 
+def test_a_task_that_never_arrives_is_a_rendezvous_failure_not_a_kill(slurm_cluster, tmp_path):
+    """Task 1's Python exits before stnb's rank code runs (tests/neverarrives.py); task 0 arrived and waits at the
+    rendezvous until SLURM ends it or its timeout. The error is the rendezvous's: the rank that never arrived, and
+    on which node, the rank that did; never that a rank was killed by a signal or the out-of-memory killer."""
+    import neverarrives
+
+    host = socket.gethostname()
+    job = stnb.run(neverarrives.build, strategy="ddp", cluster=_slurm(tmp_path, rendezvous_timeout_s=30), echo=False)
+    with pytest.raises(LaunchError) as info:
+        job.result(timeout=600)
+    e = info.value
+    assert (e.kind, e.rank, e.ranks) == ("rendezvous", 1, [1]), str(e)
+    assert f"the rendezvous did not complete: rank(s) 0 ({host}) arrived, rank(s) 1 never started (nodes: {host})" \
+        in str(e), str(e)
+    assert "killed" not in str(e) and "out-of-memory" not in str(e) and "signal" not in str(e)
+    assert job.state == "FAILED"
+
+
 def test_a_job_cancelled_from_the_handle(slurm_cluster, tmp_path):
     import clusterfns
 

@@ -202,8 +202,13 @@ def test_report_counts_speedups_and_exit_code(tmp_path):
     m = Machine(gpus=gpus(H100, 2), torch_cuda="12.8")
     plan = gpucheck.plan(Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
     plan = [c for c in plan if c.name in {"hardware", "single bf16", "single fp16", "ddp x2 bf16"}]
-    ok = gpucheck.build(m, plan, _outcomes(), 100.0, 130.0)
+    ok = gpucheck.build(m, plan, _outcomes(), 100.0, 130.26)
     assert ok["counts"] == {"passed": 3, "failed": 0, "skipped": 1, "inconclusive": 0} and gpucheck.exit_code(ok) == 0
+    assert ok["verdict"] == "all 3 runnable check(s) passed (1 skipped, each with its reason)"
+    assert (ok["stnb_gpu_check"], ok["started"], ok["seconds"]) == (1, 100.0, 30.3)
+    assert ok["planned"] == [c.to_dict() for c in plan] and ok["not_run"] == []
+    no_skip = gpucheck.build(m, plan[:1], _outcomes()[:1], 100.0, 101.0)
+    assert no_skip["verdict"] == "all 1 runnable check(s) passed"
     assert ok["speedups"] == [{"name": "ddp x2 bf16", "strategy": "ddp", "gpus": 2, "samples_per_second": 1900.0,
                                "speedup": 1.9, "efficiency": 0.95}]
     text = gpucheck.table(ok)
@@ -216,6 +221,38 @@ def test_report_counts_speedups_and_exit_code(tmp_path):
     path = gpucheck.write(ok, tmp_path / "sub" / "r.json")
     assert json.loads(open(path).read())["counts"]["passed"] == 3
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+def test_a_planned_check_that_did_not_run_makes_the_verdict_failed_never_passed():
+    """Every check that ran passed, but two planned ones never ran (the budget ran out, the process died): the
+    table lists them FAILED, not run, the exit status is 1, and the verdict line says so in the same words: they
+    are counted with the failures, and no sentence says every check passed."""
+    m = Machine(gpus=gpus(H100, 2), torch_cuda="12.8")
+    plan = gpucheck.plan(Machine(gpus=gpus(H100, 2), torch_cuda="12.8", arch_list=ARCH, notebook="nb"))
+    plan = [c for c in plan if c.name in {"hardware", "single bf16", "single fp16", "ddp x2 bf16"}]
+    rep = gpucheck.build(m, plan, _outcomes()[:2], 100.0, 130.0)
+    assert rep["counts"]["failed"] == 0 and rep["not_run"] == ["ddp x2 bf16", "single fp16"]
+    assert gpucheck.exit_code(rep) == 1
+    assert rep["verdict"] == "2 of 4 planned check(s) FAILED"
+    lines = gpucheck.table(rep).splitlines()
+    assert [ln.split() for ln in lines if ln.endswith(" not run")] == [
+        ["ddp", "x2", "bf16", "FAILED", "not", "run"], ["single", "fp16", "FAILED", "not", "run"]]
+    assert lines[-1] == "verdict: 2 of 4 planned check(s) FAILED  (30 s)"
+    assert "passed" not in lines[-1]
+
+
+def test_the_cpu_rows_verdict_counts_a_row_that_did_not_run_as_failed(monkeypatch, tmp_path):
+    """``gpu-check --cpu`` words its verdict itself: a planned row with no outcome is one of the failed, and the
+    line ends FAILED, as the exit status says (here every row but the last ran and passed; nothing starts)."""
+    def all_but_the_last(planned, machine, deadline, echo=None):
+        return [reporting.Outcome(c.name, c.kind, "skipped" if c.skip else "passed") for c in planned[:-1]]
+
+    monkeypatch.setattr(checks, "run_all", all_but_the_last)
+    rep = gpucheck.gpu_check(str(tmp_path / "report.json"), echo=False, cpu=True)
+    c = rep["counts"]
+    assert len(rep["not_run"]) == 1 and c["failed"] == 0 and c["passed"] >= 1 and gpucheck.exit_code(rep) == 1
+    assert rep["verdict"] == f"CPU rows (no GPU used): {c['passed']} passed, 1 failed, {c['skipped']} not run -- FAILED"
+    assert gpucheck.table(rep).splitlines()[-1].startswith(f"verdict: {rep['verdict']}  (")
 
 
 def test_report_without_gpu_claims_nothing():
@@ -355,7 +392,8 @@ def test_a_ratio_inside_its_runs_noise_is_inconclusive_never_passed():
     O = gpucheck.Outcome
     rep = gpucheck.report.build(Machine(gpus=[{"index": 0}]), [], [O("a", "train", "passed"), O("r", "ratio", "inconclusive")],
                                 0.0, 1.0)
-    assert rep["counts"]["inconclusive"] == 1 and "INCONCLUSIVE" in rep["verdict"] and gpucheck.exit_code(rep) == 1
+    assert rep["counts"]["inconclusive"] == 1 and gpucheck.exit_code(rep) == 1
+    assert rep["verdict"] == "1 check(s) passed, 1 INCONCLUSIVE (the measurement could not decide: see its row)"
 
 
 def test_gpu_check_watches_who_starts_cuda_from_its_start(monkeypatch, tmp_path):

@@ -21,8 +21,9 @@ BATCH, ACCUMULATION, WARM, STEPS = 8, 2, 2, 6
 PARAMS, TRAINABLE = 60, 56  # tests/simsteps.py's Net: 60 parameters (its head's 4 frozen here, say)
 
 
-def run(strategy="ddp", world=2, calls=2, config=None, **over):
-    splits = [ddp_rank_summary(STEPS, calls=calls) for _ in range(world)]
+def run(strategy="ddp", world=2, calls=2, config=None, pace=1.0, **over):
+    """A run of STEPS simulated DDP steps per rank; its WARM warm-up steps take ``pace`` times as long."""
+    splits = [ddp_rank_summary(STEPS, calls=calls, slow_first=WARM, pace=pace) for _ in range(world)]
     step_times = [max(s["steps"][i]["step"] for s in splits) for i in range(STEPS)]
     r = {"status": "ok", "strategy": strategy, "world_size": world, "device": "cpu", "steps": STEPS,
          "per_device_batch_size": BATCH, "step_times": step_times, "time_split": splits,
@@ -241,6 +242,26 @@ def test_three_steady_steps_are_enough_and_the_warmup_is_the_runs():
     assert m.batch == BATCH and "means of 6 steady steps" in m.source
     r["config"].pop("warmup_steps_excluded")  # the default: 2
     assert "means of 4 steady steps" in from_result(r).source
+
+
+def test_slower_warmup_steps_are_left_out_of_the_step_and_the_prediction():
+    """A real run's first steps are slower (allocations, caches, the first collectives); the steps the run
+    excluded as warm-up are left out of every measured phase, of the spread and so of the prediction, which
+    equal those of a run whose every step took the steady time. Without a time split, the step is the steady
+    steps' mean."""
+    slow, even = run(pace=5.0), run()
+    assert slow["step_times"][0] == pytest.approx(5 * slow["step_times"][-1])  # the warm-up really is slower
+    assert slow["step_times"][WARM:] == pytest.approx(even["step_times"][WARM:])
+    m = from_result(slow)
+    assert m.forward == pytest.approx(2 * FORWARD) and m.backward == pytest.approx(4 * GRAD_STEP)
+    assert m.optimizer == pytest.approx(CLIP + OPT_STEP) and m.other == pytest.approx(FETCH + REST)
+    assert m.step_spread == pytest.approx(0.0, abs=1e-9)
+    assert m.step == pytest.approx(from_result(even).step)
+    for strategy, n in (("single", 1), ("ddp", 2), ("ddp", 8)):
+        got = predict(slow, devices=[2, 8], link="pcie4").row(strategy, n)["samples_per_second"]
+        assert got == pytest.approx(predict(even, devices=[2, 8], link="pcie4").row(strategy, n)["samples_per_second"])
+    slow.pop("time_split")
+    assert from_result(slow).forward == pytest.approx(statistics.fmean(even["step_times"][WARM:]) / 3)
 
 
 def test_text_columns_are_the_model_calls_a_step_makes():

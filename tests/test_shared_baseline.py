@@ -72,8 +72,33 @@ def test_a_mismatch_measures_again_and_says_why(measured, change, why, capsys):
     assert len(measured) == 2
 
 
+@pytest.mark.parametrize("machine, why", [("cores", "cores"), ("profile", "profile")])
+def test_a_baseline_from_another_machine_or_profile_is_measured_again(measured, monkeypatch, machine, why):
+    """Samples/s depend on the machine: a baseline saved with 2 cores is not reused on 4 (a laptop's numbers on a
+    workstation), nor one saved under another profile with the same model, steps and batch (the workshop's
+    notebook 05 does not stand for the ci run's 06). Reused again once the machine is the one it was measured on."""
+    import stnb.hardware
+
+    monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: 2)
+    shared.baseline(_profile(), "cpu", notebook="05")
+    if machine == "cores":
+        monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: 4)
+        prof = _profile()
+    else:
+        prof = Profile(name="workshop", **PROFILES["ci"])   # every value the ci profile's, only the name differs
+    other = shared.baseline(prof, "cpu", reuse=True, notebook="06")
+    assert len(measured) == 2, "a baseline measured on another machine is not reused"
+    was, now = (2, 4) if machine == "cores" else ("'ci'", "'workshop'")
+    assert other.source == f"measured now, in 12 s (the saved baseline was measured with {why} {was}, this notebook " \
+                           f"has {now})"
+    assert other.key[why] == (4 if machine == "cores" else "workshop")
+    assert shared.baseline(prof, "cpu", reuse=True).source.startswith("measured in notebook 06")
+    assert len(measured) == 2
+
+
 def test_another_device_or_no_file_measures(measured, tmp_path, monkeypatch):
-    assert "no saved baseline" in shared.baseline(_profile(), "cpu", reuse=True).source
+    assert shared.baseline(_profile(), "cpu", reuse=True).source == \
+        "measured now, in 12 s (no saved baseline (notebook 05 measures and saves it))"
     assert "device" in shared.baseline(_profile(), "cuda", reuse=True).source
     (tmp_path / "cache" / "baseline.json").write_text("{not json")
     assert "no saved baseline" in shared.baseline(_profile(), "cuda", reuse=True).source

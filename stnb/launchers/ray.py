@@ -184,9 +184,9 @@ class Ray(Launcher):
         logs = {r: _read(run.file("rank", r, "log")) for r in range(world)}
         # Ray Train's WorkerGroupError maps each worker it saw fail to its error; the workers it then ended
         # as a consequence are not in it (both vanish from the run folder's point of view)
-        failed_first = tuple(getattr(ray_error, "worker_failures", None) or {})
-        error = failure("Ray Train", world, run, logs, {}, hint=f" (run folder {run.path}; Ray's logs in {logs_at})",
-                        failed_first=failed_first)
+        failures = getattr(ray_error, "worker_failures", None) or {}
+        error = failure("Ray Train", world, run, logs, _hosts(failures),
+                        hint=f" (run folder {run.path}; Ray's logs in {logs_at})", failed_first=tuple(failures))
         if error is not None:
             raise error from ray_error
         if ray_error is not None:
@@ -253,6 +253,15 @@ def _report_checkpoint(rank: int, path: str, step: int) -> None:
         with open(os.path.join(folder, POINTER), "w") as f:
             json.dump({"path": path, "step": step}, f)
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+
+def _hosts(worker_failures: dict) -> dict:
+    """{rank: host} of the workers Ray Train saw fail, from the worker info its errors print (``hostname='...'``):
+    a worker that never reached stnb's rank code left no file saying where it ran. Ranks without it are left out."""
+    import re
+
+    found = {r: re.search(r"hostname='([^']+)'", str(e)) for r, e in worker_failures.items()}
+    return {r: m.group(1) for r, m in found.items() if m}
 
 
 def _node_ip() -> str:

@@ -163,8 +163,8 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
     engine says the job ended, (kind, words): ('cancelled', 'cancelled'), ('timeout', 'out of its time
     limit')...; None: by itself), which wins
     over what the ranks left. In order: the job was ended by the engine; a rank raised by itself (not a
-    peer's failure seen in a collective); a rank vanished (killed: neither report nor error); the
-    rendezvous did not complete (which ranks arrived, which never did); a peer's failure alone.
+    peer's failure seen in a collective); the rendezvous did not complete (which ranks arrived, which never
+    did); a rank vanished (killed: neither report nor error); a peer's failure alone.
     failed_first: the ranks the engine itself saw fail (Ray's worker failures): when several ranks vanished
     (the engine ended the others after the first died), one of these is named, not the lowest rank.
     """
@@ -198,12 +198,9 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
         return err(f"rank {r} on {node[r]} raised {first['type']}: {first['message']}", rank=r,
                    ranks=sorted({e['rank'] for e in errors}), traceback_text=first.get("traceback", ""))
     failed = {e["rank"] for e in errors}
-    vanished = [r for r in missing if r in arrived and r not in failed]
-    if vanished:
-        r = min(vanished, key=lambda v: (v not in failed_first, v))
-        return err(f"rank {r} on {node[r]} ended without a result or an error (killed: by a signal, the "
-                   f"out-of-memory killer, or os._exit); the other ranks failed because of it", rank=r,
-                   ranks=sorted({*vanished, *failed}), kind="killed")
+    # before the ranks that vanished: no rank gets past its first collective until every rank has arrived, so
+    # the ranks that arrived and then vanished were ended because of those that never did (Ray Train ends the
+    # other workers, SLURM the other tasks under KillOnBadExit), not by a signal or out-of-memory kill of their own
     never = [r for r in missing if r not in arrived]
     if never:
         came = sorted(arrived)
@@ -212,6 +209,12 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
                    f"{', '.join(sorted({where.get(r, '?') for r in never}))}); check that every node of the job "
                    "can start Python with stnb installed and reach the first node's MASTER_PORT",
                    rank=never[0], ranks=never, kind="rendezvous")
+    vanished = [r for r in missing if r not in failed]
+    if vanished:
+        r = min(vanished, key=lambda v: (v not in failed_first, v))
+        return err(f"rank {r} on {node[r]} ended without a result or an error (killed: by a signal, the "
+                   f"out-of-memory killer, or os._exit); the other ranks failed because of it", rank=r,
+                   ranks=sorted({*vanished, *failed}), kind="killed")
     if errors:
         first = origin(errors)
         r = first["rank"]
