@@ -202,7 +202,9 @@ def test_a_job_at_its_time_limit_is_requeued_and_continues(slurm_cluster, tmp_pa
     _start_requeued(job)
     res = job.result(timeout=600)
     _continued(res, never_requeued)
-    assert "Requeued job" in job.logs()[0]  # submitit's handler did it, not the time limit killing the job
+    # submitit's handler did it, not the time limit killing the job (its 'Requeued job' line, written after scontrol
+    # requeue returns, can be lost to the kill that requeue sends: seen under load)
+    assert "this job is timed-out" in job.logs()[0] and "Calling checkpoint method." in job.logs()[0]
 
 
 def test_requeue_without_checkpoints_is_refused(tmp_path):
