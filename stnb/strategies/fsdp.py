@@ -279,12 +279,15 @@ def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None
     blocks_mp, root_mp, _ = precision_policy(mixed_precision, device.split(":")[0])
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     plan = reshard_plan(len(blocks), reshard_after_forward)
-    mp = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in blocks_mp.items()})
+    def policy(dtypes: dict):  # precision_policy's {field: dtype name} as FSDP2's policy
+        return MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in dtypes.items()})
+
+    mp = policy(blocks_mp)
     units = [fully_shard(m, mesh=mesh, reshard_after_forward=r, mp_policy=mp) for m, r in zip(blocks, plan)]
     # the root is gathered again by its backward hook as soon as backward starts; kept, it costs no peak memory
     # (a CrossEncoder's BatchEncoding output, which torch's pytree cannot look into, needs it kept anyway)
     fully_shard(model, mesh=mesh, reshard_after_forward=False,
-                mp_policy=MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in root_mp.items()}))
+                mp_policy=policy(root_mp))
     prefetch(model, units, asynchronous=device == "cpu")
     # Trainer contract for models that own their placement and gradient reduction
     model.is_distributed_loading_by_transformers = True

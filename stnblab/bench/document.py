@@ -24,7 +24,7 @@ from stnb import reference
 from stnb.files import write_atomic
 from stnb.errors import ConfigError
 from .options import BenchOptions, bench_device
-from .planning import CHECKPOINTS_A_RUN, is_concurrent
+from .planning import checkpoint_interval, is_concurrent
 
 DEFAULT_DOC = "BENCHMARKS.md"
 REFERENCE_SECTION = "reference"
@@ -198,11 +198,12 @@ def _checkpoints(summary, opts, device, facts) -> str:
              _n(r["step_s"], ".3f"), _status(r)] for r in rows]
     return "\n".join([f"## Checkpoints: preset {opts.preset}, {device}", "", *facts, "",
                       "Each strategy through `stnb.run` with `checkpoint_every` (a checkpoint every "
-                      f"{max(1, opts.steps // CHECKPOINTS_A_RUN)} steps), per-device batch {opts.batch_size}: the "
+                      f"{checkpoint_interval(opts.steps)} steps), per-device batch {opts.batch_size}: the "
                       "seconds of a checkpoint (the slowest rank's, from the trainer's save to every rank's file in "
                       "place; outside the step times) and the bytes each rank wrote (/proc/self/io), medians over "
                       "every checkpoint of every repeat. The largest rank's share is 1/n where every rank writes an "
-                      "equal part of the state, 100% where rank 0 writes it all.", "", *_table(head, body), *_notes(summary, "checkpoints")])
+                      "equal part of the state, 100% where rank 0 writes it all.", "", *_table(head, body),
+                      *_notes(summary, "checkpoints")])
 
 
 _SECTIONS = {"sweep": _sweep, "launchers": _launchers, "knobs": _knobs, "checkpoints": _checkpoints}
@@ -226,10 +227,11 @@ def _targets(summary, section) -> list:
 
 def _notes(summary, section) -> list:
     """The summary's notes that concern ``section`` (the quick-mode warning concerns every one)."""
-    elsewhere = {"sweep": lambda n: not n.startswith("quick mode"),
-                 "launchers": is_concurrent,
-                 "knobs": lambda n: n.startswith("time to first step"),
-                 "checkpoints": lambda n: not n.startswith("quick mode")}[section]
+    def not_quick(n):
+        return not n.startswith("quick mode")
+
+    elsewhere = {"sweep": not_quick, "launchers": is_concurrent,
+                 "knobs": lambda n: n.startswith("time to first step"), "checkpoints": not_quick}[section]
     notes = [n for n in summary.get("notes", []) if not elsewhere(n)]
     return ["", "Notes:", "", *(f"- {n}" for n in notes)] if notes else []
 

@@ -224,7 +224,7 @@ def plan(opts: BenchOptions) -> list:
                                              if launcher == "concurrent" else cfg, device, nmax))
     # -- checkpoints: every strategy's checkpoint cost (seconds of the slowest rank, bytes each rank wrote)
     if "checkpoints" in opts.sections:
-        every = max(1, opts.steps // CHECKPOINTS_A_RUN)
+        every = checkpoint_interval(opts.steps)
         for rep in range(opts.repeats if opts.preset != "quick" else 1):
             for s in _rotate([s.name for s in registry.all_strategies()], rep):
                 several = registry.is_distributed(s)
@@ -238,6 +238,11 @@ def plan(opts: BenchOptions) -> list:
 
 #: checkpoints a run of the checkpoints section writes (every steps // this many steps)
 CHECKPOINTS_A_RUN = 4
+
+
+def checkpoint_interval(steps: int) -> int:
+    """The checkpoints section's checkpoint_every for a run of ``steps`` steps."""
+    return max(1, steps // CHECKPOINTS_A_RUN)
 
 
 def _unavailable(cfg, device, nmax) -> str | None:

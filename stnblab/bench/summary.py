@@ -165,9 +165,10 @@ def summarize(items, latest: dict, opts: BenchOptions) -> dict:
         if dflt and dflt["efficiency"] is not None and "launchers" not in names_in:
             out["targets"].insert(0, target_verdict("efficiency_default", dflt["efficiency"]))
     if "checkpoints" in names_in:
-        out["sections"]["checkpoints"] = [_checkpoint_cost(variant_stats("checkpoints", n),
-                                                           [r for r in by.get(("checkpoints", n), {}).values() if ok(r)])
-                                          for n in names_in["checkpoints"]]
+        out["sections"]["checkpoints"] = [
+            _checkpoint_cost(variant_stats("checkpoints", n), [r for r in by.get(("checkpoints", n), {}).values()
+                                                               if ok(r)])
+            for n in names_in["checkpoints"]]
     shares = [(bench_tag(r).get("foreign_cpu_share"), key) for key, reps in by.items() for r in reps.values()
               if ok(r) and key[0] != "sweep"]
     noisy = [x for x in shares if x[0] is not None and x[0] > NOISY]
@@ -191,7 +192,7 @@ def _checkpoint_cost(st: dict, rows: list) -> dict:
     saves = [c for r in rows for c in (r.get("checkpoints") or [])]
     world = max((len(c.get("bytes_written") or []) for c in saves), default=0)
     per_rank = [_median([(c.get("bytes_written") or [None] * world)[i] for c in saves]) for i in range(world)]
-    total = sum(b for b in per_rank if b is not None) if per_rank and None not in per_rank else None
+    total = sum(per_rank) if per_rank and None not in per_rank else None
     return {**st, "checkpoints": len(rows[0].get("checkpoints") or []) if rows else None,
             "seconds": _median([c.get("seconds") for c in saves]), "bytes_per_rank": per_rank, "bytes_total": total,
             "largest_share": max(per_rank) / total if total else None}
