@@ -333,10 +333,12 @@ def from_result(result) -> Measured:
     if int(r.get("world_size") or 1) > 1:
         notes.append(f"the compute was measured in a {r['world_size']}-rank {r['strategy']} run, not on one device")
     grad_size = 2 if cfg.get("comm_hook") in ("fp16", "bf16") else 4
-    # FSDP's MixedPrecisionPolicy (strategies.fsdp.precision_policy): on GPUs parameters gathered in the training
-    # precision, on CPU in fp32 (the trainer's autocast only, as under single); gradients reduced in fp32; DDP's
-    # gradients are the fp32 parameters' (2 B only with an fp16 / bf16 hook)
-    low = cfg.get("mixed_precision") in ("bf16", "fp16") and r.get("device") != "cpu"
+    # FSDP's MixedPrecisionPolicy, as fsdp itself decides it (on GPUs parameters gathered in the training precision,
+    # on CPU in fp32: the trainer's autocast only, as under single); gradients reduced in fp32; DDP's gradients are
+    # the fp32 parameters' (2 B only with an fp16 / bf16 hook)
+    from ..strategies.fsdp import precision_policy
+
+    low = "param_dtype" in precision_policy(cfg.get("mixed_precision"), str(r.get("device")).split(":")[0])[0]
     inputs.append(("bytes on the wire", "from the run's settings",
                    f"gradients {grad_size} B each ({'the ' + cfg['comm_hook'] + ' hook' if grad_size == 2 else 'fp32'}), "
                    f"FSDP's gathered parameters {2 if low else 4} B each "
