@@ -5,8 +5,8 @@
 Nothing is executed: each page shows a notebook's committed outputs (one stamped workshop-profile run,
 tests/notebook_outputs.py), converted with nbconvert's ``basic`` template into a small page of our own (one
 shared ``style.css``, no script, nothing fetched from the network). ``index.html`` lists the notebooks in
-order with the README table's "what it covers", "needs" and workshop-run time. What a page shows of each
-output is chosen here, not left to the exporter's defaults:
+order with every column of the README's notebook table (what it covers, needs, core or optional path, the workshop
+run's compute and the reading time). What a page shows of each output is chosen here, not left to the exporter's defaults:
 
 - a plotly figure: its static PNG (every committed figure carries one, tests/notebook_outputs.py), written to
   ``figures/`` and shown as an image with the figure's title as its text; plotly's JSON is left out (the
@@ -90,13 +90,19 @@ summary { cursor: pointer; color: #0969da; }
 # ------------------------------------------------------------------------------------------ the syllabus --
 
 def readme_rows(readme: Path | None = None) -> dict:
-    """{notebook file name: {"covers", "needs", "time"}} from the README's notebook table (markdown cells)."""
+    """{notebook file name: {column header: cell}} from the README's notebook table (markdown cells), every column
+    the README has, named by its header ("What it covers", "Needs", "Path", "Compute", "Reading")."""
     text = (readme or ROOT / "README.md").read_text()
-    rows = {}
+    header, rows = None, {}
     for line in text.splitlines():
-        m = re.match(r"^\| \[`notebooks/([^`]+\.ipynb)`\]\([^)]*\) \| (.*) \| (.*) \| (.*) \|\s*$", line)
-        if m:
-            rows[m.group(1)] = {"covers": m.group(2).strip(), "needs": m.group(3).strip(), "time": m.group(4).strip()}
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")] if line.startswith("| ") else None
+        if cells and cells[0] == "Notebook":
+            header = cells
+        elif cells and header and (m := re.match(r"^\[`notebooks/([^`]+\.ipynb)`\]", cells[0])):
+            if len(cells) != len(header):
+                raise SystemExit(f"the README's row for {m.group(1)} has {len(cells)} cells, its header "
+                                 f"{len(header)}: {line}")
+            rows[m.group(1)] = dict(zip(header[1:], cells[1:]))
     return rows
 
 
@@ -262,13 +268,14 @@ def _index(files, titles, rows) -> str:
              "without running anything. Figures are the static images stored with each plot; widgets (progress "
              "bars, the Panel) work only in Jupyter, and each run's progress ends as a printed line. To run the "
              "notebooks yourself: <code>make lab</code> (the README's quick start).</p>",
-             "<table>", "<thead><tr><th>Notebook</th><th>What it covers</th><th>Needs</th>"
-             "<th>Workshop run</th></tr></thead>", "<tbody>"]
+             "<table>"]
+    columns = list(next(iter(rows.values())))
+    lines.append("<thead><tr><th>Notebook</th>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+                 + "</tr></thead>")
+    lines.append("<tbody>")
     for path, name in zip(files, titles):
-        row = rows[path.name]
         lines.append(f'<tr><td><a href="{page_name(path)}">{html.escape(name)}</a></td>'
-                     f"<td>{_markdown_inline(row['covers'])}</td><td>{_markdown_inline(row['needs'])}</td>"
-                     f"<td>{html.escape(row['time'])}</td></tr>")
+                     + "".join(f"<td>{_markdown_inline(rows[path.name][c])}</td>" for c in columns) + "</tr>")
     lines += ["</tbody>", "</table>",
               "<p>Built by <code>make html</code> from the committed notebooks (<code>make notebooks</code> reruns "
               "them and rebuilds these pages); <code>tests/test_course_html.py</code> checks they are current.</p>"]

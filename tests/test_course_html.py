@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from html.parser import HTMLParser
 import subprocess
 from pathlib import Path
 
@@ -65,12 +66,55 @@ def test_every_notebook_has_its_page_and_the_index_links_them_in_reading_order(r
     links = re.findall(r'<td><a href="([^"]+\.html)">', index)
     assert links == [course_html.page_name(p) for p in NOTEBOOKS]
     assert all((COURSE / link).is_file() for link in links)
-    rows = course_html.readme_rows()
-    for path in NOTEBOOKS:  # the README's time and "needs" beside each
-        row = index.split(f'<td><a href="{course_html.page_name(path)}">', 1)[1].split("</tr>", 1)[0]
-        assert f"<td>{rows[path.name]['time']}</td>" in row, (path.name, row)
     pages = sorted(p.name for p in COURSE.glob("*.html"))
     assert pages == sorted(["index.html"] + [course_html.page_name(p) for p in NOTEBOOKS]), pages
+
+
+class _Table(HTMLParser):
+    """The index's table as rows of cell texts (header row first), read from the HTML as a browser would."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self._cell = [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.rows[-1].append(" ".join(self._cell.split()))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def _markdown_text(cell: str) -> str:
+    """A README table cell as the text a reader sees: links and code marks gone."""
+    return " ".join(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell).replace("`", "").replace("**", "").split())
+
+
+def test_the_index_table_has_the_readmes_columns_in_place(rebuilt):
+    """Each column of the index under its own header, as the README's table has it: split here from the README's
+    lines directly (not by course_html's parser), so a shifted column (a row read with fewer cells than the
+    header) shows as a mismatch."""
+    table = _Table()
+    table.feed((rebuilt / "index.html").read_text())
+    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| ")]
+    header = next(ln for ln in lines if ln.startswith("| Notebook |"))
+    readme = [[_markdown_text(c.strip()) for c in ln.strip().strip("|").split(" | ")]
+              for ln in lines if ln.startswith("| [`notebooks/")]
+    want = [_markdown_text(c.strip()) for c in header.strip().strip("|").split(" | ")]
+    assert table.rows[0] == want, table.rows[0]
+    assert len(table.rows[1:]) == len(NOTEBOOKS) == len(readme)
+    for row, source in zip(table.rows[1:], readme):
+        assert len(row) == len(want), row
+        assert row[1:] == source[1:], (row, source)
+        assert row[want.index("Path")] in ("core", "optional"), row
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

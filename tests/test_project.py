@@ -425,6 +425,30 @@ def test_the_notebook_list_is_the_notebooks_folder():
     assert sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")) == list(NOTEBOOKS)
 
 
+def first_screen_line(name: str, nb: dict, needs: str) -> str:
+    """The line a notebook's first cell ends with: core path or optional, its workshop run's compute (the stamp),
+    its reading time, what it needs (the README's column), so a student or teacher sees them on the first screen."""
+    path = "Core path" if name[:2] in CORE_PATH else "Optional track"
+    return (f"*{path} · {nb['metadata']['stnb']['run_seconds']} s of compute (the committed workshop run) + "
+            f"{reading_minutes(nb)} min of reading · needs: {needs}*")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_notebook_says_on_its_first_screen_its_path_minutes_and_needs(name):
+    """The first cell (the title) ends with first_screen_line: computed here from the stamp, the text and the
+    README's row, so a re-stamped or edited notebook whose line was not updated fails, naming the line to write."""
+    import json
+
+    import course_html
+
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    first = nb["cells"][0]
+    assert first["cell_type"] == "markdown", f"{name}: the first cell is not the title"
+    want = first_screen_line(name, nb, course_html.readme_rows()[name]["Needs"])
+    last = "".join(first["source"]).rstrip().splitlines()[-1]
+    assert last == want, f"{name}: the first cell should end with the line\n{want}\nnot\n{last}"
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_follows_the_conventions(name):
     """CONTRIBUTING.md ("Notebook conventions"): the same first cell, the opening and closing sections,
