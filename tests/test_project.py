@@ -520,9 +520,13 @@ def _reader_problems(nb: dict) -> list:
 
     found = []
     for i, cell in enumerate(nb["cells"]):
+        source = "".join(cell["source"])
+        if not source.strip():
+            found.append(f"cell {i} is empty: a reader sees a blank cell; a check needs no cell of its own "
+                         "(tests/notebook_checks.py anchors it after the cell it checks)")
+            continue
         if cell["cell_type"] != "code":
             continue
-        source = "".join(cell["source"])
         if source.lstrip().startswith("# NBVAL_"):
             found.append(f"cell {i} starts with an nbval marker: use the cell tag "
                          f"{source.split()[1].lower().replace('_', '-')!r} instead")
@@ -555,10 +559,58 @@ def test_an_assert_cell_hidden_or_not_and_an_nbval_marker_are_found():
     mixed["source"] = list(mixed["source"]) + ["\nif hw.gpus:\n    assert hw.device == 'cuda'"]
     tagged = next(c for c in nb["cells"] if "nbval-check-output" in c.get("metadata", {}).get("tags", []))
     tagged["source"] = ["# NBVAL_CHECK_OUTPUT\n"] + list(tagged["source"])
+    nb["cells"].insert(5, nbformat_cell("\n"))
     found = _reader_problems(nb)
-    assert len(found) == 3, found
+    assert len(found) == 4, found
+    assert any(f.startswith("cell 5 is empty") for f in found), found
     assert sum("shows an assert" in f for f in found) == 2, found
     assert any("'nbval-check-output'" in f for f in found), found
+
+
+def by_hand_problems(nb: dict) -> list:
+    """Sections whose heading says "by hand" but whose first code cell calls into stnb (CONVENTIONS.md: "No stnb
+    helper hides the mechanism a cell shows"): a name from ``stnb`` / ``stnblab`` (``stnb.x``, or a name the
+    notebook imported from them) in that cell."""
+    import ast
+
+    imported = {"stnb", "stnblab", "prof"}  # prof = stnb.setup(), the first cell's
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            python = "\n".join("#" + ln if ln.lstrip().startswith("%") else ln for ln in "".join(cell["source"]).split("\n"))
+            for node in ast.walk(ast.parse(python)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("stnb", "stnblab"):
+                    imported |= {a.asname or a.name for a in node.names}
+    found, heading = [], None
+    for i, cell in enumerate(nb["cells"]):
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            headings = re.findall(r"^#+ (.*)$", source, re.M)
+            heading = headings[-1] if headings else heading
+        elif heading and "by hand" in heading.lower():
+            names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+            if names & imported:
+                found.append(f"cell {i}, the first under '{heading}', calls {sorted(names & imported)}: show the "
+                             "mechanism in plain torch there, or do not call the section by hand")
+            heading = None
+    return found
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_a_section_called_by_hand_shows_the_mechanism_not_a_call_into_stnb(name):
+    import json
+
+    assert by_hand_problems(json.loads((ROOT / "notebooks" / name).read_text())) == []
+
+
+def test_a_by_hand_section_that_calls_into_stnb_is_found():
+    nb = {"cells": [{"cell_type": "code", "source": ["from stnb import examples\n"]},
+                    {"cell_type": "markdown", "source": ["## All-reduce by hand\n", "text"]},
+                    {"cell_type": "code", "source": ["examples.allreduce_check(2)"]},
+                    {"cell_type": "markdown", "source": ["## DDP by hand"]},
+                    {"cell_type": "code", "source": ["import torch\nt = torch.ones(2)\ndist.all_reduce(t)"]},
+                    {"cell_type": "code", "source": ["stnb.launch(f, num_processes=2)"]}]}
+    found = by_hand_problems(nb)
+    assert len(found) == 1 and found[0].startswith("cell 2, the first under 'All-reduce by hand', calls ['examples']"), found
 
 
 #: the longest code cell a reader sees (CONVENTIONS.md, "by hand first": the mechanism in a cell of at most
