@@ -325,6 +325,55 @@ def test_readme_states_the_core_path_with_compute_and_reading_times():
     assert int(hours) * 60 + int(minutes) <= 180, line
 
 
+#: docs/teaching.md's three-hour plan: the core path in order, each notebook's planned exercise minutes (the
+#: teacher's estimate, said as such on the page), a break after 03; compute and reading come from the notebooks
+WORKSHOP_EXERCISES = {"00": 5, "01": 5, "03": 15, "04": 10, "05": 10}
+WORKSHOP_BREAK_AFTER, WORKSHOP_BREAK = "03", 10
+
+
+def workshop_schedule(notebooks: dict) -> str:
+    """docs/teaching.md's schedule table: start time, notebook, compute (its committed run's, rounded up to a
+    minute), reading, exercises (planned), the block's minutes; then the time left of three hours."""
+    rows, t = ["| starts | block | compute | reading | exercises (planned) | minutes |",
+               "| --- | --- | ---: | ---: | ---: | ---: |"], 0
+    for name in sorted(n for n in notebooks if n[:2] in CORE_PATH):
+        nb = notebooks[name]
+        compute, reading = math.ceil(nb["metadata"]["stnb"]["run_seconds"] / 60), reading_minutes(nb)
+        minutes = compute + reading + WORKSHOP_EXERCISES[name[:2]]
+        rows.append(f"| {t // 60}:{t % 60:02d} | `{name}` | {compute} min | {reading} min | "
+                    f"{WORKSHOP_EXERCISES[name[:2]]} min | {minutes} |")
+        t += minutes
+        if name[:2] == WORKSHOP_BREAK_AFTER:
+            rows.append(f"| {t // 60}:{t % 60:02d} | break | | | | {WORKSHOP_BREAK} |")
+            t += WORKSHOP_BREAK
+    rows.append(f"| {t // 60}:{t % 60:02d} | questions, then one optional notebook's section (below) | | | | "
+                f"{180 - t} |")
+    return "\n".join(rows)
+
+
+def test_the_teachers_page_plans_three_hours_from_the_measured_minutes():
+    """docs/teaching.md's schedule is computed from the committed notebooks (their stamps and text) and fits three
+    hours with time left; a re-stamped or edited notebook whose row was not updated fails, printing the table."""
+    import json
+
+    notebooks = {name: json.loads((ROOT / "notebooks" / name).read_text()) for name in NOTEBOOKS}
+    table = workshop_schedule(notebooks)
+    assert table in (ROOT / "docs" / "teaching.md").read_text(), f"docs/teaching.md should hold:\n{table}"
+    left = int(table.splitlines()[-1].split("|")[-2])
+    assert left >= 15, f"the core path leaves {left} min of three hours: too tight for a workshop"
+
+
+def test_the_schedule_moves_with_a_notebooks_measured_time():
+    import json
+
+    notebooks = {name: json.loads((ROOT / "notebooks" / name).read_text()) for name in NOTEBOOKS}
+    before = workshop_schedule(notebooks)
+    notebooks["01_single_device_baseline.ipynb"]["metadata"]["stnb"]["run_seconds"] += 120
+    after = workshop_schedule(notebooks)
+    assert before != after and int(after.splitlines()[-1].split("|")[-2]) == \
+        int(before.splitlines()[-1].split("|")[-2]) - 2
+
+
 def test_reading_time_counts_prose_and_code():
     nb = {"cells": [{"cell_type": "markdown", "source": ["word " * 400]},
                     {"cell_type": "code", "source": ["x = 1\n" * 10]}]}
