@@ -1,9 +1,12 @@
-"""Checkers for the course's "implement it yourself" exercises (notebooks 03 and 09).
+"""Checkers for the course's "implement it yourself" exercises (notebooks 00, 03 and 09 here; 01, 04 and 05's,
+which compute a number in this process, in stnblab/exercise_numbers.py, re-exported here).
 
 A student writes a function; a checker runs it in real ranks (2 and 3 gloo processes on CPU, with
 tensors whose length the world size does not divide), compares what every rank ends with against
 torch's own answer, and returns a :class:`Verdict` naming the first rank and element that differ:
 
+    check_rank_max(fn)          fn(t) leaves (or returns) the element-wise maximum of t over the ranks; compared
+                                with torch.distributed.all_reduce(op=MAX)
     check_ring_all_reduce(fn)   fn(t) sums t over the ranks with point-to-point sends only, in place
                                 (or returning the result); compared with torch.distributed.all_reduce
     check_zero1_step(fn)        fn(params, lr) takes one AdamW step keeping optimizer state for this
@@ -23,6 +26,8 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
+
+from .exercise_numbers import check_overall, check_samples_per_second, check_zero_bytes  # noqa: F401 - the course's
 
 #: the worlds every exercise runs in, and the tensor lengths: none divisible by 2 or by 3
 WORLDS = (2, 3)
@@ -62,6 +67,39 @@ class Verdict:
 
 class _Refused(RuntimeError):
     """Raised in a rank when the attempt calls what the exercise builds itself."""
+
+
+# ------------------------------------------------------------------------------------------ rank max --
+
+def check_rank_max(fn, worlds=WORLDS, limit_s: float = LIMIT_S) -> Verdict:
+    """Run ``fn(t)`` in every rank of each world (``t``: this rank's own whole numbers) and compare every rank's
+    result (``t`` after the call, or what ``fn`` returned) with ``torch.distributed.all_reduce(op=MAX)``."""
+    lines, passed = [], True
+    for world in worlds:
+        outcome = _in_ranks(_max_rank, world, limit_s, fn)
+        bad = outcome if isinstance(outcome, str) else _worst(outcome)
+        if isinstance(bad, dict):
+            bad = f"rank {bad['rank']}: {bad['problem']}"
+        passed = passed and bad is None
+        lines.append(f"{world} ranks: {bad or 'every rank holds the element-wise maximum over the ranks'}")
+    return Verdict("rank maximum", passed, lines)
+
+
+def _max_rank(fn):
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), 5
+    t = torch.randint(-9, 10, (n,), generator=torch.Generator().manual_seed(rank)).float()
+    given, expected = t.clone(), t.clone()
+    dist.all_reduce(expected, op=dist.ReduceOp.MAX)
+    try:
+        out = fn(t)
+    except Exception as e:  # noqa: BLE001 - the student's error, reported with its rank
+        return _said({"rank": rank, "problem": f"raised {type(e).__name__}: {e}", "first": not _peer_gone(e)})
+    got = out if isinstance(out, torch.Tensor) else t
+    return {"rank": rank, "problem": _first_difference(got, expected, given, n, exact=True,
+                                                        reference="torch.distributed.all_reduce(op=MAX)")}
 
 
 # ------------------------------------------------------------------------------------ ring all-reduce --

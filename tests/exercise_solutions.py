@@ -162,3 +162,65 @@ def fails_on_rank_1(t):
     if dist.get_rank() == 1:
         raise ValueError("rank 1 gave up")
     return ring_all_reduce(t)
+
+
+# ---- 00: the element-wise maximum over the ranks
+
+def rank_max(t):
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def rank_sum(t):  # wrong: the default operation sums
+    dist.all_reduce(t)
+    return t
+
+
+# ---- 01: samples per second from a run's step times
+
+def samples_per_second(step_times, global_batch, warmup):
+    measured = step_times[warmup:]
+    return global_batch * len(measured) / sum(measured)
+
+
+def samples_per_second_with_warmup(step_times, global_batch, warmup):  # wrong: the slow first steps counted
+    return global_batch * len(step_times) / sum(step_times)
+
+
+def mean_of_step_rates(step_times, global_batch, warmup):  # wrong: the mean of each step's rate
+    rates = [global_batch / t for t in step_times[warmup:]]
+    return sum(rates) / len(rates)
+
+
+# ---- 04: bytes one rank holds at each ZeRO stage
+
+def zero_bytes(n_params, world, stage):
+    params, grads, adam = 4 * n_params, 4 * n_params, 8 * n_params
+    if stage >= 1:
+        adam /= world
+    if stage >= 2:
+        grads /= world
+    if stage >= 3:
+        params /= world
+    return params + grads + adam
+
+
+def zero_bytes_stage2_shards_parameters(n_params, world, stage):  # wrong: stage 2 divides the parameters
+    return zero_bytes(n_params, world, 3 if stage == 2 else stage)
+
+
+def zero_bytes_one_adam_state(n_params, world, stage):  # wrong: AdamW keeps two states, not one
+    return zero_bytes(n_params, world, stage) - (4 * n_params / (world if stage >= 1 else 1))
+
+
+# ---- 05: parity's "overall"
+
+def overall(trained, reference, initial):
+    apart = sum(float((trained[n] - reference[n]).norm()) ** 2 for n in reference) ** 0.5
+    moved = sum(float((reference[n] - initial[n]).norm()) ** 2 for n in reference) ** 0.5
+    return apart / moved
+
+
+def overall_worst_tensor(trained, reference, initial):  # wrong: the worst tensor's share, not all together
+    return max(float((trained[n] - reference[n]).norm()) / float((reference[n] - initial[n]).norm())
+               for n in reference)
