@@ -3,8 +3,8 @@
 Every function takes the table and returns a ``plotly.graph_objects.Figure``; no widgets needed.
 Hovering a bar or line shows its numbers and the configuration of that run (strategy, ranks,
 per-device and global batch, model, device, DDP options, ...). Runs that could not run on this
-machine (status 'not runnable here') appear as hatched, empty placeholder bars whose hover
-text gives the reason.
+machine (status 'not runnable here') appear as a label where their bar would stand, never as a bar,
+and its hover text gives the reason.
 
     throughput(df)      samples per second of every run
     speedup(df)         throughput over the 'single' run of the same model, with the ideal (= devices)
@@ -25,7 +25,7 @@ and ``with_reference(df_or_fig)`` show them beside ours, labelled as theirs.
 
 from .figures import dashboard, dev_curves, efficiency, knobs, loss_curves, memory, speedup, throughput, with_reference
 from .table import MIB, OURS, REFERENCE_SOURCE, REFERENCE_URL, comparison_table, reference_frame
-from .traces import GHOST_COLOR, PART_COLORS, STRATEGY_COLORS
+from .traces import PART_COLORS, STRATEGY_COLORS
 from .timesplit import split_bars, timeline
 from .memsplit import memory_split
 
@@ -33,5 +33,5 @@ __all__ = [
     "throughput", "speedup", "efficiency", "memory", "loss_curves", "dev_curves", "dashboard", "knobs",
     "with_reference",
     "comparison_table", "reference_frame", "split_bars", "timeline", "memory_split",
-    "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "GHOST_COLOR", "MIB",
+    "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "MIB",
 ]

@@ -22,8 +22,9 @@ def variant_color(variant: str) -> str:
     once'); the baseline's when it names none."""
     words = variant.split()
     return strategy_color(next((w for w in words if w in strategies.names()), strategies.baseline_name()))
+
+
 PART_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer_state": "#54a24b"}
-GHOST_COLOR = "rgba(160, 160, 160, 0.18)"
 
 
 # ---- trace builders ---------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def throughput_traces(rows, name=None):
             marker=_marker(ok), hovertext=list(ok["hover"]), texttemplate="%{y:,.1f}", textposition="outside",
             hovertemplate="<b>%{x}</b><br>samples/s: %{y:,.1f}<br>%{hovertext}<extra></extra>",
             cliponaxis=False, legendgroup=source))
-    ghost = _ghost(rows[~_measured(rows, "samples_per_second")], _max(ok["samples_per_second"]) if len(ok) else 1.0)
+    ghost = _ghost(rows[~_measured(rows, "samples_per_second")])
     if ghost is not None:
         traces.append(ghost)
     return traces
@@ -52,11 +53,6 @@ def ratio_traces(rows, column):
     import plotly.graph_objects as go
 
     traces, ideal_x, ideal_y, ideal_text = [], [], [], []
-    ok_all = rows[_measured(rows, column)]
-    if column == "speedup":
-        top = max([_max(ok_all[column])] + [float(d) for d in ok_all["devices"] if is_num(d)])
-    else:
-        top = max(1.0, _max(ok_all[column]))
     fmt = "%{y:.2f}x" if column == "speedup" else "%{y:.2f}"
     for source, group in rows.groupby("source", sort=False):
         ok = group[_measured(group, column)]
@@ -73,7 +69,7 @@ def ratio_traces(rows, column):
             ideal_text += [f"ideal for {int(d)} device(s): {float(d) if column == 'speedup' else 1.0:.2f}"
                            for d in ok["devices"]]
         missing = group[~_measured(group, column)]
-        ghost = _ghost(missing, top)
+        ghost = _ghost(missing)
         if ghost is not None:
             traces.append(ghost)
     if ideal_x:
@@ -108,7 +104,7 @@ def peak_traces(rows):
         traces.append(go.Bar(x=[x0, x1], y=y, name="peak memory", marker_color="#9467bd", hovertext=hover,
                              hovertemplate="<b>%{x}</b><br>peak: %{y:,.1f} MiB<br>%{hovertext}<extra></extra>"))
     missing = rows[(rows["status"] != "ok") | rows["peak_memory_bytes"].map(lambda p: not p)]
-    ghost = _ghost(missing, max(y) if y else 1.0, multicategory=True)
+    ghost = _ghost(missing, multicategory=True)
     if ghost is not None:
         traces.append(ghost)
     return traces
@@ -195,33 +191,26 @@ def dev_traces(rows):
     return traces
 
 
-#: a placeholder bar's height, as a fraction of the panel's tallest bar: low enough that no reader takes it
-#: for a measurement (a bar as tall as the real ones was), high enough to see its hatching and label
-GHOST_FRACTION = 0.15
-
-
 def _rank_tick(rank: int) -> str:
     """A rank's tick under its strategy's group label: short ("r0"), so the ticks stay horizontal and the
     group labels (the strategies) keep their room in a 1000 px PNG (with "rank 0" they were dropped)."""
     return f"r{rank}"
 
 
-def _ghost(rows, height, multicategory=False):
-    """Hatched, short placeholder bars for runs without a number, labelled above (e.g. "not runnable
-    here"); the hover gives the reason."""
+def _ghost(rows, multicategory=False):
+    """A label, not a bar, for each run without a number (e.g. "not runnable here"), on the axis where its bar
+    would stand: nothing with a height a reader could take for a measurement; the hover gives the reason."""
     import plotly.graph_objects as go
 
     if rows is None or not len(rows):
         return None
-    height = height if height and height == height and height > 0 else 1.0
     labels = list(rows["label"])
     texts = [_why_missing(r) for _, r in rows.iterrows()]
     short = [_short_reason(r) for _, r in rows.iterrows()]
     x = [labels, ["n/a"] * len(labels)] if multicategory else labels
-    return go.Bar(
-        x=x, y=[GHOST_FRACTION * height] * len(labels), name="not runnable here / no result", text=short,
-        textposition="outside", textangle=0, textfont=dict(color="#555"), cliponaxis=False,
-        marker=dict(color=GHOST_COLOR, line=dict(color="#999", width=1), pattern=dict(shape="/", fgcolor="#bbb")),
+    return go.Scatter(
+        x=x, y=[0] * len(labels), mode="text", name="not runnable here / no result", text=short,
+        textposition="top center", textfont=dict(color="#555"), cliponaxis=False,
         hovertext=[f"{t}<br>{h}" for t, h in zip(texts, rows["hover"])],
         hovertemplate="<b>%{x}</b><br>%{hovertext}<extra></extra>", legendgroup="ghost")
 
@@ -261,11 +250,6 @@ def note_unrunnable(fig, rows):
 
 def _measured(rows, column):
     return (rows["status"] == "ok") & rows[column].map(is_num)
-
-
-def _max(series) -> float:
-    vals = [float(v) for v in series if is_num(v)]
-    return max(vals) if vals else 1.0
 
 
 def _marker(rows, hatched=False) -> dict:
