@@ -100,13 +100,24 @@ def grad_ready(result) -> list:
 
 
 def sentence(result) -> str:
-    """The collectives a step sends, per rank (the first rank's; '' when not counted)."""
-    per = collectives(result)
-    if not per:
+    """The collectives a step sends, per rank (the first rank's; '' when not counted): whole calls, as a range
+    where the steady steps differ (an FSDP step that evaluates gathers more), never a mean like 30.6667."""
+    r = _as_dict(result)
+    recs = r.get("collectives") or []
+    if not recs:
         return ""
-    first = per[0]
-    total = sum(c["count"] for c in first.values())
-    size = sum(c["bytes"] or 0 for c in first.values())
-    kinds = ", ".join(f"{c['count']:g} {k}" for k, c in first.items())
-    return (f"{total:g} collectives a step per rank ({kinds}; {size / 2**20:.1f} MiB handed over)" if first else
-            "no collective in a step")
+    steps = ((recs[0] or {}).get("steps") or [])[_warm(r):]
+    kinds = sorted({k for st in steps for k in st}, key=lambda k: -sum(st.get(k, {}).get("count", 0) for st in steps))
+    if not kinds:
+        return "no collective in a step"
+    counts = {k: [st.get(k, {}).get("count", 0) for st in steps] for k in kinds}
+    size = sum(c["bytes"] or 0 for c in collectives(result)[0].values())
+    total = _calls([sum(c[i] for c in counts.values()) for i in range(len(steps))])
+    listed = ", ".join(f"{_calls(c)} {k}" for k, c in counts.items())
+    return f"{total} collectives a step per rank ({listed}; {size / 2**20:.1f} MiB handed over)"
+
+
+def _calls(per_step: list) -> str:
+    """Whole calls in a step: '22', or '22 to 23' where the steps differ."""
+    low, high = int(min(per_step)), int(max(per_step))
+    return f"{low}" if low == high else f"{low} to {high}"

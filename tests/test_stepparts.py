@@ -116,3 +116,23 @@ def test_ddp_exposes_what_is_ready_only_at_backwards_end():
     whole = fab.all_reduce(base.grad_bytes / len(range(16)), 4) * 16  # 16 buckets of 25 MiB
     assert late["comm_exposed"] == pytest.approx(late["comm"]) and late["comm"] == pytest.approx(whole, rel=0.01)
     assert early["comm_exposed"] < late["comm_exposed"]
+
+
+def test_the_collectives_sentence_counts_whole_calls_a_range_where_steps_differ():
+    """What a step sends, said in whole calls: an FSDP run whose steps gathered 23, 22 and 23 times reads
+    '22 to 23 all_gather', never the mean 22.6667 (issue 46: '30.6667 collectives'); the warm-up step is left out."""
+    from stnb import stepparts
+
+    def step(gathers, reduce=0):
+        return {"all_gather_into_tensor": {"count": gathers, "bytes": 2**20},
+                **({"all_reduce": {"count": reduce, "bytes": None}} if reduce else {}),
+                "reduce_scatter_tensor": {"count": 7, "bytes": 2**20}}
+
+    result = {"config": {"warmup_steps_excluded": 1},
+              "collectives": [{"steps": [step(40), step(23), step(22), step(23, reduce=1)]}]}
+    assert stepparts.sentence(result) == ("29 to 31 collectives a step per rank (22 to 23 all_gather_into_tensor, "
+                                          "7 reduce_scatter_tensor, 0 to 1 all_reduce; 2.0 MiB handed over)")
+    same = {"config": {"warmup_steps_excluded": 0}, "collectives": [{"steps": [step(22), step(22)]}]}
+    assert stepparts.sentence(same).startswith("29 collectives a step per rank (22 all_gather_into_tensor, 7 ")
+    assert stepparts.sentence({"collectives": [{"steps": [{}, {}]}]}) == "no collective in a step"
+    assert stepparts.sentence({}) == ""
