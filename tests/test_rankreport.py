@@ -60,9 +60,11 @@ def test_train_rank_reports_across_a_spawned_launch():
     assert len(r.step_times) == cfg.steps and r.verification["ok"] is True
     assert r.verification["loss_model"]["ok"] is True and r.verification["trained_parameters"]["model"] > 0
     # every instrument attached, in its order, and each reported its part
-    from stnb.instruments import ORDER
+    from stnb import instruments
 
-    assert r.verification["callbacks"]["added"] == ["LossParameterSyncCallback", *(k.__name__ for k in ORDER)]
+    kinds = [getattr(instruments, n) for n in instruments.__all__ if n not in ("Instrument", "attach", "reports", "order")]
+    assert r.verification["callbacks"]["added"] == ["LossParameterSyncCallback",
+                                                    *(k.__name__ for k in instruments.order(kinds))]
     assert len(r.train_flops) == len(r.time_split["steps"]) == len(r.losses) == cfg.steps
     assert r.memory_split["built"] > 0 and r.peak_memory_bytes > 0 and r.model_shape["optimizer"]
     assert r.loss_inputs == {"texts": 2, "label": True} and r.data_columns and r.time_to_first_step_s > 0

@@ -15,6 +15,8 @@ from .base import Instrument
 class AllocatorRelease(Instrument):
     """Applies the allocator setting at construction; reports it and what each step's end gave back."""
 
+    after = ("StepLog", "MemoryUse")  # memory goes back after the step's clock stopped and its peak was read
+
     def __init__(self, reuse_freed_memory: bool, cuda: bool, gathers_during_step: bool):
         self.reuse = {"applied": False, "reason": "GPU run" if cuda else "off (reuse_freed_memory=False)"}
         if not cuda and reuse_freed_memory:

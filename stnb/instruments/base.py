@@ -6,7 +6,19 @@ from transformers import TrainerCallback
 
 
 class Instrument(TrainerCallback):
-    """A TrainerCallback that reports its own part of the rank's record (``stnb.instruments``)."""
+    """A TrainerCallback that reports its own part of the rank's record (``stnb.instruments``).
+
+    ``after``: the instruments (class names) whose callbacks must run before this one's at every event, each
+    for a reason the subclass states beside it; ``stnb.instruments.order`` sorts by these declarations alone.
+    Defining a subclass registers it (``Instrument.registered``): an instrument is its own file, plus the line
+    in ``stnb/instruments/__init__.py`` that imports it."""
+
+    after: tuple = ()
+    registered: dict = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        Instrument.registered[cls.__name__] = cls
 
     def report(self) -> dict:
         """This instrument's RankReport fields (after training)."""

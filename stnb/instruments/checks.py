@@ -20,6 +20,9 @@ from .base import Instrument, step_was_skipped
 class FirstStepChecks(Instrument):
     """The first step's checks of this rank; ``record()`` is the rank's verification record."""
 
+    after = ("MemoryUse",)  # the strategy's step check runs once the step's memory was measured: its reads
+    # (gathers, state) would count in the peak
+
     def __init__(self, trainer, strategy, config, world_size_requested: int, process_group_size: int,
                  loss_sync, timed=None):
         self.trainer, self.strategy, self.config = trainer, strategy, config

@@ -62,6 +62,9 @@ def tensor_bytes(x) -> int:
 class Collectives(Instrument):
     """Counts this rank's collective calls per training step (and outside the steps), by kind and bytes."""
 
+    after = ("FirstStepChecks", "TimeSplit")  # a step's count opens after the first step's checks (their calls
+    # are not the step's) and closes after the time split's step end
+
     def __init__(self):
         self.steps: list = []          # per step: {kind: {"count", "bytes"}}
         self.outside: dict = {}        # calls outside any step

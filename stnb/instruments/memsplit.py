@@ -21,6 +21,9 @@ class MemoryUse(Instrument):
     """The rank's peaks, the split of the training peak (``memsplit``), and the memory prediction's inputs
     (``model_shape``: the model as built, before sharding)."""
 
+    after = ("TimeSplit",)  # at the first optimizer step the time split marks the optimizer's end first: measuring
+    # the tensors takes time that is not the step's
+
     def __init__(self, cuda: bool, strategy):
         self.strategy = strategy     # what it holds beyond the model's and optimizer's tensors (held_bytes)
         self.peak = memory.PeakMemory(cuda)

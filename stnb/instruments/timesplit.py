@@ -16,6 +16,8 @@ from .base import Instrument
 class TimeSplit(Instrument):
     """Per-step phase readings of this rank (``StepTimer``), reported as ``time_split``."""
 
+    after = ("StepLog",)  # its phases are read on StepLog's clock: the step's begin and end as step_times
+
     def __init__(self, trainer, steps, comm_hook: str = "none"):
         self.trainer = trainer
         self.steps = steps            # the StepLog: its clock times the steps
