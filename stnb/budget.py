@@ -181,8 +181,8 @@ class Budget:
         try:
             yield
         except BaseException as e:
-            if not (out_of_memory(e) or self._held() >= self.bytes - NEAR):  # near it, any allocation fails
-                raise
+            if isinstance(e, ConfigError) or not (out_of_memory(e) or self._held() >= self.bytes - NEAR):
+                raise  # (near the budget, any allocation fails; a refusal, check_model's, stays one)
             undo()  # the report needs memory of its own
             undo = None
             raise OutOfMemory(self.explain(e)) from e

@@ -179,3 +179,37 @@ def test_a_budget_below_what_the_runtime_holds_fails_as_out_of_memory_saying_so(
     assert f"memory_budget_gib={gib:g}" in str(e.value)
     assert "already when the budget was applied, before its model was built: the runtime" in str(e.value)
     assert not procs.children()
+
+
+def build_tiny():
+    """A user's own trainer: the tiny model, 64 scored pairs, batch 16, 4 steps."""
+    import tempfile
+
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+    from sentence_transformers.training_args import SentenceTransformerTrainingArguments
+
+    from stnb.models import resolve_model
+
+    model = SentenceTransformer(resolve_model("tiny"), device="cpu")
+    data = Dataset.from_dict({"sentence1": [f"a sentence {i}" for i in range(64)],
+                              "sentence2": [f"another sentence {i}" for i in range(64)],
+                              "score": [(i % 5) / 4 for i in range(64)]})
+    args = SentenceTransformerTrainingArguments(output_dir=tempfile.mkdtemp(prefix="stnb-budget-"), max_steps=4,
+                                                per_device_train_batch_size=16, report_to=[], use_cpu=True)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=losses.CosineSimilarityLoss(model))
+
+
+def test_a_build_function_over_its_budget_fails_as_out_of_memory_and_under_it_trains(roomy):
+    """The budget applies to a user's own trainer too (stnb.run(build, memory_budget_gib=...)): half the runtime
+    fails as out of memory, 16 GiB trains verified with the limit in every rank."""
+    start = min(v["memory_budget"]["held_at_start"] for v in roomy.verification["ranks"])
+    gib = round(start / 2 / 2**30, 4)
+    with pytest.raises(LaunchError) as e:
+        stnb.run(build_tiny, strategy="ddp", num_processes=2, memory_budget_gib=gib, echo=False)
+    assert e.value.kind == "out_of_memory", str(e.value)
+    assert f"ran out of its memory budget, memory_budget_gib={gib:g}" in str(e.value)
+    assert not procs.children()
+    r = stnb.run(build_tiny, strategy="ddp", num_processes=2, memory_budget_gib=16.0, echo=False)
+    assert r.verified, r.reason
+    assert all(v["memory_budget"]["limit_bytes"] == 16 * 2**30 for v in r.verification["ranks"])
