@@ -5,7 +5,8 @@ wrapped as one (``UserBuild``). A run's ``launchers.Plan`` always carries one, a
 between the two is a method of it, asked by one caller each:
 
     check(config)           before launch: the options this kind of training takes (a launcher's check)
-    check_inputs(config)    before launch: the recipe's model resolved and its data checked (the user's are its own)
+    check_inputs(config)    before launch: the recipe's model resolved, its data checked and its predicted model
+                            state held against the memory budget (the user's are its own: checked in the rank)
     build(config, ...)      in every rank: the trainer (``training.train_rank``)
     initial_path, frozen    in the rank: the untrained model's path; what stnb froze in it
     facts(trainer)          in the rank: RankReport's ``build`` and ``training``
@@ -42,7 +43,11 @@ class RecipeBuild:
         config.check_recipe_options()  # options only a user's build function takes, refused
 
     def check_inputs(self, config: TrainConfig) -> None:
+        from .budget import refuse, shape_from_files
+
         self.model_path = config.recipe.check_inputs()  # resolved once here ('tiny' is built here)
+        # a memory budget below the model state it predicts, from the model folder's tensor headers (not loaded)
+        refuse(config, shape_from_files(self.model_path), config.world_size(), config.resolved_device())
 
     def checkpoints(self, config: TrainConfig) -> bool | None:
         """Whether the run writes checkpoints (None: only its trainer knows, in the ranks)."""

@@ -56,6 +56,8 @@ HELP = {
     "deepspeed_config": 'deepspeed: JSON DeepSpeed config merged over stnb\'s, e.g. \'{"zero_optimization": {"stage": 2}}\'',
     "timeout": "seconds for the whole run",
     "stall_timeout": "seconds without progress before the run is stopped",
+    "memory_budget_gib": "the most memory one rank may use, GiB (CPU: the whole rank process, RLIMIT_DATA; GPU: "
+                         "torch's allocator); a rank that needs more fails as out of memory",
 }
 
 

@@ -102,6 +102,7 @@ class RunOptions:
     start_method: str = run_option("auto")
     threads_per_rank: int | None = run_option(None)
     reuse_freed_memory: bool = run_option(True)  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
+    memory_budget_gib: float | None = run_option(None)  # the most memory one rank may use (stnb.budget)
     # DDP knobs
     bucket_cap_mb: float | None = run_option(None)
     gradient_as_bucket_view: bool = run_option(False)
@@ -167,6 +168,11 @@ class TrainConfig:
     threads_per_rank: torch threads in each process (CPU default: cores / processes).
     reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
         fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory.
+    memory_budget_gib: the most memory each rank may use, in GiB (None: no limit; ``stnb.budget``,
+        docs/memory.md): on CPU the whole rank process's private writable memory (RLIMIT_DATA), on a GPU what
+        torch's allocator may take of it (``torch.cuda.set_per_process_memory_fraction``). A rank that needs
+        more fails as out of memory (LaunchError kind 'out_of_memory'); a budget below the predicted model
+        state is refused before any rank starts.
     DDP knobs (ddp, zero1): bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (True:
         broadcast rank 0's buffers at every forward, a sync point; sentence-transformers turns it off, so
         False is what runs by default; BERT-style buffers never change),
@@ -208,6 +214,7 @@ class TrainConfig:
     mixed_precision: str = part(Recipe, "mixed_precision")
     threads_per_rank: int | None = part(RunOptions, "threads_per_rank")
     reuse_freed_memory: bool = part(RunOptions, "reuse_freed_memory")
+    memory_budget_gib: float | None = part(RunOptions, "memory_budget_gib")
     # DDP knobs
     bucket_cap_mb: float | None = part(RunOptions, "bucket_cap_mb")
     gradient_as_bucket_view: bool = part(RunOptions, "gradient_as_bucket_view")
@@ -393,7 +400,7 @@ class TrainConfig:
         if self.num_processes is not None:
             _check_int("num_processes", self.num_processes, 1)
         _check_num("learning_rate", self.learning_rate, lo_exclusive=0.0)
-        for name in ("timeout", "stall_timeout", "bucket_cap_mb"):
+        for name in ("timeout", "stall_timeout", "bucket_cap_mb", "memory_budget_gib"):
             v = getattr(self, name)
             if v is not None:
                 _check_num(name, v, lo_exclusive=0.0)

@@ -39,9 +39,10 @@ class LaunchError(StnbError):
     Attributes:
         rank: the global rank that failed first (None when no single rank is to blame).
         ranks: every rank reported as failed or stalled.
-        kind: 'raised', 'killed', 'exited', 'stalled', 'timeout', 'busy', 'interrupted'; a cluster job
-            (``stnb.Slurm`` / ``stnb.Ray``) also 'cancelled', 'rendezvous' (not every rank arrived),
-            'node_fail', 'out_of_memory', 'preempted'.
+        kind: 'raised', 'killed', 'exited', 'stalled', 'timeout', 'busy', 'interrupted', 'out_of_memory' (a rank
+            raised ``OutOfMemory``, past its ``memory_budget_gib``, or torch's or Python's own out-of-memory error;
+            a SLURM job SLURM ended for memory); a cluster job (``stnb.Slurm`` / ``stnb.Ray``) also 'cancelled',
+            'rendezvous' (not every rank arrived), 'node_fail', 'preempted'.
         rank_traceback: the failing rank's formatted traceback (or stack dumps for a stall).
         logs: {rank: captured output} of every rank.
     """
@@ -57,6 +58,21 @@ class LaunchError(StnbError):
         if rank_traceback:
             full += "\n\n" + rank_traceback.rstrip()
         super().__init__(full)
+
+
+class OutOfMemory(StnbError, MemoryError):
+    """A rank needed more memory than its budget (``memory_budget_gib``, ``stnb.budget``) allowed. Raised inside
+    the rank, naming it, the budget, the prediction, what it measured and what would fit; ``stnb.run`` reports it
+    as a LaunchError of kind 'out_of_memory'."""
+
+
+#: error types a rank raises when memory ran out: stnb's budget, torch's CUDA allocator, Python's own
+OUT_OF_MEMORY = ("OutOfMemory", "OutOfMemoryError", "MemoryError")
+
+
+def failure_kind(error_type: str) -> str:
+    """A LaunchError's kind for a rank that raised an error of type ``error_type`` (its class name)."""
+    return "out_of_memory" if error_type in OUT_OF_MEMORY else "raised"
 
 
 class BuildError(StnbError):

@@ -247,14 +247,22 @@ def _reset_high_water() -> bool:
         return False
 
 
-def _high_water() -> int:
+def proc_status(key: str) -> int | None:
+    """Bytes of one of this process's ``/proc/self/status`` sizes ('VmHWM', 'VmData', ...); None without it."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _high_water() -> int:
+    hwm = proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
     import sys
 

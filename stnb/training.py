@@ -37,19 +37,30 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
         compares it with the process group this rank is in.
     restarted: the engine restarted this run (a requeued SLURM job): it continues from its newest checkpoint.
     """
+    from .budget import Budget
+    from .instruments import MemoryUse
+
+    here = Here.join(config, launch_time, world_size)  # the process group (an outer launcher's too), the device
+    memory = MemoryUse(here.cuda, config.strategy_object())  # the peak is growth from here on
+    budget = Budget(config, here, memory, recipe=build.name is None)
+    with budget.enforced():  # memory_budget_gib: the rank cannot use more; past it, OutOfMemory names what fits
+        return _train(config, build, here, memory, budget, restarted)
+
+
+def _train(config: TrainConfig, build, here: "Here", memory, budget, restarted: bool) -> RankReport:
+    """``train_rank`` inside the rank's memory budget."""
     import torch
 
     from . import instruments as ins
 
-    here = Here.join(config, launch_time, world_size)  # the process group (an outer launcher's too), the device
     strategy = config.strategy_object()
     allocator = ins.AllocatorRelease(config.reuse_freed_memory, here.cuda, bool(strategy.gathered_during_step))
-    memory = ins.MemoryUse(here.cuda, strategy)  # the peak is growth from here on
     torch.manual_seed(config.seed)
     # build: stnb's recipe or the user's function, checked and made ready (stnb's display, the overrides)
     trainer = build.build(config, here.device, here.distributed)
     prepare.refusals(trainer, config, here.cuda)
     memory.built(trainer)
+    budget.check_model()  # a budget below the model state it predicts (a user's model: known only now)
     overridden, callbacks = prepare.own_display(trainer)  # {"kept": the trainer's callbacks, "removed": ...}
     overridden.update(prepare.apply_overrides(trainer, config))
     outcome = Outcome.before_training(trainer, config, strategy, build.initial_path, here)  # rank 0
@@ -83,8 +94,8 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
         build.clean_up(trainer)
     # report: each instrument its own part, the verification record composed from them
     callbacks["added"] = [type(c).__name__ for c in trainer.callback_handler.callbacks[len(callbacks["kept"]):]]
-    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": build.frozen},
-                                 attached)
+    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": build.frozen,
+                                  "memory_budget": budget.report()}, attached)
     return RankReport(**here.report(), global_batch_size=here.global_batch(trainer.args, strategy),
                       verification=verification, weight_digests=digests, overridden_args=overridden,
                       **outcome.report(), **ins.reports(attached), **build.facts(trainer))

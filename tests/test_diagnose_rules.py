@@ -277,6 +277,16 @@ def test_raised_alone_says_nothing_of_others_and_collateral_is_not_an_origin(ch)
     assert (err.rank, err.ranks) == (1, [1])
 
 
+def test_a_rank_out_of_memory_is_told_as_out_of_memory_and_its_peer_as_a_consequence(ch):
+    """A rank past its memory budget (stnb's OutOfMemory; torch's CUDA OutOfMemoryError, Python's MemoryError alike)
+    is the origin, kind 'out_of_memory'; the peer that lost it in a collective is listed, not blamed."""
+    error(ch, 0, "RuntimeError", "gloo: Connection closed by peer [x]", T0 + 1)
+    error(ch, 1, "OutOfMemory", "rank 1 ran out of its memory budget", T0 + 2)
+    err = told(ch, wd_of(ch), Outcome(failure=RuntimeError("elastic"), exit_codes={0: 1, 1: 1}))
+    assert str(err).startswith("rank 1 raised OutOfMemory: rank 1 ran out of its memory budget (rank(s) 0 failed too)")
+    assert (err.rank, err.ranks, err.kind) == (1, [0, 1], "out_of_memory")
+
+
 def test_sys_exit_in_a_rank_is_told_as_such(ch):
     error(ch, 1, "SystemExit", "3", T0 + 1)
     error(ch, 0, "SystemExit", "2", T0 + 2)

@@ -299,7 +299,7 @@ def test_every_config_field_is_a_field_of_its_recipe_or_of_its_run_options():
         "strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout", "threads_per_rank",
         "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
         "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "stage", "deepspeed_config",
-        "resume", "override_args"}
+        "resume", "override_args", "memory_budget_gib"}
     assert c.LAUNCH_FIELDS == tuple(n for n in names if n in run)  # in the constructor's order
     assert all(isinstance(c.Recipe.where(n), str) and c.Recipe.where(n) for n in recipe)
     cfg = c.TrainConfig(strategy="zero1", steps=7, model="tiny", stall_timeout=9.0, columns={"a": "anchor"})

@@ -137,3 +137,14 @@ def test_each_way_a_cluster_run_fails_is_told_whole_with_its_ranks_nodes_and_log
     assert (e.kind, e.rank, e.ranks) == ("rendezvous", 0, [0, 1])
     assert e.rank_traceback == "--- last lines of rank 0's log (on ?) ---\n(no output)"
     assert "never started (nodes: node-a, node-b);" in str(failure("Ray Train", 2, run, {}, {1: "node-b", 0: "node-a"}))
+
+
+def test_a_cluster_rank_out_of_memory_is_told_as_out_of_memory(tmp_path):
+    """A cluster rank that raised stnb's OutOfMemory (past its memory budget) is named with kind 'out_of_memory', the
+    same kind SLURM's OUT_OF_MEMORY job state gives."""
+    from stnb.errors import OutOfMemory
+
+    run = _folder(tmp_path, errors=((1, OutOfMemory("rank 1 ran out of its memory budget")),))
+    e = failure("SLURM job 7", 2, run, {}, {})
+    assert (e.kind, e.rank) == ("out_of_memory", 1)
+    assert str(e).startswith(f"SLURM job 7: rank 1 on {run.arrived(2)[1]['host']} raised OutOfMemory: rank 1 ran out")

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 
-from ..errors import LaunchError
+from ..errors import LaunchError, failure_kind
 from ..files import write_atomic
 
 #: the lines of a rank's log a LaunchError carries
@@ -196,7 +196,8 @@ def failure(engine: str, world: int, rundir: RunDir, logs: dict, where: dict, en
         first = origin(primary)
         r = first["rank"]
         return err(f"rank {r} on {node[r]} raised {first['type']}: {first['message']}", rank=r,
-                   ranks=sorted({e['rank'] for e in errors}), traceback_text=first.get("traceback", ""))
+                   ranks=sorted({e['rank'] for e in errors}), kind=failure_kind(first["type"]),
+                   traceback_text=first.get("traceback", ""))
     failed = {e["rank"] for e in errors}
     # before the ranks that vanished: no rank gets past its first collective until every rank has arrived, so
     # the ranks that arrived and then vanished were ended because of those that never did (Ray Train ends the

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from ..errors import LaunchError
+from ..errors import LaunchError, failure_kind
 from .channel import Channel
 from .peerfail import is_secondary, origin
 from .start import Outcome
@@ -119,7 +119,7 @@ def raised_then_peers_stalled(ev: Evidence):
         return ev.error(
             f"rank {first['rank']} raised {first['type']}: {first['message']} (rank(s) {', '.join(map(str, stalled))} "
             f"then waited for it with no progress for {wd.stall_timeout:g} s and all ranks were stopped)",
-            rank=first["rank"], ranks=sorted({first["rank"], *stalled}), kind="raised",
+            rank=first["rank"], ranks=sorted({first["rank"], *stalled}), kind=failure_kind(first["type"]),
             rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}\n" + ev.stacks())
 
 
@@ -251,7 +251,8 @@ def raised(ev: Evidence):
         others = sorted({e["rank"] for e in ev.real} - {first["rank"]})
         also = f" (rank(s) {', '.join(map(str, others))} failed too)" if others else ""
         return ev.error(f"rank {first['rank']} raised {first['type']}: {first['message']}{also}",
-                        rank=first["rank"], ranks=sorted({e["rank"] for e in ev.real}), kind="raised",
+                        rank=first["rank"], ranks=sorted({e["rank"] for e in ev.real}),
+                        kind=failure_kind(first["type"]),
                         rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}")
 
 
