@@ -1,6 +1,6 @@
 # stnb: notebook-first distributed training (DP / DDP / FSDP) for sentence-transformers.
 #
-#   make lab    main job: create .venv, install, start JupyterLab on notebooks/
+#   make lab    main job: create .venv, install what the course needs, start JupyterLab on notebooks/
 #   make test   every test, notebooks included (nbval) and the browser test
 #
 # GPU machines: install the CUDA build of the same torch version, e.g.
@@ -20,6 +20,9 @@ PYTEST_ARGS     ?=
 
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
+# Two stamps: what a student needs (make lab: stnb[lab]), and the developers' tools on top of it
+# (make test and the rest: stnb[dev]), each installed once; make test after make lab adds only the rest
+LAB_STAMP  := $(VENV)/.installed-lab
 STAMP      := $(VENV)/.installed
 # Records which torch build was requested; changing TORCH_VERSION or
 # TORCH_INDEX_URL re-runs the install (and swaps the torch build).
@@ -48,11 +51,12 @@ NOTEBOOK_ENV := STNB_PROFILE=workshop \
 	HF_DATASETS_OFFLINE=1 \
 	TOKENIZERS_PARALLELISM=false
 
-.PHONY: help venv install browser cluster-deps lab test test-fast test-under-load test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
+.PHONY: help venv install lab-install browser cluster-deps lab test test-fast test-under-load test-oldest mutants mutants-sample notebooks html bench hardware gpu-check gpu-kit gpu-kit-install clean distclean FORCE
 
 help:
 	@echo "stnb make targets:"
-	@echo "  make lab        create $(VENV), install, start JupyterLab on notebooks/ (token auth, 127.0.0.1)"
+	@echo "  make lab        create $(VENV), install what the course needs (stnb[lab]), start JupyterLab on"
+	@echo "                  notebooks/ (token auth, 127.0.0.1)"
 	@echo "  make test       run every test, notebooks included (STNB_PROFILE=ci): the in-process tests, then the"
 	@echo "                  slow ones on TEST_WORKERS=3 workers"
 	@echo "  make test-fast  the in-process tests only (about a minute)"
@@ -66,7 +70,9 @@ help:
 	@echo "  make notebooks  run every notebook in place (STNB_PROFILE=workshop) and stamp the outputs that get committed"
 	@echo "                  (NB=03: only notebooks/03_*.ipynb), then make html"
 	@echo "  make html       the course as HTML pages from the committed notebooks (no execution): docs/course/"
-	@echo "  make install    create $(VENV) and install stnb[dev] (alias: make venv)"
+	@echo "  make install    create $(VENV) and install stnb[dev], make lab's set and the developers' tools:"
+	@echo "                  DeepSpeed, submitit, Ray, Playwright, mutmut, kaleido (alias: make venv)"
+	@echo "  make lab-install  create $(VENV) and install only what the course needs: stnb[lab] (make lab's step)"
 	@echo "  make browser    apt-get install chromium if $(CHROMIUM) is missing"
 	@echo "  make cluster-deps  apt-get install slurm-wlm munge if slurmctld is missing (the cluster tests"
 	@echo "                  start a one-node SLURM cluster themselves, tests/cluster/slurm_up.sh)"
@@ -84,6 +90,7 @@ help:
 # ---------------------------------------------------------------- install --
 
 venv install: $(STAMP)
+lab-install: $(LAB_STAMP)
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "stnb needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
@@ -95,9 +102,14 @@ $(TORCH_CFG): FORCE | $(PY)
 
 # torch goes in first and explicitly (torch==$(TORCH_VERSION), CPU or CUDA build): pyproject.toml's
 # torch range then keeps it. Every other package at CI's exact version: constraints/ci.txt.
-$(STAMP): pyproject.toml constraints/ci.txt $(TORCH_CFG) | $(PY)
-	$(if $(and $(filter $(TORCH_CFG),$?),$(wildcard $(STAMP))),$(PIP) uninstall -y torch,)
+$(LAB_STAMP): pyproject.toml constraints/ci.txt $(TORCH_CFG) | $(PY)
+	$(if $(and $(filter $(TORCH_CFG),$?),$(wildcard $(LAB_STAMP) $(STAMP))),$(PIP) uninstall -y torch,)
 	$(PIP) install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) "torch==$(TORCH_VERSION)"
+	$(PIP) install -c constraints/ci.txt -e ".[lab]"
+	@touch $@
+
+# The developers' tools on top (the engines, the browser test's Playwright, mutmut, kaleido)
+$(STAMP): $(LAB_STAMP)
 	$(PIP) install -c constraints/ci.txt -e ".[dev]"
 	# DeepSpeed's CPU communication op: compiled once here, not in the first test's ranks (about a minute)
 	$(PY) -m stnb.strategies.deepspeed_ops
@@ -129,7 +141,7 @@ cluster-deps:
 
 # -------------------------------------------------------------------- lab --
 
-lab: install
+lab: lab-install
 	@echo "Starting JupyterLab on 127.0.0.1 with token auth."
 	@echo "Open the line below that looks like http://127.0.0.1:8888/lab?token=... (Ctrl-C to stop)."
 	@echo "Remote machine? Tunnel first: ssh -L 8888:127.0.0.1:8888 <host>"

@@ -12,6 +12,13 @@ sources. Paths into the Python environment that ran it (warnings name the librar
 raised them) are written as ``<site-packages>/...``: they describe that machine, not the notebook.
 ``tests/test_notebook_outputs.py`` recomputes that digest: a code cell edited after the run makes
 it red until ``make notebooks`` runs again (markdown edits do not: they change no output).
+
+The first code cell, the install cell, is the exception that needs no rerun when only its install lines
+changed (the address it installs from, what it says where stnb is missing): they do not run where the
+notebooks are executed, stnb being installed there. ``--first-cell`` runs that cell alone in a new kernel
+with the workshop profile and records the new digest only when it prints what the committed run printed:
+
+    python tests/notebook_outputs.py --first-cell notebooks/[0-9]*.ipynb
 """
 
 from __future__ import annotations
@@ -133,10 +140,60 @@ def stamp(path: str) -> None:
     nbformat.write(nb, path)
 
 
+def _shown(outputs) -> list:
+    """What a list of outputs shows, consecutive streams of one name joined (a kernel may split them)."""
+    out = []
+    for o in outputs:
+        if o.output_type == "stream" and out and out[-1][:2] == ("stream", o.name):
+            out[-1] = ("stream", o.name, out[-1][2] + o.text)
+        else:
+            out.append((o.output_type, o.get("name"), o.get("text") or json.dumps(o.get("data"), sort_keys=True)))
+    return _redacted(out)
+
+
+def restamp_first_cell(path: str) -> None:
+    """The notebook's first code cell, run alone in a new kernel as ``make notebooks`` runs it (the workshop
+    profile, offline): when it shows what the committed run showed, the stamp takes the code's new digest and
+    nothing else changes; otherwise the notebook needs ``make notebooks``."""
+    import os
+    from pathlib import Path
+
+    from nbclient import NotebookClient
+
+    import subprocess
+
+    nb = nbformat.read(path, as_version=4)
+    # the committed notebook (git's HEAD): a current run, whose other code cells are this one's
+    shown = subprocess.run(["git", "show", f"HEAD:./{Path(path).name}"], cwd=Path(path).resolve().parent,
+                           capture_output=True, text=True)
+    if shown.returncode:
+        raise SystemExit(f"{path}: no committed version to compare with ({shown.stderr.strip()})")
+    committed = nbformat.reads(shown.stdout, as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    if problems(committed) or code[1:] != [c.source for c in committed.cells if c.cell_type == "code"][1:]:
+        raise SystemExit(f"{path}: more than its first code cell changed since a current committed run: "
+                         "run `make notebooks`")
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    alone = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(first.source)], metadata=nb.metadata)
+    os.environ.update(STNB_PROFILE=PROFILE, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                      TOKENIZERS_PARALLELISM="false")
+    NotebookClient(alone, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(Path(path).resolve().parent)}}).execute()
+    if _shown(alone.cells[0].outputs) != _shown(first.outputs):
+        raise SystemExit(f"{path}: the first cell now shows {_shown(alone.cells[0].outputs)}, the committed run "
+                         f"{_shown(first.outputs)}: run `make notebooks`")
+    nb.metadata["stnb"]["code_sha256"] = code_digest(nb)
+    nbformat.write(nb, path)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if not args or args[0] != "--stamp" or len(args) < 2:
-        raise SystemExit("usage: python tests/notebook_outputs.py --stamp NOTEBOOK.ipynb ...")
+    if len(args) < 2 or args[0] not in ("--stamp", "--first-cell"):
+        raise SystemExit("usage: python tests/notebook_outputs.py --stamp|--first-cell NOTEBOOK.ipynb ...")
     for p in args[1:]:
-        stamp(p)
-        print(f"stamped {p}")
+        if args[0] == "--stamp":
+            stamp(p)
+            print(f"stamped {p}")
+        else:
+            restamp_first_cell(p)
+            print(f"{p}: its first cell shows what the committed run showed; digest recorded")

@@ -159,3 +159,26 @@ def test_05_shows_the_strategies_equal_without_dropout_and_apart_with_it():
     assert re.match(r"dropout 0\.1: FAILED", kept), kept
     verified, overall, passed = _parity_rows(kept)["ddp"]
     assert verified and not passed and overall > 10 * rows["ddp"][1], kept
+
+
+def test_first_cell_restamp_refuses_a_notebook_with_another_code_cell_changed(tmp_path):
+    """``--first-cell`` records a new digest without rerunning only when the first code cell alone changed since
+    the committed (HEAD) notebook; any other code cell edited needs ``make notebooks``, before any kernel starts."""
+    import shutil
+    import subprocess
+
+    path = tmp_path / NOTEBOOKS[0].name
+    shutil.copy(NOTEBOOKS[0], path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["add", path.name], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "run"], cwd=tmp_path, check=True)
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[0].source += "\n"
+    code[1].source += "\nprint('edited after the run')"
+    nbformat.write(nb, path)
+    with pytest.raises(SystemExit, match="more than its first code cell changed since a current committed run: "
+                                         "run `make notebooks`"):
+        notebook_outputs.restamp_first_cell(str(path))
+    assert nbformat.read(path, as_version=4).metadata["stnb"] == nb.metadata["stnb"]   # nothing recorded

@@ -44,10 +44,10 @@ def _pyproject() -> dict:
 
 
 def _requirements() -> list[Requirement]:
-    """stnb's dependencies and its test and dev extras (not the extras' reference to stnb itself)."""
+    """stnb's dependencies and its lab, test and dev extras (not the extras' reference to stnb itself)."""
     project = _pyproject()["project"]
     extras = project["optional-dependencies"]
-    reqs = list(project["dependencies"]) + list(extras["test"]) + list(extras["dev"])
+    reqs = list(project["dependencies"]) + list(extras["lab"]) + list(extras["test"]) + list(extras["dev"])
     return [Requirement(r) for r in reqs if canonicalize_name(Requirement(r).name) != "stnb"]
 
 
@@ -702,20 +702,19 @@ def nbformat_cell(source: str, hidden: bool = False) -> dict:
     return {"cell_type": "code", "execution_count": None, "metadata": meta, "outputs": [], "source": [source]}
 
 
-#: every notebook's first code cell (CONVENTIONS.md): installs stnb where it is missing (Colab, Kaggle:
-#: pip keeps the runtime's torch, stnb's requirements being ranges), does nothing in `make lab`
+#: every notebook's first code cell (CONVENTIONS.md): does nothing in `make lab` (a clone: stnb is installed);
+#: on Colab / Kaggle installs stnb from pyproject.toml's Source (pip keeps the runtime's torch, stnb's
+#: requirements being ranges), and while that address is a placeholder says in one line what to do instead
+#: (tests/test_install_cell.py runs it each way)
 FIRST_CELL = """try:
     import stnb                                  # make lab: installed already, nothing to do
 except ImportError:                              # Colab, Kaggle: install stnb; the runtime's torch stays
-    %pip install -q "stnb @ git+https://github.com/OWNER/stnb"
+    SOURCE = "https://github.com/OWNER/stnb"     # pyproject.toml's [project.urls] Source
+    if "/OWNER/" in SOURCE:                      # no public address yet: say what to do instead, and stop
+        class NotPublished(Exception):
+            def _render_traceback_(self): return [str(self)]   # IPython shows the message, no traceback
+        raise NotPublished("stnb has no public address yet: clone or upload its repository, run "
+                           "`%pip install -q ./stnb` here and this cell again (or `make lab` in the clone)")
+    %pip install -q "stnb @ git+{SOURCE}"
     import stnb
 prof = stnb.setup()"""
-
-
-def test_the_install_line_is_the_one_pyproject_names():
-    """The spec the first cell installs is `[tool.stnb] install` in pyproject.toml (docs/gpu.md: what to
-    put there when the repository moves); every notebook carries the same first cell."""
-    import tomllib
-
-    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["stnb"]["install"]
-    assert f'%pip install -q "{spec}"' in FIRST_CELL
