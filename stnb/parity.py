@@ -140,13 +140,15 @@ def _verdict(runs: list, tolerance: float, dropout: str) -> Parity:
     import pandas as pd
 
     ref, rounding = runs[0], runs[1]
-    # rounding may excuse a tensor only when the reversed run, verified, is the same training overall
+    # rounding may excuse a tensor only when the reversed run is the same training: with itself as the allowance
+    # it passes (verified, the same start, batch and tensors, no NaN), and overall it ended within the tolerance
+    own, _ = _compare(rounding, ref, rounding, tolerance)
     overall = _overall(rounding, ref)
-    same = overall is not None and overall <= tolerance and not rounding.reason
-    if overall is not None and not same and not rounding.reason:
-        rounding.reason = ("ended NaN apart from the one-device run (a tensor is not a number); no rounding allowance"
-                           if math.isnan(overall) else
-                           f"ended {overall:.2g} of how far training moved the model from the one-device run, "
+    same = own["passed"] and overall <= tolerance
+    if not own["passed"]:
+        rounding.reason = own["reason"]
+    elif not same:
+        rounding.reason = (f"ended {overall:.2g} of how far training moved the model from the one-device run, "
                            "overall, with only the order of each batch's rows reversed: the loss depends on the "
                            "order of the rows, so rounding cannot be told apart; no rounding allowance")
     rows, params = [], []

@@ -393,9 +393,22 @@ def test_a_nan_rounding_run_gives_no_allowance_and_says_nan():
     p = _parity(_run(trained={KEY: [0.75, 3.5]}), rounding=_rounding(key=(math.nan, 1.0)))
     t = p.table.set_index("role")
     assert not t.loc["rounding", "passed"] and math.isnan(t.loc["rounding", "overall"])
-    assert t.loc["rounding", "reason"] == ("ended NaN apart from the one-device run (a tensor is not a number); "
-                                           "no rounding allowance")
+    assert t.loc["rounding", "reason"] == ("1 parameter(s) ended further from one device than 0.01 of how far "
+                                           f"training moved them (and than 10 x rounding): model: {KEY} (nan)")
     assert not p.passed
+
+
+@pytest.mark.parametrize("elsewhere, reason", [
+    (dict(initial={KEY: [0.0, 2.0 ** -10]}), f"{KEY} did not start from the one-device run's values"),
+    (dict(global_batch=16), "global batch 16, not the one-device run's 8")], ids=["start", "batch"])
+def test_a_rounding_run_that_is_not_the_same_training_gives_no_allowance(elsewhere, reason):
+    """Within the tolerance overall, but from other initial values or with another batch: not the same training."""
+    rounding = _run("single, rows reversed", trained={KEY: [0.75, 1.25]}, **elsewhere)
+    p = _parity(_run(trained={KEY: [0.75, 3.5]}), rounding=rounding)
+    t = p.table.set_index("role")
+    assert t.loc["rounding", "overall"] < 0.01 and not t.loc["rounding", "passed"]
+    assert t.loc["rounding", "reason"] == reason
+    assert not p.passed and not t.loc["strategy", "passed"]
 
 
 def test_dropout_kept_there_is_no_rounding_run_and_strategies_are_judged_by_the_tolerance():
@@ -425,6 +438,8 @@ def test_a_failed_reference_fails_every_run_and_says_why():
     assert t.loc["reference", "reason"] == "LaunchError: rank 0 raised MemoryError"
     assert t.loc["strategy", "reason"] == ("the one-device run gave nothing to compare with: LaunchError: rank 0 "
                                            "raised MemoryError")
+    assert p.parameters.empty and p.failures().empty and list(p.failures().columns) == [
+        "strategy", "parameter", "owner", "moved", "apart", "rounding", "relative", "allowed", "within"]
 
 
 def test_an_unverified_reference_fails_the_whole_even_when_every_strategy_matches_it():
@@ -443,6 +458,7 @@ def test_the_repr_says_passed_or_failed_with_the_settings_and_each_reason():
     assert lines[1].split() == ["strategy", "verified", "parameters", "over_tolerance", "overall", "worst_parameter",
                                 "max_relative", "allowed", "loss_apart", "passed"]
     assert len(lines) == 1 + 1 + 4 + 1  # the header, the table's rows, one reason
+    assert [line.split()[0] for line in lines[2:6]] == ["single", "single,", "ddp", "zero2"]  # no index column
     assert lines[-1] == ("zero2: 1 parameter(s) ended further from one device than 0.01 of how far training moved "
                          f"them (and than 10 x rounding): model: {WORDS} (0.02)")
     assert p._repr_html_() == "<pre>" + text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") \
