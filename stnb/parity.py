@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -59,7 +60,7 @@ class Parity:
     def failures(self):
         """The parameters above the tolerance, worst first."""
         p = self.parameters
-        return p[~p["within"]].sort_values("relative", ascending=False) if len(p) else p
+        return p[~p["within"]].sort_values("relative", ascending=False, na_position="first") if len(p) else p
 
     def __repr__(self) -> str:
         cols = ["strategy", "verified", "parameters", "over_tolerance", "overall", "worst_parameter",
@@ -93,8 +94,6 @@ def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: 
     options: launch options passed to every ``stnb.run`` (device, threads_per_rank, timeout,
         start_method...); not strategy, num_processes or save_to, which parity sets.
     """
-    import pandas as pd
-
     from . import strategies as registry
 
     if dropout not in DROPOUT:
@@ -133,15 +132,28 @@ def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: 
                                   for n in names]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    # rounding may excuse a tensor only when the reversed run is the same training overall
+    return _verdict(runs, tolerance, dropout)
+
+
+def _verdict(runs: list, tolerance: float, dropout: str) -> Parity:
+    """The ``Parity`` of ``runs``: the one-device reference, the rounding run, then each strategy's run."""
+    import pandas as pd
+
+    ref, rounding = runs[0], runs[1]
+    # rounding may excuse a tensor only when the reversed run is the same training: with itself as the allowance
+    # it passes (verified, the same start, batch and tensors, no NaN), and overall it ended within the tolerance
+    own, _ = _compare(rounding, ref, rounding, tolerance)
     overall = _overall(rounding, ref)
-    same = overall is not None and overall <= tolerance
-    if overall is not None and not same:
+    same = own["passed"] and overall <= tolerance
+    if not own["passed"]:
+        rounding.reason = own["reason"]
+    elif not same:
         rounding.reason = (f"ended {overall:.2g} of how far training moved the model from the one-device run, "
                            "overall, with only the order of each batch's rows reversed: the loss depends on the "
                            "order of the rows, so rounding cannot be told apart; no rounding allowance")
     rows, params = [], []
-    for role, run in zip(["reference", "rounding"] + ["strategy"] * len(names), runs):
+    for run in runs:
+        role = "reference" if run is ref else "rounding" if run is rounding else "strategy"
         row, per_param = _compare(run, ref, rounding if same else None, tolerance)
         row["overall"] = _overall(run, ref)
         if role == "rounding":  # judged as a whole: its single tensors are the allowance itself
@@ -279,12 +291,10 @@ def _compare(run: _Run, ref: _Run, rounding: _Run, tolerance: float):
     """(the run's table row, its per-tensor rows) against the one-device run ``ref``. A tensor is within
     when it ended no further from ``ref`` than ``tolerance`` x how far ``ref`` moved it, or than
     ROUNDING_FACTOR x how far ``rounding`` (the same training, summed in another order) ended from it."""
-    import math
-
     row = {"strategy": run.name, "verified": bool(run.result is not None and run.result.verified),
            "world_size": run.result.world_size if run.result is not None else None,
            "global_batch_size": run.result.global_batch_size if run.result is not None else None,
-           "parameters": 0, "over_tolerance": 0, "max_relative": float("nan"), "allowed": float("nan"),
+           "parameters": 0, "over_tolerance": 0, "max_relative": math.nan, "allowed": math.nan,
            "worst_parameter": None,
            "loss_apart": _loss_apart(run, ref), "reason": run.reason, "passed": False}
     if run.trained is None or ref.trained is None:
@@ -307,20 +317,20 @@ def _compare(run: _Run, ref: _Run, rounding: _Run, tolerance: float):
         noise = (float((rounding.trained[name] - end).norm())
                  if rounding is not None and rounding.trained and name in rounding.trained else 0.0)
         allowed = max(tolerance * moved, ROUNDING_FACTOR * noise)
-        per_param.append({"strategy": run.name, "parameter": name, "owner": ref.owners.get(name, "model"),
+        per_param.append({"strategy": run.name, "parameter": name, "owner": ref.owners[name],
                           "moved": moved, "apart": apart, "rounding": noise, "relative": _ratio(apart, moved),
                           "allowed": _ratio(allowed, moved), "within": apart <= allowed})
     over = [p for p in per_param if not p["within"]]
-    # the tensor closest to failing: the largest share of what it is allowed
-    worst = max(per_param, key=lambda p: _ratio(p["relative"], p["allowed"])) if per_param else None
+    # the tensor closest to failing: the largest share of what it is allowed (a NaN first: it failed)
+    worst = max(per_param, key=lambda p: _worse(_ratio(p["relative"], p["allowed"]))) if per_param else None
     row.update(parameters=len(per_param), over_tolerance=len(over),
-               max_relative=worst["relative"] if worst else float("nan"),
-               allowed=worst["allowed"] if worst else float("nan"),
+               max_relative=worst["relative"] if worst else math.nan,
+               allowed=worst["allowed"] if worst else math.nan,
                worst_parameter=worst["parameter"] if worst else None)
     if over:
         named = []
         for owner in ("loss", "model"):  # the loss's own first: the few tensors stnb itself keeps in sync
-            mine = sorted((p for p in over if p["owner"] == owner), key=lambda p: -p["relative"])
+            mine = sorted((p for p in over if p["owner"] == owner), key=lambda p: -_worse(p["relative"]))
             if mine:
                 named.append(f"{owner}: " + ", ".join(f"{p['parameter']} ({p['relative']:.2g})" for p in mine[:5])
                              + (f" and {len(mine) - 5} more" if len(mine) > 5 else ""))
@@ -342,7 +352,12 @@ def _overall(run: _Run, ref: _Run):
 
 
 def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else (0.0 if a == 0 else float("inf"))
+    return a / b if b > 0 else (0.0 if a == 0 else math.inf)
+
+
+def _worse(x: float) -> float:
+    """``x`` ranked as a difference: NaN (a tensor or a loss that is not a number) above every number."""
+    return math.inf if math.isnan(x) else x
 
 
 def _loss_apart(run: _Run, ref: _Run):
@@ -352,7 +367,7 @@ def _loss_apart(run: _Run, ref: _Run):
     b = getattr(ref.result, "losses", None) or []
     if not a or len(a) != len(b):
         return None
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), key=_worse)
 
 
 # ---- in the ranks --------------------------------------------------------------------------------

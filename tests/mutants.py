@@ -200,6 +200,13 @@ MODULES = (
     # gpu-check's verdict, its counts and its exit status (a planned check that did not run is a failure).
     # Left out: the speed-up rows and the table's layout
     Module("stnblab/gpucheck/report", "stnblab/gpucheck/report.py", ("x_build", "x_exit_code")),
+    # ---- issue 49 item 4: parity's verdict (tests/test_parity_verdicts.py) ----------------------------
+    # whether a strategy trained what one device trains: each tensor against the tolerance and the rounding
+    # allowance, the overall share, the losses apart, every reason a run fails, the table and its repr. Left
+    # out: parity's runs and what runs in the ranks (_train, _recorded, recipe_build; the slow test_parity.py)
+    Module("parity", "stnb/parity.py", ("x__verdict", "x__compare", "x__overall", "x__ratio", "x__worse",
+                                        "x__loss_apart", "xǁParityǁfailures", "xǁParityǁ__repr__",
+                                        "xǁParityǁ_repr_html_")),
 )
 
 # Functions that run inside the ranks of a launch: mutmut records which tests call a function in the
