@@ -112,10 +112,15 @@ class FullyShardedDataParallel(Strategy):
         def load_optimizer_and_scheduler(checkpoint):
             if checkpoint is None:
                 return
-            named = named_with_loss(trainer)
-            state = sd.get_optimizer_state_dict(named, torch_optimizer(trainer))
-            dcp.load(state, checkpoint_id=os.path.join(checkpoint, self.DCP_OPTIMIZER))
-            sd.set_optimizer_state_dict(named, torch_optimizer(trainer), state)
+            named, folder = named_with_loss(trainer), os.path.join(checkpoint, self.DCP_OPTIMIZER)
+            state = sd.get_optimizer_state_dict(named, torch_optimizer(trainer))  # every parameter's, initialised
+            # a trainable parameter that had no gradient before the checkpoint (a user's model's unused pooler) has
+            # no state in it, and keeps none (seen: "Missing key in checkpoint state_dict: state.0.model.pooler...")
+            saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+            state["state"] = {n: v for n, v in state["state"].items() if any(f"state.{n}.{k}" in saved for k in v)}
+            dcp.load(state, checkpoint_id=folder)
+            sd.set_optimizer_state_dict(named, torch_optimizer(trainer), state,
+                                        options=sd.StateDictOptions(strict=False))
             load_scheduler(trainer, checkpoint)
 
         trainer._save, trainer._save_optimizer_and_scheduler = save_model, save_optimizer_and_scheduler
