@@ -102,20 +102,29 @@ def test_a_run_killed_mid_step_resumes_to_the_weights_and_losses_of_the_run_that
     assert last.keys() == trained.keys() and all((last[k] == trained[k]).all() for k in trained)
 
 
-def build_with_dropout(out: str, keep=None, best=False):
-    """A user's trainer that checkpoints the way Hugging Face users do (save_strategy='steps', save_steps=2), on a
-    tiny BERT with dropout 0.1: the training steps draw from the RNG, so a resume must restore every rank's."""
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-    from sentence_transformers.sentence_transformer import evaluation, losses
+def _tiny_with_dropout():
+    """The tiny BERT with dropout 0.1: its training steps draw from the RNG, so a resume must restore every rank's."""
+    from sentence_transformers import SentenceTransformer
 
     from stnb.models import tiny_path
-    from trainfns import st_args, words
 
     model = SentenceTransformer(tiny_path(), device="cpu")
     for module in model.modules():
         if type(module).__name__ == "Dropout":
             module.p = 0.1
+    return model
+
+
+def build_with_dropout(out: str, keep=None, best=False):
+    """A user's trainer that checkpoints the way Hugging Face users do (save_strategy='steps', save_steps=2), on a
+    tiny BERT with dropout 0.1: the training steps draw from the RNG, so a resume must restore every rank's."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer import evaluation, losses
+
+    from trainfns import st_args, words
+
+    model = _tiny_with_dropout()
     n = 64
     train = Dataset.from_dict({"sentence1": [words(i) for i in range(n)], "sentence2": [words(i + 1) for i in range(n)],
                                "score": [float(i % 3) / 2 for i in range(n)]})
@@ -175,16 +184,12 @@ def build_with_a_loss_that_owns_parameters(out: str):
     """A user's trainer whose loss has trainable parameters of its own (SoftmaxLoss's classifier, in the optimizer
     beside the model's), checkpointing every 2 steps, on the tiny BERT with dropout 0.1."""
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers import SentenceTransformerTrainer
     from sentence_transformers.sentence_transformer import losses
 
-    from stnb.models import tiny_path
     from trainfns import st_args, words
 
-    model = SentenceTransformer(tiny_path(), device="cpu")
-    for module in model.modules():
-        if type(module).__name__ == "Dropout":
-            module.p = 0.1
+    model = _tiny_with_dropout()
     n = 64
     train = Dataset.from_dict({"premise": [words(i) for i in range(n)], "hypothesis": [words(i + 1) for i in range(n)],
                                "label": [i % 3 for i in range(n)]})
