@@ -113,17 +113,17 @@ def step_of(path) -> int:
         return int(json.load(f)["global_step"])
 
 
-def check_serves(path, strategy, world: int, batch: dict | None = None) -> dict:
-    """The checkpoint's manifest; CheckpointError when this run (``strategy`` on ``world`` ranks) cannot load
-    what it holds (``strategy.loads`` says which layouts it reads: its own, or another whose writer can be read
-    by parameter name, ``stnb.strategies.layouts``), or would train on with another global batch (``batch``:
-    this run's, ``batch_of``; None: not known here)."""
+def check_serves(path, strategy, world: int, batch: dict | None = None, config=None) -> dict:
+    """The checkpoint's manifest; CheckpointError when this run (``strategy`` on ``world`` ranks, with the
+    options of ``config``) cannot load what it holds (``strategy.loads`` says which layouts it reads: its own, or
+    another whose writer can be read by parameter name, ``stnb.strategies.layouts``), or would train on with
+    another global batch (``batch``: this run's, ``batch_of``; None: not known here)."""
     written = manifest(path)
     if not written:
         return {}  # a checkpoint of the trainer without stnb: the trainer's own format
     from .strategies import owner
 
-    why = strategy.loads(path, written, world, owner(written.get("format", "trainer")))
+    why = strategy.loads(path, written, world, owner(written.get("format", "trainer")), config)
     if why:
         raise CheckpointError(f"{path} was written by {written.get('world_size')} rank(s) of strategy "
                               f"{written.get('strategy')!r} ({written.get('format', 'trainer')} format); strategy "
@@ -148,7 +148,7 @@ def check_recipe(config) -> None:
     if path:
         check_serves(path, config.strategy_object(), config.world_size(),
                      batch_of(config.per_device_batch_size, config.gradient_accumulation_steps, config.world_size(),
-                              config.devices_per_process()))
+                              config.devices_per_process()), config)
         step = step_of(path)
         if step >= config.steps:
             raise CheckpointError(f"{path} is at step {step} and this run ends at steps={config.steps}: nothing is "

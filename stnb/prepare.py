@@ -19,7 +19,7 @@ Refused with the reason and the fix (``BuildError``): a trainer that is not a
 SentenceTransformerTrainer, a model_init, ``fsdp`` in the arguments (stnb shards the model itself:
 accelerate's FSDP on CPU silently becomes DDP), ``deepspeed`` in the arguments (choose
 strategy='deepspeed'), ``use_cpu=True`` on a CUDA run, and whatever the chosen strategy refuses
-(``Strategy.refusals``: FSDP's checkpoints of a loss with its own parameters, DDP's static_graph with
+(``Strategy.refusals``: DeepSpeed with a loss that has its own parameters, DDP's static_graph with
 accumulation, ...).
 
 The loss holds the model: ``rebind_loss_model`` points every reference the loss holds to the

@@ -25,6 +25,9 @@ from stnb.strategies import layouts
 RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=6, train_size=64, evaluate=False,
            threads_per_rank=1, timeout=300, warmup_steps_excluded=1, checkpoint_every=2)
 STRATEGIES = ["single", "ddp", "zero1", "zero2", "fsdp", "deepspeed"]
+# (strategy, its options): each strategy at its default, and DeepSpeed's other ZeRO stages (its default is 2)
+LAYOUTS_OF_EACH = ([pytest.param(s, {}, id=s) for s in STRATEGIES]
+                   + [pytest.param("deepspeed", {"stage": n}, id=f"deepspeed-stage{n}") for n in (1, 3)])
 
 
 def _rank() -> int:
@@ -57,29 +60,31 @@ def _kill(monkeypatch, method: str, when, rank: int):
     monkeypatch.setattr(Trainer, method, dying)
 
 
-def _stopped_then_resumed(monkeypatch, tmp_path, strategy, broken=None):
+def _stopped_then_resumed(monkeypatch, tmp_path, strategy, broken=None, **options):
     """(the uninterrupted run, the resumed run, their saved models' folders): the second run is killed in its
-    4th step (after checkpoint-2), then resumed from 'latest'; ``broken``: a fault patched in for the resume."""
-    never = stnb.run(_config(strategy, tmp_path / "never", save_to=str(tmp_path / "never-model")), echo=False)
+    4th step (after checkpoint-2), then resumed from 'latest'; ``broken``: a fault patched in for the resume;
+    ``options``: the strategy's own (TrainConfig's stage=...)."""
+    never = stnb.run(_config(strategy, tmp_path / "never", save_to=str(tmp_path / "never-model"), **options),
+                     echo=False)
     with monkeypatch.context() as m:
         _kill(m, "training_step", lambda t: t.state.global_step == 3, rank=1 if strategy != "single" else 0)
         with pytest.raises(stnb.LaunchError) as stopped:
-            stnb.run(_config(strategy, tmp_path / "stopped"), echo=False)
+            stnb.run(_config(strategy, tmp_path / "stopped", **options), echo=False)
     assert stopped.value.kind == "killed", str(stopped.value)
     assert [s for s, _ in checkpoints.complete(tmp_path / "stopped")] == [2]
     with monkeypatch.context() as m:
         if broken:
             broken(m)
         resumed = stnb.run(_config(strategy, tmp_path / "stopped", resume="latest",
-                                   save_to=str(tmp_path / "resumed-model")), echo=False)
+                                   save_to=str(tmp_path / "resumed-model"), **options), echo=False)
     return never, resumed, tmp_path / "never-model", tmp_path / "resumed-model"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy,options", LAYOUTS_OF_EACH)
 def test_a_run_killed_mid_step_resumes_to_the_weights_and_losses_of_the_run_that_never_stopped(
-        monkeypatch, tmp_path, strategy):
-    never, resumed, a, b = _stopped_then_resumed(monkeypatch, tmp_path, strategy)
+        monkeypatch, tmp_path, strategy, options):
+    never, resumed, a, b = _stopped_then_resumed(monkeypatch, tmp_path, strategy, **options)
     assert never.verified and resumed.verified, (never.reason, resumed.reason)
     assert resumed.resumed_from["step"] == 2 and resumed.resumed_from["started_at_step"] == 2
     assert resumed.resumed_from["written_strategy"] == strategy
@@ -90,22 +95,36 @@ def test_a_run_killed_mid_step_resumes_to_the_weights_and_losses_of_the_run_that
     differing = [k for k in wa if not (wa[k] == wb[k]).all()]
     assert not differing, f"{len(differing)} tensor(s) differ, e.g. {differing[:3]}"
     assert [c["step"] for c in resumed.checkpoints] == [4, 6]  # it went on checkpointing
+    from sentence_transformers import SentenceTransformer
+
+    last = checkpoints.to_model(tmp_path / "stopped").state_dict()  # checkpoint-6, an ordinary model on one device
+    trained = SentenceTransformer(str(b), device="cpu").state_dict()
+    assert last.keys() == trained.keys() and all((last[k] == trained[k]).all() for k in trained)
+
+
+def _tiny_with_dropout():
+    """The tiny BERT with dropout 0.1: its training steps draw from the RNG, so a resume must restore every rank's."""
+    from sentence_transformers import SentenceTransformer
+
+    from stnb.models import tiny_path
+
+    model = SentenceTransformer(tiny_path(), device="cpu")
+    for module in model.modules():
+        if type(module).__name__ == "Dropout":
+            module.p = 0.1
+    return model
 
 
 def build_with_dropout(out: str, keep=None, best=False):
     """A user's trainer that checkpoints the way Hugging Face users do (save_strategy='steps', save_steps=2), on a
     tiny BERT with dropout 0.1: the training steps draw from the RNG, so a resume must restore every rank's."""
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers import SentenceTransformerTrainer
     from sentence_transformers.sentence_transformer import evaluation, losses
 
-    from stnb.models import tiny_path
     from trainfns import st_args, words
 
-    model = SentenceTransformer(tiny_path(), device="cpu")
-    for module in model.modules():
-        if type(module).__name__ == "Dropout":
-            module.p = 0.1
+    model = _tiny_with_dropout()
     n = 64
     train = Dataset.from_dict({"sentence1": [words(i) for i in range(n)], "sentence2": [words(i + 1) for i in range(n)],
                                "score": [float(i % 3) / 2 for i in range(n)]})
@@ -158,6 +177,111 @@ def test_a_resume_that_drops_state_is_caught_by_the_same_comparison(monkeypatch,
     never, resumed, wa, wb = _user_stopped_then_resumed(
         monkeypatch, tmp_path, broken=lambda m: m.setattr(Trainer, method, lambda self, *a, **kw: None))
     assert any(not (wa[k] == wb[k]).all() for k in wa), f"dropping the {fault} state changed nothing"
+    assert resumed.losses != never.losses[2:]
+
+
+def build_with_a_loss_that_owns_parameters(out: str):
+    """A user's trainer whose loss has trainable parameters of its own (SoftmaxLoss's classifier, in the optimizer
+    beside the model's), checkpointing every 2 steps, on the tiny BERT with dropout 0.1."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer import losses
+
+    from trainfns import st_args, words
+
+    model = _tiny_with_dropout()
+    n = 64
+    train = Dataset.from_dict({"premise": [words(i) for i in range(n)], "hypothesis": [words(i + 1) for i in range(n)],
+                               "label": [i % 3 for i in range(n)]})
+    loss = losses.SoftmaxLoss(model, model.get_sentence_embedding_dimension(), num_labels=3)
+    return SentenceTransformerTrainer(model=model, args=st_args(out, max_steps=6, save_strategy="steps", save_steps=2),
+                                      train_dataset=train, loss=loss)
+
+
+def _loss_run(strategy, folder, **kw):
+    import functools
+
+    return stnb.run(functools.partial(build_with_a_loss_that_owns_parameters, str(folder)), strategy=strategy,
+                    num_processes=2, device="cpu", threads_per_rank=1, timeout=300, echo=False, **kw)
+
+
+def _loss_parameters(checkpoint) -> dict:
+    import torch
+
+    from stnb.strategies.loss_sync import LOSS_PARAMETERS
+
+    return torch.load(os.path.join(checkpoint, LOSS_PARAMETERS), weights_only=True)
+
+
+def _loss_stopped_then_resumed(monkeypatch, tmp_path, strategy, broken=None, killed=True):
+    """(the uninterrupted run, the resumed run, the final model weights and loss parameters of each): the second
+    run killed in its 4th step (``killed``; else resumed from the first run's checkpoint-2), resumed from 'latest'."""
+    never = _loss_run(strategy, tmp_path / "never", save_to=str(tmp_path / "never-model"))
+    folder, resume = tmp_path / "never", str(tmp_path / "never" / "checkpoint-2")
+    if killed:
+        folder = resume = tmp_path / "stopped"
+        with monkeypatch.context() as m:
+            _kill(m, "training_step", lambda t: t.state.global_step == 3, rank=1)
+            with pytest.raises(stnb.LaunchError) as stopped:
+                _loss_run(strategy, folder)
+        assert stopped.value.kind == "killed", str(stopped.value)
+        assert [s for s, _ in checkpoints.complete(folder)] == [2]
+        resume = "latest"
+    with monkeypatch.context() as m:
+        if broken:
+            broken(m)
+        resumed = _loss_run(strategy, folder if killed else tmp_path / "again", resume=resume,
+                            save_to=str(tmp_path / "resumed-model"))
+    end = tmp_path / ("stopped" if killed else "again")  # (not killed: a build writing to another folder)
+    return (never, resumed, _weights(tmp_path / "never-model"), _weights(tmp_path / "resumed-model"),
+            _loss_parameters(tmp_path / "never" / "checkpoint-6"), _loss_parameters(end / "checkpoint-6"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_a_loss_with_its_own_parameters_resumes_to_the_run_that_never_stopped(monkeypatch, tmp_path, strategy):
+    """SoftmaxLoss's classifier (the loss's own parameters, replicated and kept in sync on every rank, their
+    optimizer state beside the model's: under zero2 / fsdp in the sharded optimizer checkpoint, by their names)
+    checkpointed and restored: killed mid-step after checkpoint-2 and resumed, the run ends with the model's and
+    the loss's parameters bit-identical to the run that never stopped, and every step's loss equal."""
+    never, resumed, wa, wb, la, lb = _loss_stopped_then_resumed(monkeypatch, tmp_path, strategy)
+    assert never.verified and resumed.verified, (never.reason, resumed.reason)
+    assert never.verification["ranks"][0]["trained_parameters"]["loss"] == ["loss.classifier.weight",
+                                                                            "loss.classifier.bias"]
+    assert resumed.resumed_from["step"] == resumed.resumed_from["started_at_step"] == 2
+    assert resumed.losses == never.losses[2:]
+    assert not [k for k in wa if not (wa[k] == wb[k]).all()]
+    assert la.keys() == lb.keys() == {"loss.classifier.weight", "loss.classifier.bias"}
+    assert all((la[k] == lb[k]).all() for k in la)
+
+
+def _forget_the_loss_optimizer_state(m):
+    """The loss's parameters restored, their optimizer state (AdamW's moments) dropped after loading."""
+    from stnb.strategies import loss_sync
+    from stnb.strategies.layouts import torch_optimizer
+
+    real = loss_sync.load_loss_parameters
+
+    def load_then_forget(trainer, folder):
+        real(trainer, folder)
+        for _, p in loss_sync.loss_owned_parameters(trainer):
+            torch_optimizer(trainer).state.pop(p, None)
+
+    m.setattr(loss_sync, "load_loss_parameters", load_then_forget)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+@pytest.mark.parametrize("fault", ["parameters", "optimizer"])
+def test_a_resume_that_drops_the_loss_state_is_caught_by_the_same_comparison(monkeypatch, tmp_path, strategy, fault):
+    """Not true by construction: resumed without the loss's own parameters (they restart from their initial
+    values) or without their optimizer state (AdamW restarts their moments), the run ends elsewhere."""
+    from stnb.strategies import loss_sync
+
+    broken = {"parameters": lambda m: m.setattr(loss_sync, "load_loss_parameters", lambda *a: None),
+              "optimizer": _forget_the_loss_optimizer_state}[fault]
+    never, resumed, wa, wb, la, lb = _loss_stopped_then_resumed(monkeypatch, tmp_path, strategy, broken, killed=False)
+    assert any(not (la[k] == lb[k]).all() for k in la), f"dropping the loss's {fault} changed nothing"
     assert resumed.losses != never.losses[2:]
 
 
@@ -307,6 +431,38 @@ def test_a_sharded_checkpoint_is_written_in_parts_and_opens_on_one_device(tmp_pa
     trained = SentenceTransformer(str(tmp_path / "model"), device="cpu").state_dict()
     assert opened.keys() == trained.keys()
     assert all((opened[k] == trained[k]).all() for k in trained)
+
+
+@pytest.mark.slow
+def test_a_deepspeed_stage3_checkpoint_is_written_in_parts_and_is_a_saved_model(tmp_path):
+    """ZeRO-3 partitions the parameters too: each of 2 ranks writes its own partitions of the engine's state
+    (parameters, fp32 master copy, AdamW's moments: about half each, measured as the bytes each rank wrote), rank 0
+    the model's files beside them, from the parameters gathered for it; the checkpoint opens as an ordinary
+    SentenceTransformer holding the trained weights."""
+    from sentence_transformers import SentenceTransformer
+
+    r = stnb.run(_config("deepspeed", tmp_path, stage=3, save_to=str(tmp_path / "model")), echo=False)
+    assert r.verified, r.reason
+    assert checkpoints.manifest(tmp_path / "checkpoint-6")["zero_stage"] == 3
+    for c in r.checkpoints:
+        folder = tmp_path / f"checkpoint-{c['step']}"
+        if not folder.is_dir():
+            continue
+        engine = [sum(f.stat().st_size for f in folder.glob(f"global_step*/*zero_pp_rank_{rank}_*")) for rank in (0, 1)]
+        model = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        rank0, rank1 = c["bytes_written"]
+        assert min(engine) > 0.45 * sum(engine), engine  # each rank's partitions: about half of the engine's state
+        # what each rank wrote: its own partitions (rank 0: and the model's files), not the other rank's; beyond them
+        # only the gathering's traffic (/proc/self/io counts socket writes too): under the model's bytes on rank 1
+        # (its half sent), under twice them on rank 0 (its half sent, the gathered tensors re-partitioned from it)
+        assert engine[1] <= rank1 < engine[1] + model, (c, engine, model)
+        assert engine[0] + model <= rank0 < engine[0] + 3 * model, (c, engine, model)
+    opened = SentenceTransformer(str(tmp_path / "checkpoint-6"), device="cpu").state_dict()
+    trained = SentenceTransformer(str(tmp_path / "model"), device="cpu").state_dict()
+    assert opened.keys() == trained.keys()
+    assert all((opened[k] == trained[k]).all() for k in trained), "the checkpoint's model is not the trained one"
+    opened_by_stnb = checkpoints.to_model(tmp_path).state_dict()
+    assert all((opened_by_stnb[k] == trained[k]).all() for k in trained)
 
 
 # ---- resumed on another layout: another number of ranks, another strategy's format -------------------------
@@ -502,6 +658,38 @@ def test_each_strategy_declares_the_layouts_it_resumes_and_the_rest_is_refused_w
     with pytest.raises(CheckpointError, match="DeepSpeed's engine loads only its own"):
         serves(ddp, "deepspeed", 2, 4)
     assert serves(ds, "deepspeed", 2, 4)["world_size"] == 2
+
+
+def test_a_deepspeed_checkpoint_resumes_only_at_the_zero_stage_that_wrote_it(tmp_path):
+    """The manifest records the ZeRO stage; another stage is refused before any process starts (stnb's recipe) and
+    in the ranks (a user's trainer: its config), naming the stage that keeps it. A checkpoint written before the
+    stage was recorded is the engine's to load, as before."""
+    from stnb import strategies
+
+    ds = strategies.get("deepspeed")
+
+    def config(stage, resume=None):
+        return stnb.TrainConfig(strategy="deepspeed", stage=stage, num_processes=2, model="tiny", steps=6,
+                                evaluate=False, per_device_batch_size=4, checkpoint_dir=str(tmp_path / "next"),
+                                checkpoint_every=2 if resume else 0, resume=resume)
+
+    assert ds.checkpoint_layout(config(3)) == {"zero_stage": 3}
+    assert strategies.get("fsdp").checkpoint_layout(config(3)) == {}
+    three = _written(tmp_path / "three", "deepspeed", "deepspeed", 2, 4, zero_stage=3)
+    why = ("it holds ZeRO stage 3's partitions, and this run asks stage {}: DeepSpeed's engine reads a checkpoint at "
+           "the stage that wrote it (stage 3 partitions the parameters too, stages 1 and 2 keep the whole model); "
+           "resume it with stage=3, or start a new run from the model it holds (stnb.checkpoints.to_model("
+           "<checkpoint>) opens it)")
+    for stage in (1, 2):
+        assert _refusal(checkpoints.check_serves, three, ds, 2, checkpoints.batch_of(4, 1, 2), config(stage)) == (
+            f"{three} was written by 2 rank(s) of strategy 'deepspeed' (deepspeed format); strategy 'deepspeed' on 2 "
+            f"rank(s) cannot resume it: {why.format(stage)}")
+        assert _refusal(checkpoints.check_recipe, config(stage, three)).endswith(why.format(stage))
+    assert checkpoints.check_serves(three, ds, 2, checkpoints.batch_of(4, 1, 2), config(3))["zero_stage"] == 3
+    checkpoints.check_recipe(config(3, three))
+    assert checkpoints.check_serves(three, ds, 2)["zero_stage"] == 3  # the run's options not known: not checked
+    older = _written(tmp_path / "older", "deepspeed", "deepspeed", 2, 4)  # no zero_stage recorded
+    checkpoints.check_recipe(config(1, older))
 
 
 def test_a_resume_that_would_change_the_global_batch_is_refused_naming_what_keeps_it(tmp_path):

@@ -27,6 +27,7 @@ import pytest
 import procs
 import stnb
 from stnb import checkpoints
+from stnb.strategies.loss_sync import LOSS_PARAMETERS
 from trainfns import FAST
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "st_examples")
@@ -44,24 +45,15 @@ FP16_ON_CPU = ["cannot train this trainer under strategy 'deepspeed'", "fp16=Tru
 BF16_ON_CPU = ["cannot train this trainer under strategy 'deepspeed'", "use_cpu=True in your arguments",
                "accelerate refuses DeepSpeed in its CPU mode", "remove use_cpu",
                "DeepSpeed cannot train bf16 on CPU", "use strategy='zero1', 'zero2' or 'fsdp'"]
-LOSS_PARAMETERS = ["your loss has its own trainable parameters (loss.projection.weight, loss.projection.bias)",
-                   "use strategy='zero1' or 'ddp', which keep them in sync"]
-
-
-def _sharded_checkpoint_of(strategy: str) -> list:
-    name = {"zero2": "ZeRO-2", "fsdp": "FSDP (ZeRO-3)"}[strategy]
-    return [f"cannot train this trainer under strategy '{strategy}'",
-            f"save_strategy='steps' with {name} and a loss with its own parameters (loss.projection.weight, "
-            "loss.projection.bias)", "the sharded optimizer checkpoint names its state by the model's parameters",
-            "use strategy='ddp' or 'zero1' to checkpoint this loss, or save_only_model=True"]
+LOSS_PARAMETERS_REFUSED = ["your loss has its own trainable parameters (loss.projection.weight, loss.projection.bias)",
+                           "use strategy='zero1' or 'ddp', which keep them in sync"]
+PROJECTION = ["loss.projection.weight", "loss.projection.bias"]  # the distillation's loss's own parameters
 
 
 # (script, strategy) -> None: verified; a list: refused, the message holding every string of it
 OUTCOMES = {(script, strategy): None for script in SCRIPTS for strategy in STRATEGIES}
 OUTCOMES.update({(script, "deepspeed"): FP16_ON_CPU for script in SCRIPTS[:3]})
-OUTCOMES.update({("model_distillation", "deepspeed"): FP16_ON_CPU + LOSS_PARAMETERS,
-                 ("model_distillation", "zero2"): _sharded_checkpoint_of("zero2"),
-                 ("model_distillation", "fsdp"): _sharded_checkpoint_of("fsdp"),
+OUTCOMES.update({("model_distillation", "deepspeed"): FP16_ON_CPU + LOSS_PARAMETERS_REFUSED,
                  ("training_gooaq_bce", "deepspeed"): BF16_ON_CPU, ("train_splade_nq", "deepspeed"): BF16_ON_CPU})
 
 
@@ -76,6 +68,12 @@ def _run(script: str, strategy: str, out, build=None, **kw):
     ranks = {"num_processes": None} if strategy == "single" else {}
     build = build or _script(script).build
     return stnb.run(functools.partial(build, str(out)), strategy=strategy, echo=False, **{**FAST, **ranks, **kw})
+
+
+def torch_load(path: str) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
 
 
 def _weights(path: str, model_class: str, saved: str) -> dict:
@@ -129,6 +127,11 @@ def test_each_example_script_runs_unchanged_under_every_strategy_or_is_refused_w
         assert [c["step"] for c in r.checkpoints] == [2, 4, 6]
         if script in BEST:
             _assert_the_best_checkpoint_was_loaded(str(out), str(tmp_path / "model"), script)
+        if script == "model_distillation":  # its loss's projection trained, and in every checkpoint
+            assert r.verification["ranks"][0]["trained_parameters"]["loss"] == PROJECTION
+            kept = checkpoints.complete(out)
+            assert kept and all(sorted(torch_load(os.path.join(path, LOSS_PARAMETERS))) == sorted(PROJECTION)
+                                for _, path in kept)
     else:
         with pytest.raises(stnb.LaunchError) as refused:
             _run(script, strategy, out)
@@ -164,35 +167,11 @@ def test_under_deepspeed_each_script_trains_once_its_precision_flag_is_removed(m
         with pytest.raises(stnb.LaunchError) as refused:
             _run(script, "deepspeed", out)
         message = str(refused.value)
-        assert all(part in message for part in LOSS_PARAMETERS) and "fp16" not in message, message
+        assert all(part in message for part in LOSS_PARAMETERS_REFUSED) and "fp16" not in message, message
     else:
         r = _run(script, "deepspeed", out, save_to=str(tmp_path / "model") if script in BEST else None)
         assert r.verified, r.reason
         assert [c["step"] for c in r.checkpoints] == [2, 4, 6]
         if script in BEST:
             _assert_the_best_checkpoint_was_loaded(str(out), str(tmp_path / "model"), script)
-    assert not procs.children()
-
-
-def build_distillation_saving_only_the_model(out: str):
-    """model_distillation.py's trainer with save_only_model=True, the fix its zero2 / fsdp refusal names."""
-    trainer = _script("model_distillation").build(out)
-    trainer.args.save_only_model = True
-    return trainer
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
-def test_the_distillation_with_its_projection_checkpoints_under_zero2_and_fsdp_saving_only_the_model(tmp_path,
-                                                                                                      strategy):
-    """The fix the sharded-checkpoint refusal names (save_only_model=True), applied: the distillation trains its
-    loss's projection under zero2 and fsdp, checkpoints the model's shards every 2 steps, and loads the best one."""
-    out = tmp_path / "out"
-    r = _run("model_distillation", strategy, out, build=build_distillation_saving_only_the_model,
-             save_to=str(tmp_path / "model"))
-    assert r.verified, r.reason
-    assert r.verification["ranks"][0]["trained_parameters"]["loss"] == ["loss.projection.weight",
-                                                                        "loss.projection.bias"]
-    assert [c["step"] for c in r.checkpoints] == [2, 4, 6]
-    _assert_the_best_checkpoint_was_loaded(str(out), str(tmp_path / "model"), "model_distillation")
     assert not procs.children()

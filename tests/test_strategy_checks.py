@@ -322,26 +322,30 @@ def test_fsdp_and_zero2_refuse_one_process_and_an_old_transformers(monkeypatch):
         s.validate(TrainConfig(strategy=name))  # num_processes left to the machine
 
 
-def test_fsdp_checkpoints_except_a_loss_with_its_own_parameters(tmp_path, monkeypatch):
-    """Issue 48: the trainer's checkpoints are written sharded; refused only where the sharded optimizer checkpoint
-    cannot name the state (a loss's own parameters, unless save_only_model)."""
-    from stnb.strategies import tensors
+def test_fsdp_checkpoints_a_loss_with_its_own_parameters_and_resumes_it_on_its_own_layout_only(tmp_path,
+                                                                                                monkeypatch):
+    """Issue 48: the trainer's checkpoints are written sharded, a loss's own parameters too (save_strategy='steps',
+    'epoch', 'best' are never refused); a checkpoint holding them resumes on its own layout only (another layout
+    reads the model's parameters by name), refused before any process starts with the fix."""
+    from stnb.strategies import loss_sync, tensors
 
-    for name, label in (("fsdp", "FSDP (ZeRO-3)"), ("zero2", "ZeRO-2")):
+    owned = [(f"p{i}", None) for i in range(4)]
+    monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: owned)
+    as_text = st_args(str(tmp_path))
+    as_text.save_strategy = "epoch"  # set after construction: a plain string, not transformers' enum
+    for name in ("fsdp", "zero2"):
         s = strategies.get(name)
-        monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: [])
-        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps")), None) == []
-        owned = [(f"p{i}", None) for i in range(4)]
-        monkeypatch.setattr(tensors, "loss_owned_parameters", lambda trainer: owned)
-        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path))), None) == []  # no checkpoints asked
-        assert s.refusals(SimpleNamespace(args=st_args(str(tmp_path), save_strategy="steps", save_only_model=True)),
-                          None) == []
-        as_text = st_args(str(tmp_path))
-        as_text.save_strategy = "epoch"  # set after construction: a plain string, not transformers' enum
-        assert s.refusals(SimpleNamespace(args=as_text), None) == [
-            f"save_strategy='epoch' with {label} and a loss with its own parameters (p0, p1, p2): the sharded "
-            "optimizer checkpoint names its state by the model's parameters, and these are not the model's; use "
-            "strategy='ddp' or 'zero1' to checkpoint this loss, or save_only_model=True"]
+        for args in (st_args(str(tmp_path), save_strategy="steps"), as_text):
+            assert s.refusals(SimpleNamespace(args=args), None) == []
+        written = {"strategy": name, "format": "dcp", "world_size": 2}
+        assert s.unreadable(str(tmp_path), written) == ""
+        (tmp_path / loss_sync.LOSS_PARAMETERS).write_bytes(b"")
+        assert s.unreadable(str(tmp_path), written) == (
+            "it holds a loss's own parameters and their optimizer state (loss-parameters.pt), which another layout "
+            f"does not read (it reads the model's, by name); resume it with strategy={name!r} and num_processes=2")
+        assert s.loads(str(tmp_path), written, 2, s) == ""  # its own layout
+        assert s.loads(str(tmp_path), written, 3, s) == s.unreadable(str(tmp_path), written)
+        (tmp_path / loss_sync.LOSS_PARAMETERS).unlink()
 
 
 def test_reshard_plan_keeps_the_last_block_whole_and_zero2_every_block():

@@ -103,7 +103,8 @@ class Checkpoints(Instrument):
             state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
         if self.rank == 0:
             record = {"step": step, "strategy": self.strategy.name, "format": self.strategy.checkpoint_format,
-                      "world_size": self.world, **self._batch(), "bytes_written": written, "written_at": time.time(),
+                      **self.strategy.checkpoint_layout(self.trainer.stnb_config), "world_size": self.world,
+                      **self._batch(), "bytes_written": written, "written_at": time.time(),
                       "base_model": self.base_model}
             with open(os.path.join(staged, MANIFEST), "w") as f:
                 json.dump(record, f, indent=1)
@@ -133,7 +134,7 @@ class Checkpoints(Instrument):
         """``path`` checked against this run before training (every rank); remembered to check the start."""
         if path is None:
             return None
-        written = check_serves(path, self.strategy, self.world, self._batch())
+        written = check_serves(path, self.strategy, self.world, self._batch(), self.trainer.stnb_config)
         self.trainer.stnb_checkpoint_writer = owner(written.get("format", "trainer"))  # reads it on another layout
         self.resumed = {"path": path, "step": step_of(path), "written_by": written.get("world_size"),
                         "written_strategy": written.get("strategy"), "read_by": self.world,

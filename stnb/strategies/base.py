@@ -161,31 +161,44 @@ class Strategy(abc.ABC):
         """Make the trainer write and read this strategy's state in its checkpoints (``checkpoint_format``),
         in every rank, before training: the default leaves the trainer's own saving and loading as they are and
         writes the names of the optimizer's parameters beside ``optimizer.pt`` (``layouts.NAMES``, what another
-        layout reads it by). A strategy that writes its own format calls this last: every strategy loads a
-        checkpoint of another layout that ``loads`` accepts (``layouts.install``)."""
+        layout reads it by). Every strategy's checkpoints hold the loss's own parameters (``loss_sync``: the
+        model's files do not) beside the optimizer's state. A strategy that writes its own format calls this
+        last: every strategy loads a checkpoint of another layout that ``loads`` accepts (``layouts.install``)."""
+        import os
+
         from .layouts import NAMES, install, optimizer_names, write_names
+        from .loss_sync import load_loss_parameters, save_loss_parameters
 
-        if self.checkpoint_format == "trainer":
-            import os
+        save, load = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
 
-            save = trainer._save_optimizer_and_scheduler
-
-            def save_with_names(output_dir):
-                save(output_dir)
+        def save_state(output_dir):
+            save(output_dir)
+            save_loss_parameters(trainer, output_dir)
+            if self.checkpoint_format == "trainer" and trainer.args.should_save:
                 groups = optimizer_names(trainer, torch_optimizer(trainer))
-                if trainer.args.should_save and groups is not None:
+                if groups is not None:
                     write_names(os.path.join(output_dir, NAMES), groups)
 
-            trainer._save_optimizer_and_scheduler = save_with_names
+        def load_state(checkpoint):
+            load(checkpoint)
+            if checkpoint is not None:
+                load_loss_parameters(trainer, checkpoint)
+
+        trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler = save_state, load_state
         install(trainer, self)
 
     # ---- resuming on another layout (``stnb.strategies.layouts``) -------------------------------
-    def loads(self, path: str, written: dict, world: int, writer) -> str:
+    def checkpoint_layout(self, config) -> dict:
+        """What its checkpoints record of the run's own options that a run resuming them must share (beside the
+        manifest's strategy, format and ranks; DeepSpeed: the ZeRO stage); {} by default."""
+        return {}
+
+    def loads(self, path: str, written: dict, world: int, writer, config=None) -> str:
         """Why this strategy on ``world`` ranks cannot resume the checkpoint at ``path`` (``written``: its
-        manifest; ``writer``: the strategy whose format it is, ``strategies.owner``), with the fix; '' when it can:
-        its own format on its own number of ranks, or any checkpoint whose writer can be read whole by parameter
-        name (``unreadable``) on any number of ranks. Asked before any process starts
-        (``stnb.checkpoints.check_serves``)."""
+        manifest; ``writer``: the strategy whose format it is, ``strategies.owner``; ``config``: the resuming
+        run's, None where not known), with the fix; '' when it can: its own format on its own number of ranks, or
+        any checkpoint whose writer can be read whole by parameter name (``unreadable``) on any number of ranks.
+        Asked before any process starts (``stnb.checkpoints.check_serves``)."""
         fmt = written.get("format", "trainer")
         if fmt == self.checkpoint_format and written.get("world_size") == world:
             return ""

@@ -28,6 +28,7 @@ the pieces add up to the model.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import json
 
@@ -55,7 +56,10 @@ def stage_of(config) -> int:
 def ds_config(config) -> dict:
     """The DeepSpeed config of a run: stnb's (the stage, the rest "auto" for the trainer to fill) with the
     user's ``deepspeed_config`` merged over it (``validate`` refused any value that contradicts the run)."""
-    out = {"zero_optimization": {"stage": stage_of(config)},
+    stage = stage_of(config)
+    # stage 3: the trainer gathers the partitioned parameters to write a checkpoint's model (``DeepSpeed.saving``)
+    out = {"zero_optimization": {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True}
+                                                    if stage == 3 else {})},
            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "gradient_clipping": "auto",
            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "steps_per_print": 10**9}
@@ -194,9 +198,19 @@ class DeepSpeed(Strategy):
             prebuild()
 
     # ---- resuming (stnb.strategies.layouts) ----------------------------------------------------------
-    def loads(self, path, written, world, writer):
-        """DeepSpeed's engine loads its own checkpoint only, on the number of ranks that wrote it."""
+    def checkpoint_layout(self, config):
+        return {"zero_stage": stage_of(config)}
+
+    def loads(self, path, written, world, writer, config=None):
+        """DeepSpeed's engine loads its own checkpoint only, on the number of ranks and at the ZeRO stage that
+        wrote it."""
         fmt, n = written.get("format", "trainer"), written.get("world_size")
+        had = written.get("zero_stage")  # None: written before stnb recorded it
+        if fmt == self.checkpoint_format and n == world and None not in (had, config) and had != stage_of(config):
+            return (f"it holds ZeRO stage {had}'s partitions, and this run asks stage {stage_of(config)}: DeepSpeed's "
+                    "engine reads a checkpoint at the stage that wrote it (stage 3 partitions the parameters too, "
+                    f"stages 1 and 2 keep the whole model); resume it with stage={had}, or start a new run from the "
+                    "model it holds (stnb.checkpoints.to_model(<checkpoint>) opens it)")
         if fmt == self.checkpoint_format:
             return "" if n == world else self.unreadable(path, written)
         return (f"DeepSpeed's engine loads only its own checkpoints (global_step<N>/), and this one is in the "
@@ -212,6 +226,33 @@ class DeepSpeed(Strategy):
                 "--output_folder <new folder>, then deepspeed_config={'checkpoint': {'load_universal': True}} "
                 "(not run or tested by stnb); or start a new run from the model it holds "
                 "(model=<the checkpoint's path>)")
+
+    def saving(self, trainer):
+        """The engine writes its own checkpoint (``global_step<N>/``, each rank its ZeRO partitions), the trainer
+        the model's files beside it, so that every checkpoint is a saved model. At stage 3 the model's parameters
+        are this rank's partitions: the trainer gathers them (``ds_config``: stage3_gather_16bit_weights_on_model_save)
+        and hands them to ``_save``, which sentence-transformers' ignores (it would write the empty partitions, or,
+        without the gathering, no weights at all): rank 0 writes the model with the gathered tensors in place, and
+        its model card without the usage snippet's similarities (computing them runs a forward, whose ZeRO-3 hooks
+        gather parameters from ranks that are not saving: observed, both ranks stalled)."""
+        save = trainer._save
+
+        def save_gathered(output_dir=None, state_dict=None):
+            if not state_dict or not any(hasattr(p, "ds_tensor") for p in trainer.model.parameters()):
+                return save(output_dir, state_dict=state_dict)
+            card = getattr(trainer.model, "model_card_data", None)
+            widgets = getattr(card, "generate_widget_examples", None)
+            with gathered_in_place(trainer.model, state_dict):
+                try:
+                    if widgets is not None:
+                        card.generate_widget_examples = False
+                    return save(output_dir, state_dict=state_dict)
+                finally:
+                    if widgets is not None:
+                        card.generate_widget_examples = widgets
+
+        trainer._save = save_gathered
+        super().saving(trainer)
 
     def trainer_arguments(self, config, device):
         return {"deepspeed": ds_config(config), "use_cpu": False}
@@ -383,6 +424,22 @@ class DeepSpeed(Strategy):
         persistent = set(model.state_dict())  # keys only: ZeRO-3's parameters are empty here
         full.update({name: b.detach().clone().cpu() for name, b in model.named_buffers() if name in persistent})
         return full, True
+
+
+@contextlib.contextmanager
+def gathered_in_place(model, state_dict: dict):
+    """Every ZeRO-3 parameter of ``model`` (an empty placeholder beside this rank's partition) holds its whole
+    tensor from ``state_dict`` (gathered, by name) for the time of the block, then its placeholder again."""
+    params = dict(model.named_parameters())
+    placeholders = {}
+    try:
+        for name, p in params.items():
+            if name in state_dict:
+                placeholders[name], p.data = p.data, state_dict[name]
+        yield
+    finally:
+        for name, data in placeholders.items():
+            params[name].data = data
 
 
 def split_data_across_ranks(trainer) -> dict:

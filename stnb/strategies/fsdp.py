@@ -21,7 +21,7 @@ parameters, no param_dtype); on GPUs FSDP2's half-precision parameters, said in 
 
 from __future__ import annotations
 
-from .base import (Strategy, load_scheduler, mixed_precision, rebuild_optimizer, save_scheduler, save_strategy,
+from .base import (Strategy, load_scheduler, mixed_precision, rebuild_optimizer, save_scheduler,
                    torch_optimizer)
 from .stepcost import pipeline, step
 
@@ -81,37 +81,26 @@ class FullyShardedDataParallel(Strategy):
     reshards = True  # torch.distributed.checkpoint reads shards written by any number of ranks into this run's
     DCP_MODEL, DCP_OPTIMIZER = "dcp-model", "dcp-optimizer"  # a checkpoint's folders of shards (every rank's)
 
-    def refusals(self, trainer, config):
-        from .tensors import loss_owned_parameters
-
-        save = save_strategy(trainer.args)
-        if save == "no" or trainer.args.save_only_model:
-            return []
-        owned = loss_owned_parameters(trainer)
-        if owned:
-            # torch.distributed.checkpoint names the optimizer's state by the model's parameter names
-            return [f"save_strategy={save!r} with {self.label} and a loss with its own parameters "
-                    f"({', '.join(n for n, _ in owned[:3])}): the sharded optimizer checkpoint names its state by "
-                    "the model's parameters, and these are not the model's; use strategy='ddp' or 'zero1' to "
-                    "checkpoint this loss, or save_only_model=True"]
-        return []
-
     def saving(self, trainer):
         """Each rank writes and reads only its shards with ``torch.distributed.checkpoint`` (the model in
         ``dcp-model/``, the optimizer in ``dcp-optimizer/``; ``get_state_dict`` / ``set_state_dict``): a model
-        sharded before training has no whole copy to ``save_pretrained``. Rank 0 writes the scheduler; the RNG
-        states and the trainer state are the trainer's. ``stnb.checkpoints.to_model`` opens the model on one
-        device, whatever number of ranks wrote it."""
+        sharded before training has no whole copy to ``save_pretrained``. The optimizer's state of a loss's own
+        parameters (replicated, not sharded) is in ``dcp-optimizer/`` too, by their names (``named_with_loss``),
+        written once; their values beside (``Strategy.saving``). Rank 0 writes the scheduler; the RNG states and
+        the trainer state are the trainer's. ``stnb.checkpoints.to_model`` opens the model on one device, whatever
+        number of ranks wrote it."""
         import os
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import state_dict as sd
 
+        from .loss_sync import named_with_loss
+
         def save_model(output_dir=None, state_dict=None):
             dcp.save(sd.get_model_state_dict(trainer.model), checkpoint_id=os.path.join(output_dir, self.DCP_MODEL))
 
         def save_optimizer_and_scheduler(output_dir):
-            dcp.save(sd.get_optimizer_state_dict(trainer.model, torch_optimizer(trainer)),
+            dcp.save(sd.get_optimizer_state_dict(named_with_loss(trainer), torch_optimizer(trainer)),
                      checkpoint_id=os.path.join(output_dir, self.DCP_OPTIMIZER))
             save_scheduler(trainer, output_dir)
 
@@ -123,9 +112,15 @@ class FullyShardedDataParallel(Strategy):
         def load_optimizer_and_scheduler(checkpoint):
             if checkpoint is None:
                 return
-            state = sd.get_optimizer_state_dict(trainer.model, torch_optimizer(trainer))
-            dcp.load(state, checkpoint_id=os.path.join(checkpoint, self.DCP_OPTIMIZER))
-            sd.set_optimizer_state_dict(trainer.model, torch_optimizer(trainer), state)
+            named, folder = named_with_loss(trainer), os.path.join(checkpoint, self.DCP_OPTIMIZER)
+            state = sd.get_optimizer_state_dict(named, torch_optimizer(trainer))  # every parameter's, initialised
+            # a trainable parameter that had no gradient before the checkpoint (a user's model's unused pooler) has
+            # no state in it, and keeps none (seen: "Missing key in checkpoint state_dict: state.0.model.pooler...")
+            saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+            state["state"] = {n: v for n, v in state["state"].items() if any(f"state.{n}.{k}" in saved for k in v)}
+            dcp.load(state, checkpoint_id=folder)
+            sd.set_optimizer_state_dict(named, torch_optimizer(trainer), state,
+                                        options=sd.StateDictOptions(strict=False))
             load_scheduler(trainer, checkpoint)
 
         trainer._save, trainer._save_optimizer_and_scheduler = save_model, save_optimizer_and_scheduler
@@ -133,7 +128,17 @@ class FullyShardedDataParallel(Strategy):
         super().saving(trainer)  # a checkpoint of another layout (stnb.strategies.layouts)
 
     def unreadable(self, path, written):
-        return ""  # DCP names every tensor; any process reads the shards of every rank
+        """DCP names every tensor, and any process reads the shards of every rank; but a loss's own parameters
+        are not the model's, which is all another layout reads by name."""
+        import os
+
+        from .loss_sync import LOSS_PARAMETERS
+
+        if not os.path.isfile(os.path.join(path, LOSS_PARAMETERS)):
+            return ""
+        return (f"it holds a loss's own parameters and their optimizer state ({LOSS_PARAMETERS}), which another "
+                "layout does not read (it reads the model's, by name); resume it with "
+                f"strategy={written.get('strategy')!r} and num_processes={written.get('world_size')}")
 
     def read_model(self, checkpoint, like):
         import os
