@@ -82,6 +82,9 @@ def slurm_cluster():
         down = subprocess.run([str(HERE / "cluster" / "slurm_down.sh"), folder], capture_output=True, text=True,
                               timeout=120)
         left = _wait_gone(daemons + _matching("slurmstepd"), 30)
+        for p in left:  # reported below, and stopped: a later run on this machine must not find them (a job's
+            with contextlib.suppress(psutil.Error):  # steps outlive slurmd when a test was stopped mid-job)
+                p.kill()
         shutil.rmtree(folder, ignore_errors=True)
         assert down.returncode == 0 and not left, \
             f"SLURM processes left running: {[(p.pid, p.name()) for p in left]}\n{down.stderr}"
