@@ -13,7 +13,7 @@ import pytest
 from stnb import instruments
 from stnb.instruments import Instrument
 
-KINDS = [getattr(instruments, n) for n in instruments.__all__ if n not in ("Instrument", "attach", "reports", "order")]
+KINDS = list(instruments.BUILT_IN)
 
 
 def _position() -> dict:

@@ -36,7 +36,7 @@ module (a subclass of ``Instrument``) and one line below that imports it.
 from __future__ import annotations
 
 __all__ = ["Instrument", "attach", "reports", "Flops", "StepLog", "TimeSplit", "MemoryUse", "FirstStepChecks",
-           "AllocatorRelease", "LossInputs", "Collectives", "OutsideSteps", "Checkpoints", "order"]
+           "AllocatorRelease", "LossInputs", "Collectives", "OutsideSteps", "Checkpoints", "order", "BUILT_IN"]
 
 from .base import Instrument, reports
 from .allocator import AllocatorRelease
@@ -49,6 +49,9 @@ from .memsplit import MemoryUse
 from .outside import OutsideSteps
 from .steps import StepLog
 from .timesplit import TimeSplit
+
+#: stnb's own instruments, as the imports above registered them (one made later, a test's, is not among them)
+BUILT_IN = tuple(Instrument.registered.values())
 
 
 def order(kinds) -> list:
