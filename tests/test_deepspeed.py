@@ -2,8 +2,8 @@
 verified from the engine, side by side with the native stage of the same number, from stnb's recipe,
 the CLI and a user's build function; and the bad input refused before any process starts.
 
-Every run is real (the tiny model, a few steps). DeepSpeed's CPU op is built once per machine
-(``make install``; else ``Strategy.before_launch`` builds it before the first launch).
+Every run is real (the tiny model, a few steps). DeepSpeed's CPU op is built once per environment
+(``make install``; else ``rank_env`` builds it before the first launch), and each launch loads a copy.
 """
 
 from __future__ import annotations
@@ -401,3 +401,75 @@ def test_an_op_built_for_another_environment_is_built_again_before_launch(tmp_pa
     assert os.stat(so).st_mtime_ns != before  # torch's builder agreed: it built the op again
     with open(os.path.join(folder, "build.ninja")) as f:
         assert site in f.read() and deepspeed_ops.why_not_built() == ""
+
+
+def test_each_environment_builds_the_op_in_a_folder_of_its_own(monkeypatch):
+    """Two virtualenvs on one machine shared torch's ``py311_cpu`` folder and rebuilt each other's op in turn,
+    inside the ranks (seen in a loaded run: a DeepSpeed run stalled on the build). Unless
+    ``$TORCH_EXTENSIONS_DIR`` names a folder, stnb's folder carries the environment's own tag."""
+    import os
+    import sys
+
+    from stnb.strategies import deepspeed_ops
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    here = deepspeed_ops.build_root()
+    monkeypatch.setattr(sys, "prefix", "/opt/another-venv")
+    other = deepspeed_ops.build_root()
+    assert here != other and os.path.dirname(here) == os.path.dirname(other)
+    assert os.path.basename(here).startswith(os.path.basename(other).split("-env")[0] + "-env")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/data/ops")
+    assert deepspeed_ops.build_root() == "/data/ops" and deepspeed_ops.build_dir() == "/data/ops/deepspeed_shm_comm"
+
+
+def _op_with_a_fresh_lock(tmp_path, monkeypatch) -> str:
+    """This environment's built op copied to ``$TORCH_EXTENSIONS_DIR=tmp_path/shared``, with the ``lock`` a rank
+    stopped while loading it leaves behind (fresh: no clean-up may take it for stale). Returns the lock."""
+    import os
+    import shutil
+
+    from stnb.strategies import deepspeed_ops
+
+    assert deepspeed_ops.prebuild(print) in ("built", "was built")
+    real = deepspeed_ops.build_root()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "shared"))
+    shutil.copytree(real, deepspeed_ops.build_root(), ignore=shutil.ignore_patterns("lock"))
+    lock = os.path.join(deepspeed_ops.build_dir(), "lock")
+    open(lock, "w").close()
+    return lock
+
+
+def test_a_launch_loads_the_op_from_a_copy_no_lock_left_on_the_machine_holds(tmp_path, monkeypatch):
+    """CI: a rank stopped inside torch's builder (which takes the op folder's ``lock`` in every process that
+    loads it) left the lock, and the next DeepSpeed run's ranks waited on it until the stall watchdog ended
+    the run. A launch's ranks load a copy of their own: torch's builder there finds the op built (nothing
+    recompiled or relinked) and no lock, while the machine's folder still holds one."""
+    import os
+    import subprocess
+    import sys
+
+    from stnb.strategies import deepspeed_ops
+
+    lock = _op_with_a_fresh_lock(tmp_path, monkeypatch)
+    folder = deepspeed_ops.launch_copy(print)
+    op = os.path.join(folder, deepspeed_ops.NAME)
+    assert os.path.realpath(folder) != os.path.realpath(deepspeed_ops.build_root()) and not os.path.exists(
+        os.path.join(op, "lock"))
+    so, log = os.path.join(op, "deepspeed_shm_comm.so"), os.path.join(op, ".ninja_log")
+    before = (os.stat(so).st_mtime_ns, open(log).read())
+    out = subprocess.run([sys.executable, "-c", deepspeed_ops.BUILD], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": folder})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "built", out.stderr[-2000:]
+    assert (os.stat(so).st_mtime_ns, open(log).read()) == before  # loaded as built: ninja did nothing
+    assert os.path.exists(lock) and not os.path.exists(os.path.join(op, "lock"))
+
+
+def test_a_deepspeed_run_is_not_held_by_a_lock_left_in_the_machines_op_folder(tmp_path, monkeypatch):
+    """The CI failure itself, end to end: a fresh lock in the op's folder, then a DeepSpeed run on 2 CPU ranks
+    with a 60 s stall watchdog trains and is verified (its ranks built nothing: they load a launch's copy)."""
+    lock = _op_with_a_fresh_lock(tmp_path, monkeypatch)
+    r = stnb.run(TrainConfig(strategy="deepspeed", stage=1, **{**SIDE, "stall_timeout": 60}), echo=False)
+    assert r.verified, r.verification.get("problems")
+    import os
+
+    assert os.path.exists(lock)

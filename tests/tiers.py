@@ -3,7 +3,7 @@
 * tier 0, unmarked: in-process tests (seconds in all; ``pytest -m "not slow"`` runs only these);
 * tier 1, ``slow``: a test that starts processes: it calls (outside a ``pytest.raises`` of a refusal such as
   ``ConfigError``, raised before any process starts; ``LaunchError`` counts) ``stnb.run``, ``stnb.launch``, ``subprocess``,
-  ``multiprocessing``, DeepSpeed's op ``prebuild`` (a compiler) or the Panel's run button, itself, through
+  ``multiprocessing``, DeepSpeed's op ``prebuild`` or ``launch_copy`` (a compiler) or the Panel's run button, itself, through
   a fixture it uses, or through a function of the tests it calls (read from their source, three calls
   deep): real multi-process training, torchrun, the CLI;
 * tier 2, ``slow``: the notebooks (nbval), the browser, real Jupyter kernels, the SLURM and Ray clusters,
@@ -30,7 +30,7 @@ STARTS_PROCESSES = re.compile(
     # the lab's runs: the bench (also through the CLI), the GPU check's runners, the TP/PP demos
     r"|\bbench\.\w+\(|\[\s*\"(bench|run)\"|\bRUNNERS\[|\b(pipeline|tensor)_parallel\("
     # a compiler (DeepSpeed's ops), the Panel's run button, a real Jupyter kernel
-    r"|\bprebuild\(|\.run_button\.click\(|\bnbclient\b|\bNotebookClient\(|\bKernelManager\(")
+    r"|\b(prebuild|launch_copy)\(|\.run_button\.click\(|\bnbclient\b|\bNotebookClient\(|\bKernelManager\(")
 LAST = {"test_browser.py", "test_kernel.py", "test_spawn.py", "test_cluster_slurm.py", "test_cluster_ray.py",
         "test_gpu_kit.py", "test_notebook_outputs.py"}
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -68,8 +68,6 @@ class External(Launcher):
         # what the strategy's ranks need in their environment (stnb.launch sets the same in its ranks):
         # DeepSpeed's config for accelerate, and on CPU its CPU accelerator
         env.update(config.strategy_object().rank_env(config, plan.device))
-        if int(env.get("LOCAL_RANK", "0")) == 0:  # once per node (DeepSpeed's CPU op is built here, not per rank)
-            config.strategy_object().before_launch(config, plan.device)
         if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: keep gloo on loopback
         if self.world == 1 and not config.strategy_object().distributed:

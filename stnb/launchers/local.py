@@ -49,7 +49,6 @@ class Local(Launcher):
 
             env = single_gpu_env()
         env.update(strategy.rank_env(config, device))
-        strategy.before_launch(config, device)
         on_progress, bars = plan.on_progress, None
         if on_progress is None and plan.echo:
             bars = StepBars(config.strategy)

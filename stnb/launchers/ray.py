@@ -226,8 +226,6 @@ def ray_worker(cfg: dict) -> None:
         if config.threads_per_rank:
             os.environ["OMP_NUM_THREADS"] = str(config.threads_per_rank)
     os.environ.update(strategy.rank_env(config, device))
-    if local_rank == 0:
-        strategy.before_launch(config, device)
     reported = ray.train.get_checkpoint()  # Ray restarted the workers: the last checkpoint reported to it
     if reported is not None:
         with reported.as_directory() as folder, open(os.path.join(folder, POINTER)) as f:

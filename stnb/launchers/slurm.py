@@ -347,8 +347,6 @@ def slurm_task(folder: str, config, build, t0: float, rendezvous_timeout_s: floa
         if config.threads_per_rank:
             os.environ["OMP_NUM_THREADS"] = str(config.threads_per_rank)
     os.environ.update(strategy.rank_env(config, device))
-    if env.local_rank == 0:
-        strategy.before_launch(config, device)
 
     def join():
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=rendezvous_timeout_s))

@@ -138,11 +138,10 @@ class Strategy(abc.ABC):
         return ""
 
     def rank_env(self, config, device: str) -> dict:
-        """Environment every rank needs, set before it imports anything (the runner merges it in)."""
+        """Environment every rank needs, set before it imports anything (the runner merges it in); asked
+        once per launch in the notebook process (once per rank under SLURM, Ray and torchrun), after
+        validation, so it may prepare what the ranks load (DeepSpeed's CPU op)."""
         return dict(self.env)
-
-    def before_launch(self, config, device: str) -> None:
-        """In the notebook process, after validation, before the ranks start (e.g. a one-time build)."""
 
     def trainer_arguments(self, config, device: str) -> dict:
         """Training arguments stnb's recipe passes at construction for this strategy (deepspeed=...)."""

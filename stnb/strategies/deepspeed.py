@@ -13,8 +13,8 @@ On CPU the ranks need ``DS_ACCELERATOR=cpu`` (DeepSpeed's CPU accelerator, gloo)
 ``ACCELERATE_USE_CPU=false``: accelerate 1.15 refuses DeepSpeed in CPU mode (``accelerate/state.py``,
 ``AcceleratorState.__init__``: ``elif os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cpu``), so
 ``use_cpu=True`` in the training arguments is refused too. DeepSpeed's CPU communication JIT-compiles a
-shared-memory op once per machine (``deepspeed_ops.prebuild``, run before the ranks start and by
-``make install``).
+shared-memory op once per environment (``deepspeed_ops.prebuild``, run before the ranks start and by
+``make install``); each launch's ranks load it from a copy of their own (``deepspeed_ops.launch_copy``).
 
 Verified the way the native stage of the same number is: the trainer trains a ``DeepSpeedEngine``
 around its own model with ``zero_optimization_stage()`` equal to the stage asked; stage 1/2: weights
@@ -187,15 +187,12 @@ class DeepSpeed(Strategy):
                "ACCELERATE_DEEPSPEED_CONFIG_FILE": base64.urlsafe_b64encode(
                    json.dumps(ds_config(config)).encode()).decode()}
         if device == "cpu":
-            # DeepSpeed's CPU accelerator (gloo); accelerate refuses DeepSpeed in its CPU mode (state.py)
-            env.update({"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "false"})
+            from .deepspeed_ops import launch_copy
+
+            # DeepSpeed's CPU accelerator (gloo); accelerate refuses DeepSpeed in its CPU mode (state.py); its
+            # CPU op built once per environment and loaded by this launch from a copy of its own
+            env.update({"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "false", "TORCH_EXTENSIONS_DIR": launch_copy()})
         return env
-
-    def before_launch(self, config, device):
-        if device == "cpu":
-            from .deepspeed_ops import prebuild
-
-            prebuild()
 
     # ---- resuming (stnb.strategies.layouts) ----------------------------------------------------------
     def checkpoint_layout(self, config):

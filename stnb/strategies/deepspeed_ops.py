@@ -2,20 +2,34 @@
 
 On CPU, DeepSpeed's comm backend (``deepspeed.comm.torch.build_shm_op``) JIT-compiles a C++ op with
 torch's extension builder on first use (about a minute of CPU, several under load), cached in torch's
-extension folder (``~/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm``). Built inside the ranks,
+extension folder (``~/.cache/torch_extensions/py311_cpu-env<hash>/deepspeed_shm_comm``). Built inside the ranks,
 every rank waits on the builder's ``lock`` file and looks stalled to stnb's watchdog; a build killed
 midway leaves that ``lock`` behind and every later run waits on it forever. So stnb builds it here:
-``prebuild()`` before a CPU launch (``Strategy.before_launch``) and ``make install``
+``prebuild()`` before a CPU launch (``Strategy.rank_env``) and ``make install``
 (``python -m stnb.strategies.deepspeed_ops``), in a child process, removing a stale lock first.
+
+Two more things made ranks wait on that lock, both seen in CI and in loaded runs:
+
+- torch's builder takes the ``lock`` in every process that loads the op, built or not (it runs ninja,
+  which finds nothing to do). A rank stopped while it held it (a peer's refusal, the stall watchdog,
+  the Stop button) left it behind, and every rank on the machine then waited on it: a fresh lock is
+  not stale. So a launch's ranks load a copy of their own (``launch_copy``: ``$TORCH_EXTENSIONS_DIR``
+  of that launch only); a lock they leave there holds nobody.
+- torch names the folder after Python and the device only: two virtualenvs on one machine (a
+  checkout and its copy, the oldest-versions venv) rebuilt each other's op in turn. stnb keeps one
+  folder per environment (``build_root``) unless ``$TORCH_EXTENSIONS_DIR`` names one.
 
     python -m stnb.strategies.deepspeed_ops     # build (or find) the op; prints where
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 NAME = "deepspeed_shm_comm"
@@ -25,11 +39,14 @@ BUILD = ("import os; os.environ['DS_ACCELERATOR'] = 'cpu'; import deepspeed, dee
          "ok = b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False); "
          "b.load() if ok else None; print('built' if ok else 'not compatible')")
 STALE_LOCK_S = 30.0
+LAUNCH_COPIES = "stnb-deepspeed-op-launches"  # under the temp folder: one folder per launch
+KEEP_LAUNCH_COPY_S = 6 * 3600.0  # ranks load the op as they start; older copies are removed
 
 
-def build_dir() -> str:
-    """torch's extension folder for the op, as ``torch.utils.cpp_extension`` names it: ``$TORCH_EXTENSIONS_DIR``
-    itself when set, else the default root's ``py311_cpu`` (``_cu128``, ``_rocm..``) folder."""
+def build_root() -> str:
+    """The ``$TORCH_EXTENSIONS_DIR`` the op is built in: the variable's own value when set, else the default
+    root's ``py311_cpu`` (``_cu128``, ``_rocm..``) folder as torch names it, followed by this environment's
+    tag (``-env<hash of sys.prefix>``), so that two virtualenvs never rebuild each other's op."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -38,8 +55,14 @@ def build_dir() -> str:
         flavour = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
                    f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(get_default_build_root(), f"{python}_{flavour}")
-    return os.path.join(root, NAME)
+        env = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+        root = os.path.join(get_default_build_root(), f"{python}_{flavour}-env{env}")
+    return root
+
+
+def build_dir() -> str:
+    """torch's extension folder for the op: ``build_root()/deepspeed_shm_comm``."""
+    return os.path.join(build_root(), NAME)
 
 
 def built() -> bool:
@@ -123,13 +146,34 @@ def prebuild(echo=print, timeout: float = 1800.0) -> str:
         return "was built"
     echo(f"stnb: building DeepSpeed's CPU communication op once for this environment (about a minute; "
          f"cached in {build_dir()}): {why}")
-    out = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": build_root()})
     if out.returncode != 0:
         from ..errors import ConfigError
 
         raise ConfigError(f"building DeepSpeed's CPU communication op ({NAME}) failed: "
                           f"{out.stderr.strip()[-1500:]}; it needs a C++ compiler and ninja (pip install ninja)")
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "built"
+
+
+def launch_copy(echo=print) -> str:
+    """The op built (``prebuild``) and ``build_root()`` copied, file times kept (ninja then finds nothing to
+    do), into a folder of one launch's own; returns that folder, the ``$TORCH_EXTENSIONS_DIR`` its ranks get. Copies
+    of launches more than 6 hours old are removed first (the ranks loaded theirs as they started)."""
+    state = prebuild(echo)
+    parent = os.path.join(tempfile.gettempdir(), LAUNCH_COPIES)
+    os.makedirs(parent, exist_ok=True)
+    for old in os.listdir(parent):
+        path = os.path.join(parent, old)
+        try:
+            if time.time() - os.path.getmtime(path) > KEEP_LAUNCH_COPY_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # another launch removed it
+    folder = tempfile.mkdtemp(prefix="launch-", dir=parent)
+    if state != "not compatible":  # the whole root: other ops built there (a user's own) come along
+        shutil.copytree(build_root(), folder, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
+    return folder
 
 
 if __name__ == "__main__":
