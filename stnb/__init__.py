@@ -13,6 +13,7 @@ from .parity import Parity, parity
 from .launchers.ray import Ray
 from .launchers.slurm import Slurm
 from .export import export_script
+from .fits import fits
 from .processes.forksafe import watch_cuda_start
 
 watch_cuda_start()  # only when torch is already imported; stnb.setup() does it otherwise
@@ -40,7 +41,7 @@ __all__ = [
     "TrainConfig", "VerificationError", "append_result", "hardware", "hardware_report", "heartbeat", "last_launch",
     "launch",
     "load_results", "rank_context", "report_progress", "results_frame", "run", "setup",
-    "current_profile", "export_script", "parity", "predict", "Ray", "Slurm",
+    "current_profile", "export_script", "fits", "parity", "predict", "Ray", "Slurm",
 ]
 
 

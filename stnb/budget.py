@@ -191,6 +191,7 @@ class Budget:
                 undo()
 
     def _apply(self):
+        held = self._held()  # read before the limit: past it, even reading /proc raises MemoryError (seen in CI)
         if self.here.cuda:
             import torch
 
@@ -198,14 +199,14 @@ class Budget:
             for d in devices:
                 total = torch.cuda.get_device_properties(d).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.bytes / total), d)
-            self.record = {"limit_bytes": self.bytes, "how": HOW["cuda"], "held_at_start": self._held()}
+            self.record = {"limit_bytes": self.bytes, "how": HOW["cuda"], "held_at_start": held}
             return lambda: [torch.cuda.set_per_process_memory_fraction(1.0, d) for d in devices]
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
         limit = self.bytes if hard == resource.RLIM_INFINITY else min(self.bytes, hard)
+        self.record = {"limit_bytes": limit, "how": HOW["cpu"], "held_at_start": held}
         resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-        self.record = {"limit_bytes": limit, "how": HOW["cpu"], "held_at_start": self._held()}
         return lambda: resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
     def _held(self) -> int:

@@ -5,7 +5,8 @@ tests use it for a rank that never arrives.
 On SLURM, the task with ``SLURM_PROCID`` 1 exits as soon as it imports this module (srun sets the variable before
 Python starts; submitit imports the module when it unpickles the job's function, before stnb's rank code runs). A
 Ray Train worker imports it before Ray tells it its rank, so there the module makes the worker of rank 1 exit at
-the moment stnb's rank code would say it arrived (``RunDir.arrive``, the first thing that code does). The test
+the moment stnb's rank code would say it arrived (``RunDir.arrive``, the first thing that code does), once rank 0
+has arrived. The test
 process imports it without either and goes on.
 """
 
@@ -32,6 +33,13 @@ def _exit_instead_of_arriving(rank_that_exits: int = 1) -> None:
 
     def arrive_or_exit(self, rank, **facts):
         if rank == rank_that_exits:
+            # once rank 0 has arrived (up to 5 minutes): Ray Train ends the other workers when one exits, and
+            # under load it ended rank 0 before rank 0 arrived (seen in CI: "none arrived")
+            import time
+
+            deadline = time.time() + 300
+            while time.time() < deadline and 0 not in self.arrived(1):
+                time.sleep(0.2)
             os._exit(EXIT_STATUS)
         return arrive(self, rank, **facts)
 

@@ -25,7 +25,8 @@ import pytest
 
 STARTS_PROCESSES = re.compile(
     # stnb's and torch's entry points that start ranks, and processes started directly
-    r"\bstnb\.(run|launch|parity)\(|\b(cpu_)?launch(_oversubscribed)?\(|\belastic_launch\(|\bnotebook_launcher\("
+    r"\bstnb\.(run|launch|parity|fits)\(|(?<!def )\bfits\("
+    r"|\b(cpu_)?launch(_oversubscribed)?\(|\belastic_launch\(|\bnotebook_launcher\("
     r"|\bsubprocess\.|\bPopen\(|\bmultiprocessing\b|\bmp\.Process\("
     # the lab's runs: the bench (also through the CLI), the GPU check's runners, the TP/PP demos
     r"|\bbench\.\w+\(|\[\s*\"(bench|run)\"|\bRUNNERS\[|\b(pipeline|tensor)_parallel\("
