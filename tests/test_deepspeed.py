@@ -466,9 +466,10 @@ def test_a_launch_loads_the_op_from_a_copy_no_lock_left_on_the_machine_holds(tmp
 
 def test_a_deepspeed_run_is_not_held_by_a_lock_left_in_the_machines_op_folder(tmp_path, monkeypatch):
     """The CI failure itself, end to end: a fresh lock in the op's folder, then a DeepSpeed run on 2 CPU ranks
-    with a 60 s stall watchdog trains and is verified (its ranks built nothing: they load a launch's copy)."""
+    with a 120 s stall watchdog trains and is verified (its ranks built nothing: they load a launch's copy; without
+    the copy they wait on the lock until the watchdog ends the run, as in CI with its 60 s)."""
     lock = _op_with_a_fresh_lock(tmp_path, monkeypatch)
-    r = stnb.run(TrainConfig(strategy="deepspeed", stage=1, **{**SIDE, "stall_timeout": 60}), echo=False)
+    r = stnb.run(TrainConfig(strategy="deepspeed", stage=1, **{**SIDE, "stall_timeout": 120}), echo=False)
     assert r.verified, r.verification.get("problems")
     import os
 
