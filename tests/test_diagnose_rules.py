@@ -853,6 +853,17 @@ def test_raised_then_peers_stalled_word_for_word(ch):
                                   "--- stack of rank 2 ---\nS0")
 
 
+def test_a_rank_out_of_memory_whose_peers_then_stalled_is_told_as_out_of_memory(ch):
+    """The mutation run: the kind of a raise whose peers then stalled was not checked (a rank past its memory budget,
+    whose peer waited in a collective): 'out_of_memory', like the same raise without the stall."""
+    error(ch, 1, "OutOfMemory", "rank 1 ran out of its memory budget", T0)
+    ch.check_in(0)
+    wd = wd_of(ch, reason="stalled", stalled=[0], stall_timeout=12.0, stacks={0: "S0"})
+    err = told(ch, wd)
+    assert said(err).startswith("rank 1 raised OutOfMemory: rank 1 ran out of its memory budget (rank(s) 0 then waited")
+    assert (err.rank, err.ranks, err.kind) == (1, [0, 1], "out_of_memory")
+
+
 def test_ended_silently_word_for_word(ch):
     wd = wd_of(ch)
     silent_ended(ch, wd, 1, T0, None)
