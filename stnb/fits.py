@@ -36,10 +36,9 @@ def fits(config=None, *, budget_gib: float, strategies=None, steps: int = 4,
     ``budget_gib`` per rank and the next one that did not, the global batch, the predicted largest batch, what a
     rank held at the largest (MiB, what the budget counts) against the budget, the model state a rank held
     there (counted from its tensors), samples/s at the largest, how many runs it took, and why (a refusal, batch 1
-    not fitting). ``config``: a TrainConfig (keyword overrides applied; ``steps`` steps, no evaluation, ``train_size`` raised to what
-    the batch needs) or your build
-    function (``overrides`` are then run options; the batch is set through ``override_args``, the steps are your
-    arguments'). ``strategies``: by default every multi-rank strategy that runs here (``stnb.hardware``).
+    not fitting). ``config``: a TrainConfig (keyword overrides applied; ``steps`` steps, no evaluation,
+    ``train_size`` raised to what the batch needs) or your build function (``overrides`` are then run options; the
+    batch is set through ``override_args``, the steps are your arguments'). ``strategies``: by default every multi-rank strategy that runs here (``stnb.hardware``).
     ``DataFrame.attrs["trials"]``: {strategy: {batch: 'trained' | 'out of memory'}}, every run made."""
     import pandas as pd
 
