@@ -167,12 +167,14 @@ class TrainConfig:
         records the one the ranks observed.
     threads_per_rank: torch threads in each process (CPU default: cores / processes).
     reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
-        fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory.
+        fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory. Not
+        under a CPU memory_budget_gib: a rank there gives freed blocks back at once (what the budget counts).
     memory_budget_gib: the most memory each rank may use, in GiB (None: no limit; ``stnb.budget``,
         docs/memory.md): on CPU the whole rank process's private writable memory (RLIMIT_DATA), on a GPU what
         torch's allocator may take of it (``torch.cuda.set_per_process_memory_fraction``). A rank that needs
         more fails as out of memory (LaunchError kind 'out_of_memory'); a budget below the predicted model
-        state is refused before any rank starts.
+        state is refused before any rank starts. On CPU a rank under a budget gives freed blocks above 1 MiB
+        back to the kernel at once (reuse_freed_memory does not apply): the budget counts memory in use.
     DDP knobs (ddp, zero1): bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (True:
         broadcast rank 0's buffers at every forward, a sync point; sentence-transformers turns it off, so
         False is what runs by default; BERT-style buffers never change),

@@ -38,8 +38,10 @@ def fits(config=None, *, budget_gib: float, strategies=None, steps: int = 4,
     there (counted from its tensors), samples/s at the largest, how many runs it took, and why (a refusal, batch 1
     not fitting). ``config``: a TrainConfig (keyword overrides applied; ``steps`` steps, no evaluation,
     ``train_size`` raised to what the batch needs) or your build function (``overrides`` are then run options; the
-    batch is set through ``override_args``, the steps are your arguments'). ``strategies``: by default every multi-rank strategy that runs here (``stnb.hardware``).
-    ``DataFrame.attrs["trials"]``: {strategy: {batch: 'trained' | 'out of memory'}}, every run made."""
+    batch is set through ``override_args``, the steps are your arguments'). ``strategies``: by default every
+    multi-rank strategy that runs here (``stnb.hardware``).
+    ``DataFrame.attrs["trials"]``: {strategy: {batch: 'trained' | 'out of memory'}}, every run made;
+    ``attrs["errors"]``: {strategy: {batch: what the rank that ran out of memory said}}."""
     import pandas as pd
 
     if not isinstance(budget_gib, (int, float)) or isinstance(budget_gib, bool) or budget_gib <= 0:
@@ -48,13 +50,14 @@ def fits(config=None, *, budget_gib: float, strategies=None, steps: int = 4,
         raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if strategies is None:
         strategies = _runnable(config, overrides)
-    rows, trials = [], {}
+    rows, trials, errors = [], {}, {}
     for name in strategies:
         trial = _Trials(config, name, budget_gib, steps, overrides, echo)
         rows.append(trial.row(*_search(trial, max_batch)))
         trials[name] = {b: "out of memory" if r is None else "trained" for b, r in sorted(trial.seen.items())}
+        errors[name] = dict(sorted(trial.errors.items()))
     table = pd.DataFrame(rows, columns=COLUMNS).astype({"ranks": "Int64", "failed_at": "Int64", "predicted": "Int64"})
-    table.attrs["trials"] = trials
+    table.attrs["trials"], table.attrs["errors"] = trials, errors
     return table
 
 
@@ -63,7 +66,7 @@ class _Trials:
 
     def __init__(self, config, strategy, budget_gib, steps, overrides, echo):
         self.config, self.strategy, self.budget_gib, self.steps = config, strategy, budget_gib, steps
-        self.overrides, self.echo, self.seen, self.refused = overrides, echo, {}, ""
+        self.overrides, self.echo, self.seen, self.refused, self.errors = overrides, echo, {}, "", {}
 
     def __call__(self, batch: int):
         if batch not in self.seen:
@@ -88,6 +91,7 @@ class _Trials:
         except LaunchError as e:
             if e.kind != "out_of_memory":
                 raise
+            self.errors[batch] = str(e).split("\n")[0]
             self._say(batch, "out of memory")
             return None
         held = _held(r)

@@ -151,8 +151,8 @@ def _builds() -> dict:
     builder changes what it writes."""
     return {
         TINY: (TINY_DIRNAME, _build_tiny),
-        MPNET_BASE: ("mpnet-base-random-v1", lambda target, scratch: _build_mpnet(target, scratch, {})),
-        MPNET_MINI: ("mpnet-mini-random-v1",
+        MPNET_BASE: ("mpnet-base-random-v2", lambda target, scratch: _build_mpnet(target, scratch, {})),
+        MPNET_MINI: ("mpnet-mini-random-v2",
                      lambda target, scratch: _build_mpnet(target, scratch, MPNET_MINI_OVERRIDES)),
     }
 
@@ -224,7 +224,9 @@ def _build_mpnet(target: str, scratch: str, overrides: dict) -> None:
     # The tokenizer is MiniLM's bert-base-uncased WordPiece (30522 ids, all below MPNet's 30527 rows).
     # MPNetEmbeddings hard-codes padding_idx=1 while this tokenizer pads with 0, so padded positions get
     # position ids too; attention and mean pooling mask them, so real tokens and the cost are unchanged.
-    _build_random(target, scratch, lambda: MPNetModel(MPNetConfig(**mpnet_config(**overrides))),
+    # The config says the tokenizer's pad id (0): the trainer would set it, warning in every rank, and
+    # MPNetEmbeddings does not read it (v2; v1 kept microsoft/mpnet-base's 1, the weights are the same).
+    _build_random(target, scratch, lambda: MPNetModel(MPNetConfig(**mpnet_config(**overrides, pad_token_id=0))),
                   MPNET_MAX_SEQ_LENGTH, normalize=False)
 
 

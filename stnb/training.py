@@ -54,7 +54,8 @@ def _train(config: TrainConfig, build, here: "Here", memory, budget, restarted: 
     from . import instruments as ins
 
     strategy = config.strategy_object()
-    allocator = ins.AllocatorRelease(config.reuse_freed_memory, here.cuda, bool(strategy.gathered_during_step))
+    allocator = ins.AllocatorRelease(config.reuse_freed_memory, here.cuda, bool(strategy.gathered_during_step),
+                                     budget=config.memory_budget_gib is not None)
     torch.manual_seed(config.seed)
     # build: stnb's recipe or the user's function, checked and made ready (stnb's display, the overrides)
     trainer = build.build(config, here.device, here.distributed)

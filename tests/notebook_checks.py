@@ -163,6 +163,18 @@ for name in stages:          # every stage: DDP's learning, step by step
          """saved = fsdp.verification["saved_model"]
 assert saved["ok"] and saved["equals_trained"] and saved["differs_from_initial"]
 assert sum(p.numel() for p in model.parameters()) == fsdp.total_param_count   # all of it, unsharded"""),
+        ('probe = stnb.run(',
+         """assert probe.verified and 0 <= runtime < budget
+assert all(r["memory_budget"]["limit_bytes"] == 64 * 2**30 for r in probe.verification["ranks"])"""),
+        ('big = prof.config(',
+         """rows = fit.set_index("strategy")
+said = (fit.attrs["trials"], fit.attrs["errors"])
+assert list(fit.strategy) == stages and fit.attrs["trials"]["ddp"] == {1: "out of memory"}, said   # DDP: no step
+sharded = ["zero1", "zero2", "fsdp"]
+assert all(fit.attrs["trials"][s] == {1: "trained"} for s in sharded), said                   # every rung trains
+assert (rows.loc[sharded, "held_mib"] <= budget * 1024).all()                    # ... inside the budget
+assert rows.loc["zero1", "state_mib"] > rows.loc["zero2", "state_mib"] >= rows.loc["fsdp", "state_mib"]
+assert rows.loc["zero1", "held_mib"] > rows.loc["fsdp", "held_mib"]              # what a rank held falls"""),
     ],
     "05_compare_strategies.ipynb": [
         ('df = stnb.load_results(results_file)',

@@ -139,6 +139,8 @@ def test_a_budget_below_the_model_state_is_a_refusal_row_and_one_below_the_runti
     assert (fsdp["largest"], fsdp["failed_at"], fsdp["runs"]) == (0, 1, 1), fsdp
     assert fsdp["note"].startswith("batch 1 ran out of memory")
     assert table.attrs["trials"] == {"ddp": {}, "fsdp": {1: "out of memory"}}
+    said = table.attrs["errors"]["fsdp"][1]                           # what the rank that ran out said
+    assert "ran out of its memory budget, memory_budget_gib=0.02" in said and not table.attrs["errors"]["ddp"], said
     assert procs.children() == before
 
 

@@ -73,7 +73,7 @@ def test_mpnet_mini_is_the_mpnet_architecture_built_offline(mini, monkeypatch):
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 
     model = mini["model"]
-    assert os.path.basename(mini["path"]) == "mpnet-mini-random-v1"
+    assert os.path.basename(mini["path"]) == "mpnet-mini-random-v2"
     inner = model[0].auto_model
     assert isinstance(inner, MPNetModel)
     c = inner.config.to_dict()
@@ -81,6 +81,7 @@ def test_mpnet_mini_is_the_mpnet_architecture_built_offline(mini, monkeypatch):
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
               "max_position_embeddings", "relative_attention_num_buckets"):
         assert c[k] == expected[k], k
+    assert c["pad_token_id"] == model.tokenizer.pad_token_id == 0  # the trainer has nothing to align (and warn of)
     assert models.count_parameters(model) == mpnet_params_from_config(expected)
     assert isinstance(model[1], Pooling) and model[1].pooling_mode == "mean"
     assert not any(isinstance(m, Normalize) for m in model), "mpnet-base as sentence-transformers builds it"

@@ -30,3 +30,21 @@ def test_without_a_command_it_says_what_to_give():
     out = subprocess.run([sys.executable, os.path.join(HERE, "under_load.py")], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "give the command to run after --, e.g. -- make test" in out.stderr
+
+
+def test_stopped_by_sigterm_it_stops_the_command_and_every_busy_process():
+    """``timeout 300 python tests/under_load.py -- ...`` once left its two loops spinning after the timeout."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "under_load.py"), "--procs", "2", "--", sys.executable,
+                             "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True, cwd=HERE)
+    first = proc.stdout.readline()
+    pids = [int(p) for p in re.search(r"pids ([\d, ]+)\)", first).group(1).split(", ")]
+    command = [c for c in psutil.Process(proc.pid).children() if c.pid not in pids]
+    assert len(pids) == 2 and len(command) == 1, (first, command)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert "the command exited 143" in proc.stdout.read()
+    time.sleep(0.5)
+    assert not [p for p in pids + [command[0].pid] if psutil.pid_exists(p)]

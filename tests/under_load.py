@@ -5,7 +5,8 @@ that stnb did not start share the machine, as on a busy CI runner or a teacher's
 
 It starts ``--procs`` busy loops (each a Python process spinning in its own session, at the tests' priority),
 runs the command, stops every loop however the command ends (its exit, Ctrl-C, a failure) and exits with the
-command's status; it prints the load average before and after, and how long the command ran.
+command's status; it prints the load average before and after, and how long the command ran. Stopped itself
+(SIGTERM, as ``timeout`` sends), it passes the signal on to the command and still stops every loop.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def stop_load(load: list) -> None:
         p.wait()
 
 
+class _Stopped(Exception):
+    def __init__(self, code: int):
+        self.code = code
+
+
+def _stop(code: int):
+    raise _Stopped(code)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=int, default=2, help="CPU-bound processes beside the command (default 2)")
@@ -42,14 +52,21 @@ def main(argv=None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         ap.error("give the command to run after --, e.g. -- make test")
-    load = start_load(args.procs)
+    load, child = start_load(args.procs), None
+    # stopped by a signal (`timeout`, a CI runner's cancel): the command is told too, and the loops stop below
+    signal.signal(signal.SIGTERM, lambda *_: (child and child.terminate(), _stop(143)))
     start = time.time()
-    print(f"under_load: {args.procs} busy process(es) (pids {', '.join(str(p.pid) for p in load)}); load average "
-          f"{os.getloadavg()[0]:.1f}; running: {' '.join(command)}", flush=True)
     try:
-        code = subprocess.call(command)
+        child = subprocess.Popen(command)
+        print(f"under_load: {args.procs} busy process(es) (pids {', '.join(str(p.pid) for p in load)}); load "
+              f"average {os.getloadavg()[0]:.1f}; running: {' '.join(command)}", flush=True)
+        code = child.wait()
     except KeyboardInterrupt:
         code = 130
+    except _Stopped as e:
+        code = e.code
+        if child is not None:
+            child.wait()
     finally:
         after = os.getloadavg()
         stop_load(load)

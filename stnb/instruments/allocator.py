@@ -2,6 +2,8 @@
 
 Made first thing in a rank: on CPU (``TrainConfig.reuse_freed_memory``, default True) glibc keeps large
 freed blocks for reuse (``reuse_freed_memory``: this process only, never the notebook kernel). As a
+rank under a CPU memory budget (``memory_budget_gib``) gives freed blocks back at once instead
+(``return_freed_memory``): the budget counts what the process maps, so kept free blocks would count as held. As a
 callback, in CPU runs of a strategy that gathers parameters during its steps, it gives the freed heap
 pages back at every step's end (``release_each_step``; ``STNB_RELEASE_FREED=off`` turns it off).
 """
@@ -12,15 +14,22 @@ from .. import cpualloc
 from .base import Instrument
 
 
+#: why a rank under a CPU memory budget does not keep freed blocks (its verification's ``reuse_freed_memory``)
+BUDGET_REASON = ("memory_budget_gib: freed blocks above 1 MiB go back to the kernel at once, so the budget counts "
+                 "memory in use, not the blocks glibc would keep")
+
+
 class AllocatorRelease(Instrument):
     """Applies the allocator setting at construction; reports it and what each step's end gave back."""
 
     after = ("StepLog", "MemoryUse")  # memory goes back after the step's clock stopped and its peak was read
 
-    def __init__(self, reuse_freed_memory: bool, cuda: bool, gathers_during_step: bool):
+    def __init__(self, reuse_freed_memory: bool, cuda: bool, gathers_during_step: bool, budget: bool = False):
         self.reuse = {"applied": False, "reason": "GPU run" if cuda else "off (reuse_freed_memory=False)"}
-        if not cuda and reuse_freed_memory:
-            self.reuse = cpualloc.reuse_freed_memory()  # this process only: a rank, never the notebook kernel
+        if not cuda and budget:  # this process only: a rank, never the notebook kernel
+            self.reuse = {"applied": False, "reason": BUDGET_REASON, "returned": cpualloc.return_freed_memory()}
+        elif not cuda and reuse_freed_memory:
+            self.reuse = cpualloc.reuse_freed_memory()
         # CPU, a strategy that gathers parameters in its steps: freed memory goes back at each step's end
         self.each_step = cpualloc.release_each_step("cuda" if cuda else "cpu", gathers_during_step)
         self.released: list = []     # what each step's end gave back (bytes)

@@ -17,6 +17,7 @@ and its hover text gives the reason.
     split_bars(results) where each step's time goes, a stacked bar per run (``plots.timesplit``)
     timeline(result)    per rank, compute and communication lanes of a few steps
     memory_split(results) where each rank's peak memory goes, a stacked bar per run (``plots.memsplit``)
+    fits(table)         what a rank held under a memory budget, per strategy (``stnb.fits``'s table)
 
 ``reference_frame()`` holds the numbers published in the sentence-transformers documentation
 (``stnb.reference``: 4x V100, microsoft/mpnet-base). ``throughput(df, reference=True)``, ``speedup(..., reference=True)``
@@ -28,10 +29,11 @@ from .table import MIB, OURS, REFERENCE_SOURCE, REFERENCE_URL, comparison_table,
 from .traces import PART_COLORS, STRATEGY_COLORS
 from .timesplit import split_bars, timeline
 from .memsplit import memory_split
+from .fits import fits
 
 __all__ = [
     "throughput", "speedup", "efficiency", "memory", "loss_curves", "dev_curves", "dashboard", "knobs",
     "with_reference",
-    "comparison_table", "reference_frame", "split_bars", "timeline", "memory_split",
+    "comparison_table", "reference_frame", "split_bars", "timeline", "memory_split", "fits",
     "OURS", "REFERENCE_SOURCE", "REFERENCE_URL", "STRATEGY_COLORS", "PART_COLORS", "MIB",
 ]
