@@ -128,6 +128,12 @@ MODULES = (
     # the sentence under the time split (what dominates a step, the knob that shrinks it) and the means it
     # reads. Left out: split_bars, timeline and their helpers (the figures: plotting; sends: stnb.stepparts')
     Module("plots/timesplit", "stnb/plots/timesplit.py", ("x_means", "x_knob_hints", "x_advice")),
+    # what fits (issue 45): the search for the largest batch, and its figure's labels and numbers. Left out: fits'
+    # runs under the budget (_Trials: launches, the slow tests/test_fits.py runs check them), what a run held
+    # (_held, _peak), and the figure's drawing (plots.fits.fits: names, colours; tests/test_plots_fits.py checks
+    # its bars, labels and budget line)
+    Module("fits", "stnb/fits.py", ("x__search",)),
+    Module("plots/fits", "stnb/plots/fits.py", ("x__said", "x__num")),
     # ---- issue 33 item 3 (part A): what decides whether a run is reported verified -------------------
     # each strategy's own checks and refusals. Left out as wiring or as the predictor's: prepare /
     # apply_ddp / ddp_handler / shard_fsdp / prefetch / keep_shards_apart / on_first_step / full_model

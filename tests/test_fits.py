@@ -58,6 +58,57 @@ def test_a_right_prediction_takes_few_runs_and_a_wrong_one_is_corrected_by_runs(
         assert guess in wrong.seen and len(wrong.seen) <= 14
 
 
+class Ordered(Made):
+    """Made, keeping the order of the runs, with a prediction given by the test (None: Made's, right)."""
+
+    def __init__(self, limit, guess=None):
+        super().__init__(limit)
+        self.order, self.guess = [], guess
+
+    def __call__(self, batch):
+        if batch not in self.seen:
+            self.order.append(batch)
+        return super().__call__(batch)
+
+    def predicted(self):
+        return super().predicted() if self.guess is None else self.guess
+
+
+@pytest.mark.parametrize("limit, guess, max_batch, runs", [
+    (100, None, 512, [1, 8, 100, 101]),                       # batch 1, the probe, the prediction and its neighbour
+    (100, 101, 512, [1, 8, 101, 100]),                        # one over: its neighbour below trained
+    (100, 99, 512, [1, 8, 99, 100, 200, 150, 125, 112, 106, 103, 101]),   # one under, then up and halving the gap
+    (100, 40, 512, [1, 8, 40, 41, 82, 164, 123, 102, 92, 97, 99, 100, 101]),
+    (100, 300, 512, [1, 8, 300, 299, 153, 80, 116, 98, 107, 102, 100, 101]),  # over: its neighbour, then halving
+    (100, 2, 512, [1, 8, 16, 32, 64, 128, 96, 112, 104, 100, 102, 101]),  # a prediction at or below the probe: unused
+    (100, 512, 512, [1, 8, 512, 511, 259, 133, 70, 101, 85, 93, 97, 99, 100]),
+    (5, None, 512, [1, 8, 4, 6, 5]),                          # the probe failed: between 1 and 8
+    (0, None, 512, [1]),                                      # batch 1 failed: nothing more
+    (600, None, 512, [1, 8, 16, 32, 64, 128, 256, 512]),      # a prediction past max_batch: doubling up to it
+    (100, 102, 512, [1, 8, 102, 101, 54, 77, 89, 95, 98, 99, 100]),  # two over: both fail, then halving below them
+    (100, 8, 512, [1, 8, 16, 32, 64, 128, 96, 112, 104, 100, 102, 101]),  # the probe itself: nothing new to try
+    (8, 9, 512, [1, 8, 9]),                                   # one over the probe, which trained: the answer
+    (100, None, 8, [1, 8]), (100, None, 4, [1, 2, 4]), (3, None, 4, [1, 2, 4, 3]), (100, None, 1, [1]),
+])
+def test_the_runs_follow_the_documented_plan(limit, guess, max_batch, runs):
+    """Each run costs a launch: batch 1, the probe (when max_batch reaches it), the prediction and its neighbour,
+    then doubling while batches train and halving the gap once one failed, in that order, and nothing twice."""
+    t = Ordered(limit, guess)
+    largest, failed_at = _search(t, max_batch)
+    assert t.order == runs
+    assert (largest, failed_at) == ((min(limit, max_batch), None) if limit >= max_batch else (limit, limit + 1))
+
+
+def test_a_refusal_is_the_strategys_answer_with_the_first_line_of_its_reason():
+    class Refused(Made):
+        def __call__(self, batch):
+            raise ConfigError("memory_budget_gib=0.02 is below the model state\n\nmore lines of detail")
+
+    t = Refused(100)
+    assert _search(t, 512) == (0, None)
+    assert t.refused == "memory_budget_gib=0.02 is below the model state"
+
+
 def test_the_budget_and_max_batch_are_checked_before_any_run():
     for bad in (0, -1, "2", True):
         with pytest.raises(ConfigError, match="budget_gib must be a number of GiB > 0"):

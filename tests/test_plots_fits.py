@@ -42,3 +42,10 @@ def test_the_budget_is_a_line_and_a_strategy_that_trained_nothing_says_why_at_it
     said = {a.x: a.text for a in fig.layout.annotations}
     assert said == {0: "budget 3,686 MiB", "ddp": "out of memory at batch 1", "deepspeed": "refused"}
     assert fig.layout.yaxis.range[1] > 3686.4                                # the line is inside the plot
+
+
+def test_a_run_whose_model_state_was_not_counted_is_drawn_whole_as_the_rest():
+    table = _table()
+    table.loc[1, "state_mib"] = None                       # a user's trainer whose tensors were not counted
+    state, rest = stnb.plots.fits(table).data
+    assert (state.y[1], rest.y[1]) == (0.0, 3151.5)
