@@ -16,7 +16,7 @@ macOS) have no ``mallopt``: nothing is changed there and the result says so.
 mmap threshold of ``RETURN_THRESHOLD`` (1 MiB, no dynamic raise), so every block above it is its own mapping, unmapped
 on free. The budget counts the process's mapped private memory (``VmData``), and a heap that keeps its freed blocks
 counts them as held: measured on mpnet-base's shape (110M parameters, 2 CPU ranks, batch 1), what an FSDP rank held
-at the end went from 4.8-5.4 GiB (kept blocks, more than DDP's 3.9) to 2.4-2.9 GiB (DDP 3.5) with it.
+at the end went from 4.0-5.0 GiB (kept blocks, more than DDP's 3.9-4.0) to 2.3-2.7 GiB (DDP 3.3) with it.
 
 ``release_freed_memory()`` (glibc ``malloc_trim``) gives the freed pages back to the kernel. A strategy that
 gathers parameters during its steps (FSDP, ZeRO-2) allocates and frees blocks of many sizes every step (the

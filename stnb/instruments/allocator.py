@@ -1,11 +1,11 @@
 """``AllocatorRelease``: how this rank's CPU allocator keeps and gives back freed memory (``stnb.cpualloc``).
 
 Made first thing in a rank: on CPU (``TrainConfig.reuse_freed_memory``, default True) glibc keeps large
-freed blocks for reuse (``reuse_freed_memory``: this process only, never the notebook kernel). As a
-rank under a CPU memory budget (``memory_budget_gib``) gives freed blocks back at once instead
-(``return_freed_memory``): the budget counts what the process maps, so kept free blocks would count as held. As a
-callback, in CPU runs of a strategy that gathers parameters during its steps, it gives the freed heap
-pages back at every step's end (``release_each_step``; ``STNB_RELEASE_FREED=off`` turns it off).
+freed blocks for reuse (``reuse_freed_memory``: this process only, never the notebook kernel). A rank under a
+CPU memory budget (``memory_budget_gib``) gives freed blocks back at once instead (``return_freed_memory``): the
+budget counts what the process maps, so kept free blocks would count as held. As a callback, in CPU runs of a
+strategy that gathers parameters during its steps, it gives the freed heap pages back at every step's end
+(``release_each_step``; ``STNB_RELEASE_FREED=off`` turns it off).
 """
 
 from __future__ import annotations
