@@ -35,15 +35,6 @@ def stop_load(load: list) -> None:
         p.wait()
 
 
-class _Stopped(Exception):
-    def __init__(self, code: int):
-        self.code = code
-
-
-def _stop(code: int):
-    raise _Stopped(code)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=int, default=2, help="CPU-bound processes beside the command (default 2)")
@@ -53,8 +44,8 @@ def main(argv=None) -> int:
     if not command:
         ap.error("give the command to run after --, e.g. -- make test")
     load, child = start_load(args.procs), None
-    # stopped by a signal (`timeout`, a CI runner's cancel): the command is told too, and the loops stop below
-    signal.signal(signal.SIGTERM, lambda *_: (child and child.terminate(), _stop(143)))
+    # stopped by a signal (`timeout`, a CI runner's cancel): SystemExit, the command is told, the loops stop below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.time()
     try:
         child = subprocess.Popen(command)
@@ -63,9 +54,10 @@ def main(argv=None) -> int:
         code = child.wait()
     except KeyboardInterrupt:
         code = 130
-    except _Stopped as e:
+    except SystemExit as e:
         code = e.code
         if child is not None:
+            child.terminate()
             child.wait()
     finally:
         after = os.getloadavg()
