@@ -152,15 +152,16 @@ def never_requeued(slurm_cluster, tmp_path_factory):
                     num_processes=2, device="cpu", threads_per_rank=1, timeout=600, echo=False)
 
 
-def _start_requeued(job) -> None:
+def _start_requeued(job, time_min: int | None = None) -> None:
     """SLURM holds a requeued job back until its BeginTime (a minute or two from now); start it now, as an
-    operator would (``scontrol update``), once the job waits for it."""
+    operator would (``scontrol update``), once the job waits for it; ``time_min``: the next attempt's time limit."""
     def held():
         info = job._scontrol() or {}
         return info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
 
     wait_for(held, f"job {job.job_id} to be requeued (PENDING, BeginTime)", 300)
-    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True, timeout=30)
+    limit = [] if time_min is None else [f"TimeLimit={time_min}"]
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now", *limit], check=True, timeout=30)
 
 
 def _continued(res, never) -> None:
@@ -187,19 +188,22 @@ def test_a_job_requeued_mid_run_continues_from_its_newest_checkpoint(slurm_clust
     _continued(job.result(timeout=600), never_requeued)
 
 
+@pytest.mark.timeout(900)
 def test_a_job_at_its_time_limit_is_requeued_and_continues(slurm_cluster, tmp_path, never_requeued):
     """requeue=True: SLURM signals the job signal_delay_s before its 4-minute limit, submitit's handler requeues it
     (its checkpoint protocol), and the next attempt continues from the newest checkpoint."""
     import clusterfns
 
     out = tmp_path / "checkpoints"
-    # signalled about 90 s into each attempt (SLURM checks its timers every 30 s or so): the first, 0.7 s a step
-    # slower, is still training then; the second trains the rest in well under that, startup included
+    # signalled about 90 s into the first attempt (SLURM checks its timers every 30 s or so), which is still
+    # training then: 0.7 s a step slower, 140 s for its 200 steps
     job = stnb.run(functools.partial(clusterfns.build_checkpointed, str(out), REQUEUED_STEPS, 10, 0.7),
                    strategy="ddp", threads_per_rank=1, echo=False,
                    cluster=stnb.Slurm(tasks_per_node=2, folder=str(tmp_path / "runs"), time_min=4, requeue=True,
                                       signal_delay_s=150))
-    _start_requeued(job)
+    # the next attempt gets 10 minutes, or it too is signalled 90 s in: on a busy machine (CI's notebooks training
+    # beside it) its start-up and the rest of the steps took longer, and it was requeued again and again
+    _start_requeued(job, time_min=10)
     res = job.result(timeout=600)
     _continued(res, never_requeued)
     # submitit's handler did it, not the time limit killing the job (its 'Requeued job' line, written after scontrol
