@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from .errors import ConfigError, StrategyUnavailable
 from .hardware import START_METHODS, start_method as resolve_start_method
 from . import strategies
-from .strategies.ddp import COMM_HOOKS
 
 LOSSES = ("cosine", "mnrl", "softmax+cosine")  # softmax+cosine: stnb.seed_recipe (NLI + STS, one run)
 PRECISIONS = ("no", "fp16", "bf16")
@@ -378,7 +377,6 @@ class TrainConfig:
         strategies.get(self.strategy)  # an unknown name: ConfigError listing the known ones
         _check_choice("loss", self.loss, LOSSES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
-        _check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("start_method", self.start_method, START_METHODS)
         resolve_start_method(self.start_method)  # one this platform has

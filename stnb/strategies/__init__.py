@@ -109,7 +109,8 @@ def distributed_names() -> tuple:
 
 def validate_config(config) -> None:
     """Generic checks every strategy gets (a knob set away from its default must belong to the chosen
-    strategy; one-process strategies take no num_processes), then the strategy's own ``validate``."""
+    strategy; one-process strategies take no num_processes), then the strategy's own ``validate``, then its
+    knobs' ``choices``."""
     import dataclasses
 
     s = get(config.strategy)
@@ -133,6 +134,10 @@ def validate_config(config) -> None:
         if refused:
             raise ConfigError(refused)
     s.validate(config)
+    for knob, values in s.choices.items():  # a knob with a fixed set of values, after the strategy's own checks
+        value = getattr(config, knob)
+        if value != defaults[knob] and value not in values:
+            raise ConfigError(f"unknown {knob} {value!r}; choose one of {', '.join(map(repr, values))}")
 
 
 def availability(device: str, n_gpu: int, max_ranks: int, backend: str, has_distributed: bool = True) -> dict:
