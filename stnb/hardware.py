@@ -215,6 +215,21 @@ def single_gpu_env() -> dict:
     return {"CUDA_VISIBLE_DEVICES": visible.split(",")[0].strip() if visible else "0"}
 
 
+def device_env(device: str, threads: int | None = None) -> dict:
+    """What a rank's environment says about its device, set before it imports torch or accelerate, under every
+    launcher (stnb.launch's ranks, torchrun / accelerate launch, SLURM tasks, Ray workers). On CPU: no GPU seen;
+    accelerate in CPU mode (a user's TrainingArguments without ``use_cpu=True`` would otherwise set up no
+    distribution, each rank training alone); DeepSpeed's CPU accelerator (it would probe for a GPU and warn);
+    ``threads`` torch threads, which accelerate reads too. A strategy's own variables go over these
+    (``Strategy.rank_env``: DeepSpeed turns accelerate's CPU mode off)."""
+    if device != "cpu":
+        return {}
+    env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def default_device() -> str:
     """'cuda' when a GPU this torch build can use is visible, else 'cpu' (``report()`` says why)."""
     return "cuda" if usable_gpu_count() > 0 else "cpu"

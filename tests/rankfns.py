@@ -68,6 +68,11 @@ def inherited_modules(*names: str) -> dict:
     return {"pid": os.getpid(), "held": {n: n in sys.modules for n in names}}
 
 
+def read_env(names) -> dict:
+    """The values of environment variables ``names`` in this rank (None: unset)."""
+    return {k: os.environ.get(k) for k in names}
+
+
 def info(tag: str = "ok") -> dict:
     """What a rank sees: its rank, the world, an all_reduce over every rank, its pid."""
     import torch

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Plan", "Launcher", "execute", "finish"]
+__all__ = ["Plan", "Launcher", "execute", "finish", "rank_env"]
 
 
 @dataclass
@@ -33,6 +33,14 @@ class Plan:
     echo: bool = True               # print the ranks' output and default progress bars
     device: str | None = None       # 'cpu' / 'cuda', set by the launcher's check
     t0: float = field(default_factory=time.time)  # the run's start (its wall time counts from here)
+
+
+def rank_env(config, device: str) -> dict:
+    """The environment every launcher sets in a rank before it imports torch or accelerate: the device's
+    (``hardware.device_env``, with the config's threads per rank) and the strategy's over it."""
+    from ..hardware import device_env
+
+    return {**device_env(device, config.threads_per_rank), **config.strategy_object().rank_env(config, device)}
 
 
 class Launcher:

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..errors import ConfigError
-from .base import Launcher, Plan, finish
+from .base import Launcher, Plan, finish, rank_env
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -59,15 +59,7 @@ class External(Launcher):
         from ..training import train_rank
 
         config, env = plan.config, self.env
-        if config.threads_per_rank and plan.device == "cpu":
-            env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))  # accelerate reads it too
-        if plan.device == "cpu":
-            # a user's TrainingArguments without use_cpu=True would set up accelerate for no distribution on a
-            # CPU-only node (each rank training alone); stnb.launch's CPU ranks set the same
-            env["ACCELERATE_USE_CPU"] = "true"
-        # what the strategy's ranks need in their environment (stnb.launch sets the same in its ranks):
-        # DeepSpeed's config for accelerate, and on CPU its CPU accelerator
-        env.update(config.strategy_object().rank_env(config, plan.device))
+        env.update(rank_env(config, plan.device))  # what every launcher sets in its ranks
         if env.get("MASTER_ADDR", "") in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: keep gloo on loopback
         if self.world == 1 and not config.strategy_object().distributed:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from .bars import StepBars
-from .base import Launcher, Plan
+from .base import Launcher, Plan, rank_env
 
 
 class Local(Launcher):
@@ -48,7 +48,7 @@ class Local(Launcher):
             from ..hardware import single_gpu_env
 
             env = single_gpu_env()
-        env.update(strategy.rank_env(config, device))
+        env.update(rank_env(config, device))
         on_progress, bars = plan.on_progress, None
         if on_progress is None and plan.echo:
             bars = StepBars(config.strategy)

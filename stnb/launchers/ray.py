@@ -33,7 +33,7 @@ import time
 import uuid
 
 from ..errors import ConfigError, LaunchError
-from .base import Launcher, Plan, finish
+from .base import Launcher, Plan, finish, rank_env
 from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder, failure
 
 INSTALL = 'pip install "stnb[ray]"'
@@ -220,12 +220,7 @@ def ray_worker(cfg: dict) -> None:
     redirect_output(run.file("rank", rank, "log"))
     config = cfg["config"]
     device = config.resolved_device()
-    strategy = config.strategy_object()
-    if device == "cpu":
-        os.environ["ACCELERATE_USE_CPU"] = "true"
-        if config.threads_per_rank:
-            os.environ["OMP_NUM_THREADS"] = str(config.threads_per_rank)
-    os.environ.update(strategy.rank_env(config, device))
+    os.environ.update(rank_env(config, device))
     reported = ray.train.get_checkpoint()  # Ray restarted the workers: the last checkpoint reported to it
     if reported is not None:
         with reported.as_directory() as folder, open(os.path.join(folder, POINTER)) as f:

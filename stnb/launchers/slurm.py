@@ -32,7 +32,7 @@ import uuid
 
 from ..errors import ConfigError, LaunchError
 from ..files import shown
-from .base import Launcher, Plan, finish
+from .base import Launcher, Plan, finish, rank_env
 from .rundir import ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder, failure
 
 INSTALL = 'pip install "stnb[slurm]"'
@@ -340,13 +340,7 @@ def slurm_task(folder: str, config, build, t0: float, rendezvous_timeout_s: floa
 
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     device = config.resolved_device()
-    strategy = config.strategy_object()
-    if device == "cpu":
-        os.environ["ACCELERATE_USE_CPU"] = "true"
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        if config.threads_per_rank:
-            os.environ["OMP_NUM_THREADS"] = str(config.threads_per_rank)
-    os.environ.update(strategy.rank_env(config, device))
+    os.environ.update(rank_env(config, device))
 
     def join():
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=rendezvous_timeout_s))

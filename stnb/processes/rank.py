@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..errors import LaunchError
+from ..hardware import device_env
 from .byvalue import result_bytes, unpack
 from .channel import DONE, FAILED, Channel
 from .detach import detach_from_kernel
@@ -133,22 +134,17 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     # before it forks); a rank blocked in a CUDA / NCCL wait never returns to Python to run it, so when a
     # peer fails, elastic's SIGTERM would do nothing and its SIGKILL comes 30 s later. SIGTERM kills.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.update(opts.env)
+    os.environ.update({**device_env(opts.device, opts.threads), **opts.env})  # the launcher's over the device's
     redirect_output(ch.path("log", local_rank))
     quiet_known_harmless()
     stack_file = open(ch.path("stack", local_rank), "w")
     if hasattr(faulthandler, "register"):  # POSIX: the watchdog asks for every thread's stack
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     detach_from_kernel()
-    if opts.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # a strategy may need accelerate off CPU mode (deepspeed)
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, when installed, would probe for a GPU and warn
     import torch
 
     if opts.device == "cpu":
         torch.set_num_threads(opts.threads)
-        os.environ["OMP_NUM_THREADS"] = str(opts.threads)
     ctx = RankContext(rank=rank, local_rank=local_rank, world_size=opts.world_size,
                       local_world_size=opts.nproc, device=opts.device, backend=opts.backend,
                       launch_time=opts.launch_time, channel=ch, threads=opts.threads,
