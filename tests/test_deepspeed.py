@@ -464,6 +464,36 @@ def test_a_launch_loads_the_op_from_a_copy_no_lock_left_on_the_machine_holds(tmp
     assert os.path.exists(lock) and not os.path.exists(os.path.join(op, "lock"))
 
 
+def test_a_launchs_copy_outlives_the_next_launchs_clean_up_and_a_copy_6_hours_old_does_not(tmp_path, monkeypatch):
+    """Seen in a loaded run of the slow tiers: a launch's copy takes the build's file times, its folder's too, so
+    the next launch (another test's, another notebook's) took a copy made seconds before for one 6 hours old and
+    removed it while its ranks loaded the op; they rebuilt it, past the stall watchdog. A copy's age is now its
+    own (``MADE``, written before the copy)."""
+    import os
+    import shutil
+    import time
+
+    from stnb.strategies import deepspeed_ops
+
+    os.remove(_op_with_a_fresh_lock(tmp_path, monkeypatch))
+    week = time.time() - 7 * 24 * 3600
+    for dirpath, _, files in os.walk(deepspeed_ops.build_root()):  # a build made a week ago, as on a user's machine
+        for name in files + [""]:
+            os.utime(os.path.join(dirpath, name), (week, week))
+    first, second = deepspeed_ops.launch_copy(print), None
+    try:
+        second = deepspeed_ops.launch_copy(print)
+        assert os.path.isfile(os.path.join(first, deepspeed_ops.NAME, "deepspeed_shm_comm.so"))
+        old = time.time() - deepspeed_ops.KEEP_LAUNCH_COPY_S - 60
+        os.utime(os.path.join(first, deepspeed_ops.MADE), (old, old))
+        shutil.rmtree(deepspeed_ops.launch_copy(print))
+        assert not os.path.exists(first) and os.path.isdir(second)
+    finally:
+        for folder in (first, second):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_deepspeed_run_is_not_held_by_a_lock_left_in_the_machines_op_folder(tmp_path, monkeypatch):
     """The CI failure itself, end to end: a fresh lock in the op's folder, then a DeepSpeed run on 2 CPU ranks
     with a 120 s stall watchdog trains and is verified (its ranks built nothing: they load a launch's copy; without

@@ -41,6 +41,7 @@ BUILD = ("import os; os.environ['DS_ACCELERATOR'] = 'cpu'; import deepspeed, dee
 STALE_LOCK_S = 30.0
 LAUNCH_COPIES = "stnb-deepspeed-op-launches"  # under the temp folder: one folder per launch
 KEEP_LAUNCH_COPY_S = 6 * 3600.0  # ranks load the op as they start; older copies are removed
+MADE = ".stnb-copy-made"  # in each launch's copy: when it was made (its mtime)
 
 
 def build_root() -> str:
@@ -159,18 +160,21 @@ def prebuild(echo=print, timeout: float = 1800.0) -> str:
 def launch_copy(echo=print) -> str:
     """The op built (``prebuild``) and ``build_root()`` copied, file times kept (ninja then finds nothing to
     do), into a folder of one launch's own; returns that folder, the ``$TORCH_EXTENSIONS_DIR`` its ranks get. Copies
-    of launches more than 6 hours old are removed first (the ranks loaded theirs as they started)."""
+    made more than 6 hours ago are removed first (the ranks loaded theirs as they started). A copy's age is its
+    ``MADE`` file's, written before the copy starts: the folder itself takes the build's times with its files."""
     state = prebuild(echo)
     parent = os.path.join(tempfile.gettempdir(), LAUNCH_COPIES)
     os.makedirs(parent, exist_ok=True)
     for old in os.listdir(parent):
         path = os.path.join(parent, old)
         try:
-            if time.time() - os.path.getmtime(path) > KEEP_LAUNCH_COPY_S:
+            made = os.path.join(path, MADE)
+            if time.time() - os.path.getmtime(made if os.path.exists(made) else path) > KEEP_LAUNCH_COPY_S:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass  # another launch removed it
     folder = tempfile.mkdtemp(prefix="launch-", dir=parent)
+    open(os.path.join(folder, MADE), "w").close()
     if state != "not compatible":  # the whole root: other ops built there (a user's own) come along
         shutil.copytree(build_root(), folder, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
     return folder
