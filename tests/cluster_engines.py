@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,12 +101,11 @@ def ray_cluster():
 
 def _ray_cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
     started_before = set(p.pid for p in psutil.Process().children(recursive=True))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = None
     try:
-        cluster.add_node(num_cpus=1)
+        cluster = _start_ray(started_before)
         ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
         yield cluster
     finally:
@@ -114,9 +114,34 @@ def _ray_cluster():
             session = ray._private.worker._global_node.get_session_dir_path()
             ours += [p for p in _matching(session) if p.pid not in {q.pid for q in ours}]
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         left = _wait_gone(ours, 30)
         assert not left, f"Ray processes left running: {[(p.pid, p.name()) for p in left]}"
+
+
+def _start_ray(started_before: set, attempts: int = 3):
+    """The two raylets started; started again (up to ``attempts`` times) when one did not register with the GCS
+    within the 30 s Ray allows (``ray/_private/node.py``): seen with the machine loaded (two busy loops beside
+    three test workers), where nothing was wrong but the wait."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, attempts + 1):
+        cluster = None
+        try:
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+            cluster.add_node(num_cpus=1)
+            return cluster
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            print(f"ray_cluster: {e} (attempt {attempt} of {attempts}); starting it again", file=sys.stderr)
+            if cluster is not None:
+                cluster.shutdown()
+            for p in psutil.Process().children(recursive=True):
+                if p.pid not in started_before:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
 
 
 def wait_for(check, what: str, seconds: float = 180, poll: float = 0.2):
