@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from .errors import ConfigError, unknown_choice
 
 # The trainer's label column names, in its order of preference
 # (sentence_transformers.base.data_collator.DEFAULT_LABEL_COLUMNS; a test keeps them equal).
@@ -83,7 +83,7 @@ def loss_inputs(loss) -> LossInputs | None:
         return loss
     if isinstance(loss, str):
         if loss not in LOSS_INPUTS:
-            raise ConfigError(f"unknown loss {loss!r}; choose one of {', '.join(map(repr, LOSS_INPUTS))}")
+            raise unknown_choice("loss", loss, LOSS_INPUTS)
         return LOSS_INPUTS[loss]
     seen = set()
     while loss is not None and id(loss) not in seen:

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, StrategyUnavailable
+from .errors import ConfigError, StrategyUnavailable, unknown_choice
 from .hardware import START_METHODS, start_method as resolve_start_method
 from . import strategies
 
@@ -498,7 +498,7 @@ RECIPE_FIELDS = {name: Recipe.where(name) for name in Recipe.__dataclass_fields_
 
 def _check_choice(name, value, choices):
     if value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, choices))}")
+        raise unknown_choice(name, value, choices)
 
 
 def _check_int(name, value, lo):

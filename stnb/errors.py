@@ -11,6 +11,11 @@ class ConfigError(StnbError, ValueError):
     """A configuration or argument is invalid. Raised before any process starts."""
 
 
+def unknown_choice(name: str, value, choices) -> ConfigError:
+    """The ConfigError for a value outside a fixed set: it names the set."""
+    return ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from: missing, half-written, or not one this run can load
     (``stnb.checkpoints``)."""

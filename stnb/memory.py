@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from .errors import ConfigError
+from .errors import ConfigError, unknown_choice
 from . import strategies
 
 COMPONENTS = ("params", "grads", "optimizer_state", "ddp_buckets", "gathered_params")
@@ -83,7 +83,7 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
         raise ConfigError(f"trainable_param_count={trainable} is larger than param_count={param_count}")
     key = str(optimizer).lower()
     if key not in OPTIMIZER_SLOTS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(map(repr, OPTIMIZER_SLOTS))}")
+        raise unknown_choice("optimizer", optimizer, OPTIMIZER_SLOTS)
 
     held = s.held(world_size, stage=stage)
     params = math.ceil(bytes_per_param * param_count * held["params"])

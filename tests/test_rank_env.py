@@ -64,7 +64,26 @@ def test_no_launcher_sets_up_a_rank_by_hand(launcher):
     path = STNB / "launchers" / f"{launcher}.py"
     # external reads torchrun's OMP_NUM_THREADS (threads_per_rank's default there); it sets none
     assert _sets_environ(path) <= ({"OMP_NUM_THREADS"} if launcher == "external" else set())
-    assert "rank_env(config" in path.read_text()
+    tree = ast.parse(path.read_text())
+    imported = any(isinstance(n, ast.ImportFrom) and n.module == "base" and n.level == 1
+                   and "rank_env" in {a.name for a in n.names} for n in ast.walk(tree))
+    called = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "rank_env"
+                 for n in ast.walk(tree))  # launchers.base.rank_env itself, not a strategy's method
+    assert imported and called
+
+
+def test_deepspeed_on_cpu_turns_accelerates_cpu_mode_off_over_the_devices_variables(monkeypatch, tmp_path):
+    from stnb.strategies import deepspeed_ops
+    from stnb.strategies.deepspeed import DeepSpeed
+
+    monkeypatch.setattr(deepspeed_ops, "launch_copy", lambda: str(tmp_path))  # the op's copy: test_deepspeed.py
+
+    ds = TrainConfig(strategy="deepspeed", model="tiny", threads_per_rank=1)
+    own = DeepSpeed().rank_env(ds, "cpu")
+    env = rank_env(ds, "cpu")
+    assert own["ACCELERATE_USE_CPU"] == "false" and "DS_ACCELERATOR" not in own  # the device's, not its own
+    assert (env["ACCELERATE_USE_CPU"], env["DS_ACCELERATOR"], env["ACCELERATE_USE_DEEPSPEED"]) == ("false", "cpu", "true")
+    assert env["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
 
 
 def test_only_the_device_and_the_strategies_name_the_rank_variables():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..errors import ConfigError, VerificationError
+from ..errors import ConfigError, VerificationError, unknown_choice
 from .base import PARTS, Strategy, mixed_precision, replicated_check, save_strategy, torch_optimizer
 from .dp import autocast_data_parallel
 from .ddp import ddp_kwargs
@@ -137,7 +137,7 @@ def validate_config(config) -> None:
     for knob, values in s.choices.items():  # a knob with a fixed set of values, after the strategy's own checks
         value = getattr(config, knob)
         if value != defaults[knob] and value not in values:
-            raise ConfigError(f"unknown {knob} {value!r}; choose one of {', '.join(map(repr, values))}")
+            raise unknown_choice(knob, value, values)
 
 
 def availability(device: str, n_gpu: int, max_ranks: int, backend: str, has_distributed: bool = True) -> dict:

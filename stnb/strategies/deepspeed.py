@@ -189,9 +189,10 @@ class DeepSpeed(Strategy):
         if device == "cpu":
             from .deepspeed_ops import launch_copy
 
-            # DeepSpeed's CPU accelerator (gloo); accelerate refuses DeepSpeed in its CPU mode (state.py); its
-            # CPU op built once per environment and loaded by this launch from a copy of its own
-            env.update({"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "false", "TORCH_EXTENSIONS_DIR": launch_copy()})
+            # over the device's variables (hardware.device_env: DeepSpeed's CPU accelerator, gloo): accelerate
+            # refuses DeepSpeed in its CPU mode (state.py); the CPU op built once per environment and loaded by
+            # this launch from a copy of its own
+            env.update({"ACCELERATE_USE_CPU": "false", "TORCH_EXTENSIONS_DIR": launch_copy()})
         return env
 
     # ---- resuming (stnb.strategies.layouts) ----------------------------------------------------------
