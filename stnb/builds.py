@@ -22,7 +22,7 @@ from __future__ import annotations
 import pprint
 import shutil
 
-from .config import TrainConfig
+from .config import TrainConfig, launch_fields
 from .errors import ConfigError
 
 
@@ -139,7 +139,7 @@ class UserBuild:
 
     def result_config(self, config: TrainConfig, training: dict) -> dict:
         """The run options it was given, what its trainer trains with, and the function's name."""
-        return {**{k: v for k, v in config.to_dict().items() if k in config.run_options.__dataclass_fields__},
+        return {**{k: v for k, v in config.to_dict().items() if k in launch_fields()},
                 **training, "build": self.name}
 
     def unavailable_row(self, config: TrainConfig) -> dict:

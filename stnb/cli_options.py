@@ -1,10 +1,11 @@
 """Command-line options for a TrainConfig, derived from its fields (``python -m stnb run`` / ``export``).
 
-Every TrainConfig field is an option named after it (``per_device_batch_size`` -> ``--per-device-batch-size``)
-with the field's own default and type, so the CLI can never drift from the dataclass. A boolean field
-that defaults to True is switched off with ``--no-<name>``. A few fields keep a short alias that
-earlier versions documented (``--nproc``, ``--batch-size``, ``--lr``, ``--accumulate``, ``--no-eval``).
-Only the help texts live here.
+Every TrainConfig field, and every strategy's own option (``stnb.strategies.options()``), is an option named
+after it (``per_device_batch_size`` -> ``--per-device-batch-size``) with its own default and type, so the CLI can
+never drift from the dataclass or the strategies. A boolean that defaults to True is switched off with
+``--no-<name>``. A few fields keep a short alias that earlier versions documented (``--nproc``, ``--batch-size``,
+``--lr``, ``--accumulate``, ``--no-eval``). Only the fields' help texts live here; a strategy's option brings
+its own (``Option.help``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import json
 
+from . import strategies
 from .config import TrainConfig
 
 # field -> extra option strings kept from earlier versions of the CLI
@@ -24,8 +26,8 @@ ALIASES = {
 }
 # boolean fields whose "off" switch has a name of its own
 OFF_SWITCHES = {"evaluate": "--no-eval"}
-# fields a command line cannot express
-SKIPPED = ("extra",)
+# fields a command line cannot express (strategy_options: each option is one of its own)
+SKIPPED = ("extra", "strategy_options")
 
 HELP = {
     "strategy": "single, dp, ddp, zero1, zero2, fsdp or deepspeed (python -m stnb hardware lists them)",
@@ -48,12 +50,6 @@ HELP = {
     "mixed_precision": "no, bf16 or fp16",
     "reuse_freed_memory": "CPU: keep glibc's default allocator in the training processes",
     "gradient_accumulation_steps": "micro-batches per optimizer step; one all-reduce per step (no_sync)",
-    "comm_hook": "none, fp16, bf16 (NCCL) or embedding_rows (exact)",
-    "broadcast_buffers": "DDP: broadcast rank 0's buffers at every forward (sentence-transformers turns it off)",
-    "reshard_after_forward": "FSDP: keep the gathered parameters between forward and backward",
-    "fsdp_layer_cls": "FSDP: the module class to shard separately (default: the model's transformer block)",
-    "stage": "deepspeed: ZeRO stage 1, 2 or 3 (default 2)",
-    "deepspeed_config": 'deepspeed: JSON DeepSpeed config merged over stnb\'s, e.g. \'{"zero_optimization": {"stage": 2}}\'',
     "timeout": "seconds for the whole run",
     "stall_timeout": "seconds without progress before the run is stopped",
     "memory_budget_gib": "the most memory one rank may use, GiB (CPU: the whole rank process, RLIMIT_DATA; GPU: "
@@ -84,32 +80,34 @@ def _json_dict(text: str):
 
 
 def config_fields() -> list:
-    """The TrainConfig fields the command line carries."""
-    return [f for f in dataclasses.fields(TrainConfig) if f.name not in SKIPPED]
+    """(name, annotation, help) of what the command line carries: the TrainConfig fields, then the strategies'
+    options."""
+    return ([(f.name, str(f.type), HELP.get(f.name, "")) for f in dataclasses.fields(TrainConfig)
+             if f.name not in SKIPPED]
+            + [(name, o.type, o.help) for name, o in strategies.options().items()])
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """One option per TrainConfig field, with the field's default and type."""
+    """One option per TrainConfig field and strategy option, with its default and type."""
     defaults = TrainConfig()
-    for f in config_fields():
-        default = getattr(defaults, f.name)
-        kind = base_type(str(f.type))
-        helptext = HELP.get(f.name, "")
+    for name, annotation, helptext in config_fields():
+        default = getattr(defaults, name)
+        kind = base_type(annotation)
         if kind is bool:
             if default:
-                parser.add_argument(OFF_SWITCHES.get(f.name, "--no-" + f.name.replace("_", "-")), dest=f.name,
+                parser.add_argument(OFF_SWITCHES.get(name, "--no-" + name.replace("_", "-")), dest=name,
                                     action="store_false", help=helptext)
             else:
-                parser.add_argument(_option(f.name), dest=f.name, action="store_true", help=helptext)
+                parser.add_argument(_option(name), dest=name, action="store_true", help=helptext)
                 # the explicit default, too (a script written when the default was on keeps working)
-                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                parser.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
                                     help=argparse.SUPPRESS)
             continue
-        names = (_option(f.name),) + ALIASES.get(f.name, ())
-        if f.name == "num_processes":  # --nproc stays the first spelling in --help
-            names = ("--nproc", _option(f.name))
+        names = (_option(name),) + ALIASES.get(name, ())
+        if name == "num_processes":  # --nproc stays the first spelling in --help
+            names = ("--nproc", _option(name))
         shown = f" (default {default})" if default is not None else ""
-        parser.add_argument(*names, dest=f.name, type=_json_dict if kind is dict else kind, default=default,
+        parser.add_argument(*names, dest=name, type=_json_dict if kind is dict else kind, default=default,
                             help=helptext + shown)
 
 
@@ -122,4 +120,4 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the parsed options describe."""
-    return TrainConfig(**{f.name: getattr(a, f.name) for f in config_fields()})
+    return TrainConfig(**{name: getattr(a, name) for name, _, _ in config_fields()})

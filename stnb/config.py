@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -17,8 +18,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # A TrainConfig is two parts, each a type of its own (below): the ``Recipe`` (what stnb's recipe trains: model, data,
 # loss, steps, batch...; for a user's trainer it lives in the user's code, and each of its fields says where) and
 # the ``RunOptions`` (what every run takes, stnb's recipe or ``stnb.run(build, ...)``: where and how the ranks run,
-# and the strategy's knobs). TrainConfig keeps one flat constructor and takes each field's declaration from its
-# part; ``config.recipe`` and ``config.run_options`` are its two parts as values.
+# and the strategy's own options). TrainConfig keeps one flat constructor and takes each field's declaration from
+# its part; ``config.recipe`` and ``config.run_options`` are its two parts as values. The strategies' own options
+# (``bucket_cap_mb``, ``stage``...) are declared by the strategies (``stnb.strategies.options()``), not here:
+# both classes take them as flat keywords and attributes, held in ``strategy_options`` (``takes_strategy_options``).
 
 # Training arguments of a user's trainer that ``override_args`` may replace in every rank (read when
 # train() starts, so setting them on the built trainer takes effect), and what each changes.
@@ -37,6 +40,63 @@ def run_option(default=dataclasses.MISSING, **kw):
 def recipe_field(where: str, default=dataclasses.MISSING, **kw):
     """A field of ``Recipe``; ``where``: where it belongs in a user's own code."""
     return field(default=default, metadata={_KIND: "recipe", "where": where}, **kw)
+
+
+def takes_strategy_options(cls):
+    """Class decorator (under ``@dataclass``): the strategies' own options (``stnb.strategies.options()``) as flat
+    keywords of the constructor and as attributes, held in the field ``strategy_options``: only those given away
+    from their defaults, so two configs that ask the same compare equal. A name neither a field nor an option is a
+    TypeError naming the closest, as a dataclass's own constructor does."""
+    fields_init, own = cls.__init__, cls.__dataclass_fields__
+
+    def __init__(self, *args, **kw):
+        declared = strategies.options()
+        given = dict(kw.pop("strategy_options", None) or {})
+        given.update({name: kw.pop(name) for name in [k for k in kw if k not in own]})
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            import difflib
+
+            known = [*own, *declared]
+            hints = [f"{u!r} -> {m[0]!r}" for u in unknown for m in [difflib.get_close_matches(u, known, n=1)] if m]
+            raise TypeError(f"{cls.__name__} got unknown option(s) {unknown}"
+                            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                            + f"; strategy options: {', '.join(declared)} (stnb.strategies.options())")
+        kept = {k: v for k, v in given.items() if not _is_default(v, declared[k].default)}
+        fields_init(self, *args, strategy_options=kept, **kw)
+
+    def __getattr__(self, name):  # only for names that are not attributes: a strategy's option
+        given = self.__dict__.get("strategy_options")
+        if given is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name in given:
+            return given[name]
+        o = strategies.options().get(name)
+        if o is None:
+            raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}")
+        return o.default
+
+    sig = inspect.signature(fields_init)  # what Jupyter's tooltip shows: the fields, then every option by name
+    __init__.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *(
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type)
+        for name, o in strategies.options().items())])
+    cls.__init__, cls.__getattr__ = __init__, __getattr__
+    if not cls.__dataclass_params__.frozen:
+        def __setattr__(self, name, value):
+            if name not in own and name in strategies.options():
+                given = dict(self.strategy_options)
+                given.pop(name, None)
+                if not _is_default(value, strategies.options()[name].default):
+                    given[name] = value
+                name, value = "strategy_options", given
+            object.__setattr__(self, name, value)
+
+        cls.__setattr__ = __setattr__
+    return cls
+
+
+def _is_default(value, default) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
 
 
 @dataclass(frozen=True)
@@ -89,6 +149,7 @@ class Recipe:
         return path
 
 
+@takes_strategy_options
 @dataclass(frozen=True)
 class RunOptions:
     """What every run takes, stnb's recipe or a user's own trainer (``stnb.run(build, ...)``): where and how the
@@ -102,18 +163,9 @@ class RunOptions:
     threads_per_rank: int | None = run_option(None)
     reuse_freed_memory: bool = run_option(True)  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
     memory_budget_gib: float | None = run_option(None)  # the most memory one rank may use (stnb.budget)
-    # DDP knobs
-    bucket_cap_mb: float | None = run_option(None)
-    gradient_as_bucket_view: bool = run_option(False)
-    broadcast_buffers: bool = run_option(False)  # what sentence-transformers' arguments force; True applies it (ddp)
-    static_graph: bool = run_option(False)
-    comm_hook: str = run_option("none")
-    # FSDP knobs
-    reshard_after_forward: bool = run_option(True)
-    fsdp_layer_cls: str | None = run_option(None)
-    # DeepSpeed knobs (stnb.strategies.deepspeed)
-    stage: int | None = run_option(None)
-    deepspeed_config: dict | None = run_option(None)
+    # the strategy's own options given away from their defaults, {name: value}; each also a flat keyword and an
+    # attribute (config.bucket_cap_mb), declared by its strategy (stnb.strategies.options())
+    strategy_options: dict = run_option(default_factory=dict)
     # process control
     timeout: float | None = run_option(None)
     stall_timeout: float | None = run_option(60.0)
@@ -130,6 +182,7 @@ def part(of, name: str):
     return field(default=f.default, default_factory=f.default_factory, metadata=f.metadata)
 
 
+@takes_strategy_options
 @dataclass
 class TrainConfig:
     """One training run.
@@ -174,14 +227,11 @@ class TrainConfig:
         more fails as out of memory (LaunchError kind 'out_of_memory'); a budget below the predicted model
         state is refused before any rank starts. On CPU a rank under a budget gives freed blocks above 1 MiB
         back to the kernel at once (reuse_freed_memory does not apply): the budget counts memory in use.
-    DDP knobs (ddp, zero1): bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers (True:
-        broadcast rank 0's buffers at every forward, a sync point; sentence-transformers turns it off, so
-        False is what runs by default; BERT-style buffers never change),
-        gradient_accumulation_steps (all-reduce once per optimizer step, under no_sync) and comm_hook:
-        'none', 'fp16', 'bf16' (NCCL only) or 'embedding_rows' (stnb.embedding_rows_hook: all-reduce only the
-        embedding rows some rank used; exact).
-    DeepSpeed knobs (deepspeed): stage (ZeRO stage 1, 2 or 3; default 2, accelerate's) and deepspeed_config
-        (a DeepSpeed config dict merged over stnb's; a value contradicting the run is refused).
+    gradient_accumulation_steps: micro-batches per optimizer step (DDP: all-reduce once per optimizer step,
+        under no_sync).
+    strategy_options: the strategy's own options given, {name: value}; each is also a flat keyword
+        (``TrainConfig(strategy='ddp', comm_hook='fp16')``) and an attribute. Only the chosen strategy's may be set
+        away from their defaults. Declared by the strategies (``stnb.strategies.options()``), listed below.
     checkpoint_every, keep, checkpoint_dir, resume: a checkpoint every N steps into checkpoint_dir (the trainer's
         own, each complete or absent), the newest ``keep`` kept; resume='latest' (or 'auto': step 0
         when there is none) or a checkpoint's path continues from it (``stnb.checkpoints``, docs/checkpoints.md).
@@ -216,19 +266,8 @@ class TrainConfig:
     threads_per_rank: int | None = part(RunOptions, "threads_per_rank")
     reuse_freed_memory: bool = part(RunOptions, "reuse_freed_memory")
     memory_budget_gib: float | None = part(RunOptions, "memory_budget_gib")
-    # DDP knobs
-    bucket_cap_mb: float | None = part(RunOptions, "bucket_cap_mb")
-    gradient_as_bucket_view: bool = part(RunOptions, "gradient_as_bucket_view")
-    broadcast_buffers: bool = part(RunOptions, "broadcast_buffers")
-    static_graph: bool = part(RunOptions, "static_graph")
-    comm_hook: str = part(RunOptions, "comm_hook")
     gradient_accumulation_steps: int = part(Recipe, "gradient_accumulation_steps")
-    # FSDP knobs
-    reshard_after_forward: bool = part(RunOptions, "reshard_after_forward")
-    fsdp_layer_cls: str | None = part(RunOptions, "fsdp_layer_cls")
-    # DeepSpeed knobs (stnb.strategies.deepspeed)
-    stage: int | None = part(RunOptions, "stage")
-    deepspeed_config: dict | None = part(RunOptions, "deepspeed_config")
+    strategy_options: dict = part(RunOptions, "strategy_options")
     # process control
     timeout: float | None = part(RunOptions, "timeout")
     stall_timeout: float | None = part(RunOptions, "stall_timeout")
@@ -289,7 +328,7 @@ class TrainConfig:
         return self.per_device_batch_size * ws * self.gradient_accumulation_steps
 
     def replace(self, **changes) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(self)}
+        names = {f.name for f in dataclasses.fields(self)} | set(strategies.options())
         unknown = sorted(set(changes) - names)
         if unknown:  # dataclasses.replace would raise a bare TypeError
             import difflib
@@ -302,21 +341,22 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, with the strategies' options flat ({'bucket_cap_mb': None, ...}): what ``from_dict`` takes."""
+        return flat(self)
 
     @classmethod
     def for_build(cls, **options) -> "TrainConfig":
         """The TrainConfig of a user's own trainer (``stnb.run(build, **options)``): only ``RunOptions``. A
         ``Recipe`` field is refused naming where it belongs in the user's code; a misspelt one is refused
         naming the closest field."""
-        takes = tuple(RunOptions.__dataclass_fields__)
+        takes = launch_fields()
         misplaced = [k for k in options if k in Recipe.__dataclass_fields__]
         if misplaced:
             raise ConfigError(
                 "stnb.run(build, ...) trains the trainer your function returns, so these options would not "
                 "apply to it: " + "; ".join(f"{k}: {Recipe.where(k)}" for k in misplaced)
                 + f". stnb.run(build, ...) takes {', '.join(takes)}")
-        unknown = sorted(k for k in options if k not in takes)
+        unknown = sorted(k for k in options if k not in takes and k != "strategy_options")
         if unknown:
             import difflib
 
@@ -361,7 +401,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} | set(strategies.options())
         unknown = set(d) - names
         if unknown:
             raise ConfigError(f"unknown TrainConfig field(s) {sorted(unknown)}; valid fields: {sorted(names)}")
@@ -400,7 +440,7 @@ class TrainConfig:
         if self.num_processes is not None:
             _check_int("num_processes", self.num_processes, 1)
         _check_num("learning_rate", self.learning_rate, lo_exclusive=0.0)
-        for name in ("timeout", "stall_timeout", "bucket_cap_mb", "memory_budget_gib"):
+        for name in ("timeout", "stall_timeout", "memory_budget_gib"):
             v = getattr(self, name)
             if v is not None:
                 _check_num(name, v, lo_exclusive=0.0)
@@ -448,9 +488,7 @@ class TrainConfig:
         """What only a GPU does, refused for ranks on ``device`` 'cpu' (ConfigError)."""
         if self.mixed_precision == "fp16" and device == "cpu":
             raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-        if self.comm_hook == "bf16" and device == "cpu":
-            raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
-                              "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
+        self.strategy_object().check_device(self, device)
 
     def check_hardware(self) -> None:
         """This machine can run the strategy with this many processes (ConfigError / StrategyUnavailable)."""
@@ -490,8 +528,25 @@ def check_parts(cls=TrainConfig) -> None:
 
 
 check_parts()
-#: the run options, in their declaration's order: what ``stnb.run(build, ...)`` takes (``RunOptions``)
-LAUNCH_FIELDS = tuple(RunOptions.__dataclass_fields__)
+strategies.reserve(f.name for f in dataclasses.fields(TrainConfig))  # no strategy option takes a field's name
+TrainConfig.__doc__ += "\n    The strategies' own options (``stnb.strategies.options()``, each declared in its strategy's module):\n" + \
+    "".join(f"    {name} (default {o.default!r}; {', '.join(strategies.option_owners(name))}): {o.help}.\n"
+            for name, o in strategies.options().items())
+
+
+def flat(config) -> dict:
+    """A TrainConfig or RunOptions as a flat dict: its fields, with every registered strategy's options at their
+    values in place of ``strategy_options`` (options of a strategy no longer registered kept as given)."""
+    d = dataclasses.asdict(config)
+    given = d.pop("strategy_options")
+    return {**d, **{name: o.default for name, o in strategies.options().items()}, **given}
+
+
+def launch_fields() -> tuple:
+    """What ``stnb.run(build, ...)`` takes: the ``RunOptions`` fields in their declaration's order, the strategies'
+    options in place of ``strategy_options``."""
+    names = [n for n in RunOptions.__dataclass_fields__ if n != "strategy_options"]
+    return (*names, *strategies.options())
 #: the recipe's fields, each with where it belongs in a user's own code (``Recipe.where``)
 RECIPE_FIELDS = {name: Recipe.where(name) for name in Recipe.__dataclass_fields__}
 

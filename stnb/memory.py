@@ -306,10 +306,8 @@ def compare(result, optimizer: str | None = None):
     total_params, trainable = int(shape["param_count"]), int(shape["trainable_param_count"])
     optimizer = optimizer_kind(optimizer or shape.get("optimizer") or "adamw")
     cfg = r.get("config") or {}
-    from .config import TrainConfig
-
     bucket_view = _first(r.get("gradient_as_bucket_view"), cfg.get("gradient_as_bucket_view"),
-                         TrainConfig.gradient_as_bucket_view)
+                         strategies.options()["gradient_as_bucket_view"].default)
     s = strategies.get(strategy)
     pred = predict(strategy, total_params, world_size if s.distributed else 1, trainable,
                    bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer,

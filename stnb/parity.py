@@ -33,6 +33,7 @@ import tempfile
 
 from .config import TrainConfig
 from .errors import ConfigError, StnbError
+from .strategies import option_owners
 
 DEFAULT_TOLERANCE = 1e-2  # of how far training moved the tensor (docs/parity.md: what reordered sums give)
 ROUNDING_FACTOR = 10  # x how far the same training, summed in another order, ended (docs/parity.md)
@@ -114,9 +115,9 @@ def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: 
             raise ConfigError(f"strategy {name!r} runs in one process; parity compares a strategy with one process "
                               f"per device ({', '.join(registry.distributed_names())}) with one device")
     build, inner, launch_opts = _as_build(build_or_config, options)
-    unused = sorted(k for k in launch_opts if _owners(k) and not set(_owners(k)) & set(names))
+    unused = sorted(k for k in launch_opts if option_owners(k) and not set(option_owners(k)) & set(names))
     if unused:
-        raise ConfigError("; ".join(f"{k} is an option of {' / '.join(_owners(k))}" for k in unused)
+        raise ConfigError("; ".join(f"{k} is an option of {' / '.join(option_owners(k))}" for k in unused)
                           + f", none of the strategies asked ({', '.join(names)}): add one or leave it out")
     baseline = registry.baseline_name()
     root = tempfile.mkdtemp(prefix="stnb-parity-")
@@ -181,13 +182,13 @@ def _runnable(num_processes: int, device: str) -> list:
 def _as_build(build_or_config, options: dict):
     """(the build function every run trains, the function whose code is read for refusals, launch options)."""
     if isinstance(build_or_config, TrainConfig):
-        from .config import LAUNCH_FIELDS
+        from .config import launch_fields
         from .models import resolve_model
 
         config = build_or_config.replace(**options) if options else build_or_config
         config.check_recipe_options()
         defaults = TrainConfig()
-        launch = {k: getattr(config, k) for k in LAUNCH_FIELDS
+        launch = {k: getattr(config, k) for k in launch_fields()
                   if k not in ("strategy", "num_processes", "save_to") and getattr(config, k) != getattr(defaults, k)}
         build = functools.partial(recipe_build, dataclasses.replace(config, save_to=None), resolve_model(config.model))
         return build, build, launch
@@ -196,16 +197,9 @@ def _as_build(build_or_config, options: dict):
     return check_build(build_or_config), build_or_config, dict(options)
 
 
-def _owners(option: str) -> list:
-    """The strategies whose knob ``option`` is (none: a launch option every run takes)."""
-    from . import strategies as registry
-
-    return [s.name for s in registry.all_strategies() if option in s.knobs]
-
-
 def _options_for(name: str, options: dict) -> dict:
-    """The launch options for one run: every strategy's knobs but this one's left out."""
-    return {k: v for k, v in options.items() if not _owners(k) or name in _owners(k)}
+    """The launch options for one run: every other strategy's own options left out."""
+    return {k: v for k, v in options.items() if not option_owners(k) or name in option_owners(k)}
 
 
 def recipe_build(config: TrainConfig, model_path: str):

@@ -89,9 +89,10 @@ class RunResult:
         d["local_param_fraction"] = (max(self.local_param_count) / self.total_param_count
                                      if self.local_param_count and self.total_param_count else None)
         d["final_loss"] = self.losses[-1] if self.losses else None
-        for k in ("loss", "learning_rate", "comm_hook", "gradient_as_bucket_view", "static_graph",
-                  "bucket_cap_mb", "threads_per_rank", "gradient_accumulation_steps", "gather_across_devices",
-                  "broadcast_buffers", "reuse_freed_memory"):
+        from .strategies import options
+
+        for k in ("loss", "learning_rate", "threads_per_rank", "gradient_accumulation_steps", "gather_across_devices",
+                  "reuse_freed_memory", *options()):  # and every strategy's own options
             d.setdefault(k, cfg.get(k))
         return d
 

@@ -31,7 +31,7 @@ def fsdp_variants() -> tuple:
 
     out = [(STRATEGY, {})]
     for s in strategies.all_strategies():
-        if "reshard_after_forward" in s.knobs:
+        if "reshard_after_forward" in s.options:
             out += [(s.name, {"strategy": s.name}),
                     (f"{s.name}, no reshard", {"strategy": s.name, "reshard_after_forward": False})]
     return tuple(out)

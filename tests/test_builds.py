@@ -14,7 +14,7 @@ import pytest
 
 import stnb
 from stnb.builds import RecipeBuild, UserBuild, build_of
-from stnb.config import TrainConfig
+from stnb.config import TrainConfig, flat
 from stnb.rankreport import RankReport
 from stnb.results import RunResult, merge
 from stnb.widgets.modes import MODES, BuildMode, RecipeMode
@@ -42,12 +42,12 @@ def test_the_result_config_is_what_the_build_says_it_trained():
     own_cfg = TrainConfig.for_build(strategy="single", timeout=30.0)
     trained = {"model": "my-model", "loss": "CosineSimilarityLoss", "per_device_batch_size": 4, "steps": 3}
     res = merge(own_cfg, [_report(build.name, trained)], device="cpu", build=build)
-    assert res.config == {**dataclasses.asdict(own_cfg.run_options), **trained, "build": build.name}
+    assert res.config == {**flat(own_cfg.run_options), **trained, "build": build.name}
     assert "learning_rate" not in res.config and res.config["timeout"] == 30.0
     assert (res.model, res.per_device_batch_size, res.build) == ("my-model", 4, build.name)
     # the same config for the row of a run that could not start here
     row = RunResult.unavailable(own_cfg, "why", build=build)
-    assert row.config == {**dataclasses.asdict(own_cfg.run_options), "build": build.name} and row.model == build.name
+    assert row.config == {**flat(own_cfg.run_options), "build": build.name} and row.model == build.name
     assert RunResult.unavailable(recipe_cfg, "why").config == recipe_cfg.to_dict()
 
 

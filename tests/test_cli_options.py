@@ -9,6 +9,7 @@ import pytest
 
 from stnb.cli_options import SKIPPED, add_run_options, config_from_args
 from stnb.config import TrainConfig
+from stnb.strategies import options
 
 
 def _parse(*argv):
@@ -23,6 +24,8 @@ def test_every_field_has_an_option_with_the_dataclass_default():
         if f.name in SKIPPED:
             continue
         assert hasattr(a, f.name), f"TrainConfig.{f.name} has no command-line option"
+    for name, o in options().items():  # each strategy's own options, with their declared defaults
+        assert getattr(a, name) == o.default, f"strategy option {name} has no command-line option"
     assert config_from_args(a) == TrainConfig()
 
 

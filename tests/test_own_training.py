@@ -297,15 +297,17 @@ def test_every_config_field_is_a_field_of_its_recipe_or_of_its_run_options():
     assert sorted(recipe + run) == sorted(names) and not set(recipe) & set(run)
     assert set(run) == {
         "strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout", "threads_per_rank",
-        "reuse_freed_memory", "save_to", "bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers",
-        "static_graph", "comm_hook", "reshard_after_forward", "fsdp_layer_cls", "stage", "deepspeed_config",
-        "resume", "override_args", "memory_budget_gib"}
-    assert c.LAUNCH_FIELDS == tuple(n for n in names if n in run)  # in the constructor's order
+        "reuse_freed_memory", "save_to", "strategy_options", "resume", "override_args", "memory_budget_gib"}
+    # what stnb.run(build, ...) takes: the run options, each strategy's own options in place of strategy_options
+    assert c.launch_fields() == (*[n for n in names if n in run and n != "strategy_options"],
+                                 *stnb.strategies.options())
     assert all(isinstance(c.Recipe.where(n), str) and c.Recipe.where(n) for n in recipe)
-    cfg = c.TrainConfig(strategy="zero1", steps=7, model="tiny", stall_timeout=9.0, columns={"a": "anchor"})
+    cfg = c.TrainConfig(strategy="zero1", steps=7, model="tiny", stall_timeout=9.0, columns={"a": "anchor"},
+                        comm_hook="fp16")
     assert cfg.recipe == c.Recipe(steps=7, model="tiny", columns={"a": "anchor"})
-    assert cfg.run_options == c.RunOptions(strategy="zero1", stall_timeout=9.0)
-    assert {**dataclasses.asdict(cfg.recipe), **dataclasses.asdict(cfg.run_options)} == cfg.to_dict()
+    assert cfg.run_options == c.RunOptions(strategy="zero1", stall_timeout=9.0, comm_hook="fp16")
+    assert cfg.run_options.comm_hook == "fp16" and cfg.run_options.strategy_options == {"comm_hook": "fp16"}
+    assert {**dataclasses.asdict(cfg.recipe), **c.flat(cfg.run_options)} == cfg.to_dict()
     assert c.TrainConfig() == c.TrainConfig(**dataclasses.asdict(c.Recipe()), **dataclasses.asdict(c.RunOptions()))
     defaults = c.TrainConfig()
     assert c.TrainConfig.for_build(**dataclasses.asdict(defaults.run_options)) == defaults

@@ -15,7 +15,7 @@ from stnb import strategies
 from stnb.config import TrainConfig
 from stnb.plots.timesplit import advice
 from stnb.results import RunResult
-from stnb.strategies import Strategy
+from stnb.strategies import Option, Strategy
 from stnb.widgets import Panel, view
 from stnb.widgets.modes import BuildMode, RecipeMode
 
@@ -180,13 +180,13 @@ def test_build_mode_disables_the_recipes_controls_and_ignores_them():
 
 
 class Knobbed(Strategy):
-    """A strategy made up here, owning two TrainConfig fields no built-in strategy owns: a flag, and one
-    with the values it takes listed in ``choices``; verified trivially."""
+    """A strategy made up here, with two options of its own that no other strategy has: a flag, and one with
+    the values it takes (``choices``); verified trivially."""
     name = "knobbed"
     label = "made up, with knobs"
-    summary = "a test strategy that owns reuse_freed_memory and threads_per_rank"
-    knobs = ("reuse_freed_memory", "threads_per_rank")
-    choices = {"threads_per_rank": (1, 2)}
+    summary = "a test strategy with two options of its own"
+    options = {"knob_flag": Option(True, "bool", "a made-up flag"),
+               "knob_level": Option(None, "int | None", "a made-up level", choices=(1, 2))}
 
     def check_prepared(self, trainer, world_size):
         return {}, []
@@ -200,27 +200,31 @@ def _visible(panel) -> list:
 
 
 def test_a_strategy_added_to_the_registry_appears_in_the_picker_with_its_knobs():
-    assert "reuse_freed_memory" not in Panel(**SMALL).knobs  # no built-in strategy owns it
+    assert "knob_flag" not in Panel(**SMALL).knobs
     strategies.register(Knobbed)
     try:
         panel = Panel(**SMALL)
         assert dict(panel.strategy.options)["knobbed · made up, with knobs"] == "knobbed"
         panel.strategy.value = "knobbed"
-        assert _visible(panel) == ["reuse_freed_memory", "threads_per_rank"]
-        assert "a test strategy that owns reuse_freed_memory" in panel.strategy_help.value
-        box, threads = panel.knobs["reuse_freed_memory"].widget, panel.knobs["threads_per_rank"].widget
-        assert box.value is True and "stnb-knob-reuse_freed_memory" in box._dom_classes
-        assert [v for _, v in threads.options] == [None, 1, 2]
-        box.value, threads.value = False, 2
+        assert _visible(panel) == ["knob_flag", "knob_level"]
+        assert "a test strategy with two options of its own" in panel.strategy_help.value
+        box, level = panel.knobs["knob_flag"].widget, panel.knobs["knob_level"].widget
+        assert box.value is True and "stnb-knob-knob_flag" in box._dom_classes and box.tooltip == "a made-up flag"
+        assert [v for _, v in level.options] == [None, 1, 2]
+        box.value, level.value = False, 2
         c = panel.run_config()
-        assert (c.reuse_freed_memory, c.threads_per_rank) == (False, 2)
-        assert "knobbed (reuse_freed_memory=False, threads_per_rank=2)" in panel.validation.value
+        assert (c.knob_flag, c.knob_level, c.strategy_options) == (False, 2, {"knob_flag": False, "knob_level": 2})
+        assert "knobbed (knob_flag=False, knob_level=2)" in panel.validation.value
         panel.strategy.value = "ddp"  # another strategy: its knobs hidden, and not applied
-        assert "threads_per_rank" not in _visible(panel)
-        assert (panel.run_config().reuse_freed_memory, panel.run_config().threads_per_rank) == (True, None)
+        assert "knob_level" not in _visible(panel)
+        assert (panel.run_config().knob_flag, panel.run_config().knob_level) == (True, None)
+        with pytest.raises(stnb.ConfigError, match="knob_level=2 is an option of knobbed, not of strategy 'ddp'"):
+            stnb.TrainConfig(strategy="ddp", knob_level=2).validate(check_resources=False)
     finally:
         strategies.unregister("knobbed")
     assert "knobbed" not in dict(Panel(**SMALL).strategy.options).values()
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['knob_level'\]"):
+        stnb.TrainConfig(knob_level=2)
 
 
 def test_the_deepspeed_stage_control_reaches_run_config():

@@ -14,12 +14,12 @@ import pandas as pd
 import stnb
 from stnb import RunResult, TrainConfig
 from stnb.builds import UserBuild
-from stnb.config import LAUNCH_FIELDS
+from stnb.config import launch_fields
+from stnb.strategies import options
 
 # the config fields a row shows as columns of its own (the knobs the comparison table and plots group by)
-CONFIG_COLUMNS = ("loss", "learning_rate", "comm_hook", "gradient_as_bucket_view", "static_graph", "bucket_cap_mb",
-                  "threads_per_rank", "gradient_accumulation_steps", "gather_across_devices", "broadcast_buffers",
-                  "reuse_freed_memory")
+CONFIG_COLUMNS = ("loss", "learning_rate", "threads_per_rank", "gradient_accumulation_steps", "gather_across_devices",
+                  "reuse_freed_memory", *options())  # and every strategy's own options
 DERIVED = ("peak_memory_max_bytes", "local_param_fraction", "final_loss")
 NOT_RUNNABLE = "not runnable here"
 
@@ -30,7 +30,8 @@ def _config() -> TrainConfig:
     return TrainConfig(strategy="fsdp", num_processes=3, model="tiny", loss="mnrl", learning_rate=3e-4,
                        comm_hook="fp16", gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=7.5,
                        threads_per_rank=2, gradient_accumulation_steps=4, gather_across_devices=True,
-                       broadcast_buffers=True, reuse_freed_memory=False, device="cpu", per_device_batch_size=4)
+                       broadcast_buffers=True, reuse_freed_memory=False, device="cpu", per_device_batch_size=4,
+                       reshard_after_forward=False, fsdp_layer_cls="BertLayer", stage=3, deepspeed_config={"a": 1})
 
 
 def _fsdp_run(**changes) -> RunResult:
@@ -82,7 +83,7 @@ def test_an_unrunnable_recipe_config_is_a_row_with_its_reason_and_the_batch_it_w
     r = RunResult.unavailable(cfg, reason)
     assert (r.strategy, r.world_size, r.per_device_batch_size, r.global_batch_size) == ("ddp", 3, 4, 4 * 3 * 2)
     assert (r.status, r.reason, r.model, r.device, r.build) == (NOT_RUNNABLE, reason, "tiny", "cpu", None)
-    assert r.config == dataclasses.asdict(cfg)
+    assert r.config == cfg.to_dict()
     # nothing was measured, and nothing is claimed verified
     assert (r.steps, r.samples_per_second, r.total_param_count, r.verified, r.verification) == (0, None, 0, False, {})
     assert r.step_times == r.losses == r.peak_memory_bytes == r.local_param_count == []
@@ -109,7 +110,7 @@ def test_an_unrunnable_build_function_is_named_with_its_launch_options_and_the_b
     assert (r.model, r.build, r.reason, r.status) == (build.name, build.name, "no gloo here", NOT_RUNNABLE)
     assert (r.world_size, r.per_device_batch_size, r.global_batch_size) == (2, 3, 6)
     # the row's config: the launch options given (not the recipe's fields, which a build does not use)
-    assert r.config == {**{k: getattr(cfg, k) for k in LAUNCH_FIELDS}, "build": build.name}
+    assert r.config == {**{k: getattr(cfg, k) for k in launch_fields()}, "build": build.name}
     assert "model" not in r.config and "learning_rate" not in r.config and r.config["timeout"] == 90.0
     # without an override the batch is the user's trainer's, unknown before it runs
     plain = RunResult.unavailable(TrainConfig.for_build(strategy="ddp", num_processes=2, device="cpu"), "why",

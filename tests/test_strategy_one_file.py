@@ -1,8 +1,9 @@
 """A strategy is one file: ``HalfBytes``, made up in this file alone (DDP under another name, with its own
-colour, bench and GPU-check rows and its own step-cost model: half DDP's all-reduced bytes), registered,
-is in ``stnb.run`` (a real 2-rank run, verified), the Panel's strategy picker, ``stnb.predict`` on that run
-(table and figure), the bench's plan and the GPU check's plan; unregistered, it is in none of them. No other
-file knows it.
+colour, bench and GPU-check rows, its own step-cost model: half DDP's all-reduced bytes, and an option of its
+own, ``half_level``), registered, is in ``stnb.run`` (a real 2-rank run, verified, its option reaching the
+ranks), the Panel's strategy picker and option widgets, the command line's options, ``stnb.predict`` on that
+run (table and figure), the bench's plan and the GPU check's plan; unregistered, it is in none of them and its
+option is refused. No other file knows it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from stnb import ConfigError, strategies
 from stnblab.bench import BenchOptions, plan as bench_plan
 from stnblab.gpucheck import plan as gpu_plan
 from stnblab.gpucheck.planning import Machine
-from stnb.strategies.ddp import DistributedDataParallel, ddp_step
+from stnb.strategies import Option
+from stnb.strategies.ddp import DDP_OPTIONS, DistributedDataParallel, ddp_step
 
 NAME = "half-ddp"
 RUN = dict(num_processes=2, model="tiny", per_device_batch_size=4, steps=5, warmup_steps_excluded=1,
@@ -34,10 +36,25 @@ class HalfBytes(DistributedDataParallel):
     color = "#123456"
     bench = True
     gpu_check = True
+    options = {**DDP_OPTIONS, "half_level": Option(1, "int", "a made-up level each rank reports", choices=(1, 2, 3))}
+
+    def prepare(self, trainer, config, device_type, world):
+        out = super().prepare(trainer, config, device_type, world)
+        return dict(out, info={**out["info"], "half_level": config.half_level})  # what this rank was given
 
     def step_time(self, m, fab, n, host_fraction=None):
         r = ddp_step(replace(m, grad_bytes=m.grad_bytes / 2), fab, n)
         return dict(r, note="gradients in half the bytes")
+
+
+def _cli(*argv):
+    import argparse
+
+    from stnb.cli_options import add_run_options, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_options(parser)
+    return config_from_args(parser.parse_args(list(argv)))
 
 
 def _everywhere(result) -> dict:
@@ -45,19 +62,39 @@ def _everywhere(result) -> dict:
     predict from)."""
     from stnb.widgets import Panel
 
-    return {"panel": NAME in dict(Panel(train_size=64, dev_size=16).strategy.options).values(),
+    panel = Panel(train_size=64, dev_size=16)
+    return {"panel": NAME in dict(panel.strategy.options).values(), "option widget": "half_level" in panel.knobs,
             "predictor": NAME in set(stnb.predict(result, devices=[2], link="pcie4").table["strategy"]),
             "bench": any(it.config.strategy == NAME for it in bench_plan(BenchOptions.from_preset("quick"))),
-            "gpu-check": any(c.params.get("strategy") == NAME for c in gpu_plan(TWO_GPUS))}
+            "gpu-check": any(c.params.get("strategy") == NAME for c in gpu_plan(TWO_GPUS)),
+            "option": "half_level" in stnb.strategies.options()}
 
 
 def test_a_made_up_strategy_in_one_file_is_in_run_panel_predictor_bench_and_gpu_check():
     strategies.register(HalfBytes)
     try:
-        r = stnb.run(stnb.TrainConfig(strategy=NAME, **RUN), echo=False)
+        r = stnb.run(stnb.TrainConfig(strategy=NAME, half_level=3, **RUN), echo=False)
         assert r.verified, r.reason
-        assert (r.strategy, r.world_size) == (NAME, 2)
-        assert _everywhere(r) == {"panel": True, "predictor": True, "bench": True, "gpu-check": True}
+        assert (r.strategy, r.world_size, r.config["half_level"]) == (NAME, 2, 3)
+        assert [v["half_level"] for v in r.verification["ranks"]] == [3, 3]  # each rank was given the option
+        assert _everywhere(r) == {"panel": True, "option widget": True, "predictor": True, "bench": True,
+                                  "gpu-check": True, "option": True}
+
+        # its option is declared once, in its class, and everything that offers options offers it
+        cli = _cli("--strategy", NAME, "--half-level", "2")
+        assert (cli.strategy, cli.half_level, cli.strategy_options) == (NAME, 2, {"half_level": 2})
+        assert _cli().half_level == 1  # its declared default
+        from stnb.widgets import Panel
+
+        panel = Panel(train_size=64, dev_size=16)
+        panel.strategy.value = NAME
+        panel.knobs["half_level"].widget.value = 2
+        assert panel.knobs["half_level"].widget.layout.display is None  # shown beside DDP's options
+        assert panel.run_config().half_level == 2
+        with pytest.raises(ConfigError, match="unknown half_level 5; choose one of 1, 2, 3"):
+            stnb.TrainConfig(strategy=NAME, half_level=5).validate(check_resources=False)
+        with pytest.raises(ConfigError, match=f"half_level=2 is an option of {NAME}, not of strategy 'ddp'"):
+            stnb.TrainConfig(strategy="ddp", half_level=2).validate(check_resources=False)
 
         # the predictor used its model, not DDP's: the same ring all-reduce over half the bytes
         pred = stnb.predict(r, devices=[2, 4], link="pcie4")
@@ -80,8 +117,11 @@ def test_a_made_up_strategy_in_one_file_is_in_run_panel_predictor_bench_and_gpu_
     finally:
         strategies.unregister(NAME)
     # the same run, read as the DDP run it was (its own name is unknown now, so nothing predicts from it)
-    assert _everywhere(dict(r.to_dict(), strategy="ddp")) == {"panel": False, "predictor": False, "bench": False,
-                                                              "gpu-check": False}
+    assert _everywhere(dict(r.to_dict(), strategy="ddp")) == {"panel": False, "option widget": False,
+                                                              "predictor": False, "bench": False,
+                                                              "gpu-check": False, "option": False}
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['half_level'\]"):
+        stnb.TrainConfig(strategy="ddp", half_level=2)
     with pytest.raises(ConfigError, match=f"unknown strategy '{NAME}'"):
         stnb.predict(r, devices=[2], link="pcie4")
     with pytest.raises(ConfigError, match=f"unknown strategy '{NAME}'"):

@@ -232,7 +232,7 @@ def test_hover_of_our_runs_says_every_number_with_its_unit_and_the_configuration
         "batch: 4 per device, 8 global",
         "model: tiny · device: cpu · seq ≤ 128",
         "steps: 3 · loss: mnrl · mixed precision: bf16 · threads/rank: 2",
-        "comm_hook: fp16 · gradient_as_bucket_view: True · static_graph: True · bucket_cap_mb: 50.0",
+        "comm_hook: fp16 · gradient_as_bucket_view: True · static_graph: True · bucket_cap_mb: 50.0 · broadcast_buffers: False",
         "samples/s: 2,000.0",
         "speedup: 1.62x over single (1,234.5 samples/s) · efficiency: 0.81",
         "peak memory per rank: 3 MiB, 1,536 MiB",
@@ -250,14 +250,15 @@ def test_hover_of_a_ddp_run_with_the_default_bucket_and_accumulated_steps():
         "batch: 4 per device, 16 global (accumulation 2)",
         "model: tiny · device: cpu · seq ≤ 64",
         "steps: 0 · loss: cosine · mixed precision: no",
-        "comm_hook: none · gradient_as_bucket_view: False · static_graph: False · bucket_cap_mb: default (25)",
+        "comm_hook: none · gradient_as_bucket_view: False · static_graph: False · bucket_cap_mb: default (25) · "
+        "broadcast_buffers: False",  # the strategy's own options, in their declaration's order
         "samples/s: 20.0",
         "verified: True · run d2",
     ])
     assert table.baseline_reason[0] == "no 'single' run of model tiny on cpu to compare with"
     # beside a run that set its bucket size, one that did not still reads 'default (25)' (not 'nan')
     mixed = comparison_table([run("ddp", 2, 20.0), run("ddp", 2, 20.0, bucket_cap_mb=100)])
-    assert "bucket_cap_mb: default (25)<br>" in mixed.hover[0] and "bucket_cap_mb: 100.0<br>" in mixed.hover[1]
+    assert "bucket_cap_mb: default (25) ·" in mixed.hover[0] and "bucket_cap_mb: 100.0 ·" in mixed.hover[1]
 
 
 def test_hover_of_a_run_that_could_not_run_gives_the_reason_and_no_numbers():

@@ -323,11 +323,15 @@ def test_means_are_over_the_steady_steps_of_every_rank():
 
 
 def test_knob_hints_are_the_runs_strategys_own():
-    from stnb.plots.timesplit import COMM_KNOB_HINTS, knob_hints
+    from stnb.plots.timesplit import knob_hints
+    from stnb.strategies import options
 
-    assert knob_hints({"strategy": "ddp"}) == [COMM_KNOB_HINTS["comm_hook"], COMM_KNOB_HINTS["bucket_cap_mb"]]
-    assert knob_hints({"strategy": "fsdp"}) == [COMM_KNOB_HINTS["reshard_after_forward"]]
-    assert knob_hints({"strategy": "deepspeed", "config": {"stage": 2}}) == [COMM_KNOB_HINTS["stage"]]
+    lever = {name: o.lever for name, o in options().items()}
+    assert knob_hints({"strategy": "ddp"}) == [lever["comm_hook"], lever["bucket_cap_mb"]]
+    assert lever["comm_hook"] == "comm_hook='fp16' (half the bytes on the wire)"
+    assert knob_hints({"strategy": "fsdp"}) == [lever["reshard_after_forward"]]
+    assert knob_hints({"strategy": "zero2"}) == []  # fsdp's resharding is not its option
+    assert knob_hints({"strategy": "deepspeed", "config": {"stage": 2}}) == [lever["stage"]]
     assert knob_hints({"strategy": "deepspeed", "config": {"stage": 1}}) == []  # the lowest stage already
     assert knob_hints({"strategy": "no-such-strategy"}) == [] and knob_hints({}) == []
 

@@ -110,7 +110,6 @@ class MadeUp(Strategy):
     name = "made-up"
     label = "made up"
     summary = "DDP under another name (a test)"
-    knobs = ()
 
     def prepare(self, trainer, config, device_type, world):
         from stnb.strategies.ddp import apply_ddp

@@ -17,10 +17,15 @@ _META_COLUMNS = (
     "source", "label", "strategy", "world_size", "devices", "per_device_batch_size", "global_batch_size",
     "gradient_accumulation_steps", "steps", "samples_per_second", "speedup", "efficiency", "baseline",
     "model", "device", "status", "reason", "verified", "run_id", "losses", "peak_memory_bytes",
-    "memory_breakdown", "local_param_count", "total_param_count", "comm_hook", "gradient_as_bucket_view",
-    "static_graph", "bucket_cap_mb", "mixed_precision", "loss", "max_seq_length", "threads_per_rank",
-    "launcher", "hover",
-)
+    "memory_breakdown", "local_param_count", "total_param_count", "mixed_precision", "loss", "max_seq_length",
+    "threads_per_rank", "launcher", "hover",
+)  # and every strategy's own options (``_meta_columns``)
+
+
+def _meta_columns() -> tuple:
+    from .. import strategies
+
+    return (*_META_COLUMNS, *strategies.options())
 
 
 def with_reference(obj):
@@ -210,7 +215,7 @@ def _finish(fig, kind, data):
             t.showlegend = False
         seen.add(t.name)
     rows = []
-    for rec in data[[c for c in _META_COLUMNS if c in data.columns]].to_dict(orient="records"):
+    for rec in data[[c for c in _meta_columns() if c in data.columns]].to_dict(orient="records"):
         rows.append({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rec.items()})
     fig.update_layout(meta={"stnb_kind": kind, "stnb_rows": rows}, template="plotly_white",
                       legend=dict(orientation="h", yanchor="top", y=-0.18, x=0),

@@ -82,8 +82,7 @@ def comparison_table(df, reference: bool = False):
     for col in ("losses", "peak_memory_bytes", "memory_breakdown", "local_param_count"):
         df[col] = df[col].map(lambda v: list(v) if isinstance(v, (list, tuple)) else [])
     cfg = df["config"] if "config" in df.columns else pd.Series([{}] * len(df))
-    for key in ("comm_hook", "gradient_as_bucket_view", "static_graph", "bucket_cap_mb", "mixed_precision",
-                "loss", "max_seq_length", "threads_per_rank"):
+    for key in (*strategies.options(), "mixed_precision", "loss", "max_seq_length", "threads_per_rank"):
         from_cfg = cfg.map(lambda c, k=key: c.get(k) if isinstance(c, dict) else None)
         df[key] = df[key].where(df[key].notna(), from_cfg) if key in df.columns else from_cfg
     if "devices" not in df.columns:
@@ -116,12 +115,13 @@ def _labels(df) -> list:
         if r["source"] == REFERENCE_SOURCE:
             lab += " (docs)"
         base.append(lab)
-    # make labels unique: within each group of equal labels, add what differs (model, batch
-    # size, DDP hook, precision), then a counter for true repeats
+    # make labels unique: within each group of equal labels, add what differs (model, batch size, a strategy
+    # option that has a label (DDP's hook), precision), then a counter for true repeats
     out = list(base)
     rows = [r for _, r in df.iterrows()]
     extras = (("model", lambda r: str(r["model_name"])), ("per_device_batch_size", lambda r: f"b{r['per_device_batch_size']}"),
-              ("comm_hook", lambda r: f"hook {r.get('comm_hook')}"),
+              *((name, lambda r, n=name, o=o: o.label.format(r.get(n))) for name, o in strategies.options().items()
+                if o.label),
               ("mixed_precision", lambda r: str(r.get("mixed_precision"))))
     for _col, fn in extras:
         groups = {}
@@ -190,11 +190,11 @@ def _hover(r) -> str:
         lines.append(f"steps: {fmt(r['steps'])} · loss: {fmt(r.get('loss'))} · mixed precision: "
                      f"{fmt(r.get('mixed_precision'))}" + (f" · threads/rank: {int(r['threads_per_rank'])}"
                                                             if is_num(r.get("threads_per_rank")) else ""))
-    if "comm_hook" in strategies.get(r["strategy"]).knobs and not theirs:
-        cap = r.get("bucket_cap_mb")
-        lines.append(f"comm_hook: {fmt(r.get('comm_hook'))} · gradient_as_bucket_view: "
-                     f"{fmt(r.get('gradient_as_bucket_view'))} · static_graph: {fmt(r.get('static_graph'))} · "
-                     f"bucket_cap_mb: {fmt(cap) if cap is not None and cap == cap else 'default (25)'}")
+    own = strategies.get(r["strategy"]).options
+    recorded = [v for name in own for v in [r.get(name)] if v is not None and v == v]
+    if recorded and not theirs:  # the strategy's own options, as the run had them (None: what the library then uses)
+        lines.append(" · ".join(f"{name}: {fmt(v) if v is not None and v == v else o.unset}"
+                                for name, o in own.items() for v in [r.get(name)]))
     nums = []
     if is_num(r["samples_per_second"]):
         nums.append(f"samples/s: {float(r['samples_per_second']):,.1f}")

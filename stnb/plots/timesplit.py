@@ -40,24 +40,16 @@ def means(result) -> dict:
     return out
 
 
-# what a strategy's knob changes about its communication: the advice names the knobs the run's strategy owns
-COMM_KNOB_HINTS = {"comm_hook": "comm_hook='fp16' (half the bytes on the wire)",
-                   "bucket_cap_mb": "another bucket_cap_mb",
-                   "reshard_after_forward": "reshard_after_forward=False (no second all-gather in backward)",
-                   "stage": "a lower ZeRO stage (fewer collectives)"}
-
-
 def knob_hints(r: dict) -> list:
-    """The COMM_KNOB_HINTS of the knobs the run's strategy owns (none for a strategy not registered here)."""
+    """What the run's strategy's own options would change about its communication (``Strategy.levers``; none
+    for a strategy not registered here)."""
     from ..errors import ConfigError
     from ..strategies import get
 
     try:
-        knobs = get(r.get("strategy")).knobs
+        return get(r.get("strategy")).levers(r.get("config") or {})
     except ConfigError:
         return []
-    lowest = (r.get("config") or {}).get("stage") == 1
-    return [hint for knob, hint in COMM_KNOB_HINTS.items() if knob in knobs and not (knob == "stage" and lowest)]
 
 
 def advice(result) -> str:

@@ -18,7 +18,12 @@ adding its module. ``get(name)`` returns the strategy object (an unknown name is
 the known ones); ``register(cls)`` adds one from elsewhere (a user's, a test's), refusing a class that
 does not implement its verification (``Strategy.check_prepared`` and ``check_ranks`` are abstract).
 Nothing outside this package names a strategy (no comparison, no key, no list of names): it asks the
-objects (``distributed``, ``knobs``, ``held``, ``available``, ``step_time``, ``bench``, ``gpu_check``, ...).
+objects (``distributed``, ``options``, ``held``, ``available``, ``step_time``, ``bench``, ``gpu_check``, ...).
+
+A strategy's own options (``Strategy.options``: name -> ``Option``) are declared in its module alone;
+``options()`` gathers them for TrainConfig (flat keywords), the CLI, the Panel and the results. Two strategies
+may share an option (zero1 takes DDP's) only as the same declaration; ``reserve`` keeps the names TrainConfig's
+own fields use out of them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import inspect
 
 from ..errors import ConfigError, VerificationError, unknown_choice
-from .base import PARTS, Strategy, mixed_precision, replicated_check, save_strategy, torch_optimizer
+from .base import PARTS, Option, Strategy, mixed_precision, replicated_check, save_strategy, torch_optimizer
 from .dp import autocast_data_parallel
 from .ddp import ddp_kwargs
 from .fsdp import shard_fsdp
@@ -35,6 +40,7 @@ from .tensors import (freeze_unused_pooler, local_numel, loss_owned_parameters, 
                       param_counts, shard_problems, tensor_bytes)
 
 _REGISTRY: dict = {}
+_RESERVED: set = set()  # TrainConfig's own field names (``reserve``): no strategy option may take one
 
 
 def register(cls) -> Strategy:
@@ -51,8 +57,46 @@ def register(cls) -> Strategy:
             raise TypeError(f"strategy class {cls.__name__} needs a non-empty {attr}")
     if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
         raise TypeError(f"a strategy named {cls.name!r} is registered already ({type(_REGISTRY[cls.name]).__name__})")
+    _check_options(cls)
     _REGISTRY[cls.name] = cls()
     return _REGISTRY[cls.name]
+
+
+def _check_options(cls) -> None:
+    """TypeError for options a strategy cannot declare: not ``Option``s, a name TrainConfig's own fields use, a
+    default outside its choices, or a name another strategy declares differently."""
+    declared = options()
+    for name, o in cls.options.items():
+        why = ("it is not a stnb.strategies.Option" if not isinstance(o, Option) else
+               "TrainConfig has a field of that name" if name in _RESERVED or not name.isidentifier() else
+               f"its default {o.default!r} is not one of its choices" if o.choices and o.default not in (*o.choices, None) else
+               f"strategy {' / '.join(option_owners(name))} declares it differently (share its Option)"
+               if name in declared and declared[name] != o else "")
+        if why:
+            raise TypeError(f"strategy class {cls.__name__} cannot declare option {name!r}: {why}")
+
+
+def reserve(names) -> None:
+    """TrainConfig's own field names: refused as strategy options (TypeError when a registered one has one)."""
+    names = set(names)
+    taken = sorted(names & set(options()))
+    if taken:
+        raise TypeError(f"strategy options {taken} have the names of TrainConfig fields; rename them")
+    _RESERVED.update(names)
+
+
+def options() -> dict:
+    """Every registered strategy's own options, name -> ``Option``, in the registry's order."""
+    out = {}
+    for s in _REGISTRY.values():
+        for name, o in s.options.items():
+            out.setdefault(name, o)
+    return out
+
+
+def option_owners(name: str) -> list:
+    """The registered strategies that take option ``name``."""
+    return [s.name for s in _REGISTRY.values() if name in s.options]
 
 
 def unregister(name: str) -> None:
@@ -108,20 +152,13 @@ def distributed_names() -> tuple:
 # ---- before any process starts ---------------------------------------------------------------
 
 def validate_config(config) -> None:
-    """Generic checks every strategy gets (a knob set away from its default must belong to the chosen
-    strategy; one-process strategies take no num_processes), then the strategy's own ``validate``, then its
-    knobs' ``choices``."""
-    import dataclasses
-
+    """Generic checks every strategy gets (an option set away from its default must be one of the chosen
+    strategy's; one-process strategies take no num_processes), then the strategy's own ``validate``, then its
+    options' declared rules (``Option.choices``, ``Option.positive``)."""
     s = get(config.strategy)
-    defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
-    owners = {}
-    for other in _REGISTRY.values():
-        for knob in other.knobs:
-            owners.setdefault(knob, []).append(other.name)
-    foreign = [k for k, who in owners.items() if k not in s.knobs and getattr(config, k) != defaults[k]]
+    foreign = [k for k, o in options().items() if k not in s.options and getattr(config, k) != o.default]
     if foreign:
-        raise ConfigError("; ".join(f"{k}={getattr(config, k)!r} is an option of {' / '.join(owners[k])}"
+        raise ConfigError("; ".join(f"{k}={getattr(config, k)!r} is an option of {' / '.join(option_owners(k))}"
                                     for k in foreign)
                           + f", not of strategy {s.name!r}: use one of those strategies or leave "
                           + ("it" if len(foreign) == 1 else "them") + " at the default")
@@ -134,10 +171,13 @@ def validate_config(config) -> None:
         if refused:
             raise ConfigError(refused)
     s.validate(config)
-    for knob, values in s.choices.items():  # a knob with a fixed set of values, after the strategy's own checks
-        value = getattr(config, knob)
-        if value != defaults[knob] and value not in values:
-            raise unknown_choice(knob, value, values)
+    for name, value in s.given(config).items():  # its options' declared rules, after its own checks
+        o = s.options[name]
+        if o.choices and value not in o.choices:
+            raise unknown_choice(name, value, o.choices)
+        if o.positive and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                 or not value > 0):
+            raise ConfigError(f"{name} must be a number > 0, got {value!r}")
 
 
 def availability(device: str, n_gpu: int, max_ranks: int, backend: str, has_distributed: bool = True) -> dict:
@@ -221,7 +261,7 @@ def _register_builtins() -> None:
 
 _register_builtins()
 
-__all__ = ["PARTS", "Strategy", "register", "unregister", "get", "alias_of", "find_strategies", "names", "owner",
+__all__ = ["PARTS", "Option", "Strategy", "register", "unregister", "get", "options", "option_owners", "reserve", "alias_of", "find_strategies", "names", "owner",
            "all_strategies", "is_distributed", "distributed_names", "baseline_name", "validate_config", "availability",
            "verify_prepared", "verify", "verify_ranks", "autocast_data_parallel", "ddp_kwargs", "shard_fsdp",
            "freeze_unused_pooler", "local_numel", "loss_owned_parameters", "param_counts", "LossParameterSync",

@@ -4,8 +4,8 @@ A strategy answers every question the rest of stnb has about it, so nothing outs
 ``stnb/strategies/`` compares a strategy's name:
 
 - facts: ``name``, ``label``, ``summary``, ``color``, ``aka`` (the ZeRO stage it is), ``distributed``
-  (one process per device), ``min_gpus``, ``min_ranks``, ``knobs`` (the TrainConfig fields it owns) and ``choices`` (the values
-  a knob takes, where it has a fixed set);
+  (one process per device), ``min_gpus``, ``min_ranks`` and ``options`` (its own options: name -> ``Option``, with
+  default, type, help and the values it takes; TrainConfig takes them as flat keywords);
 - memory: ``sharded`` says which parts of the model state a rank holds only 1/N of (``held``);
 - availability on this hardware, with the reason (``available``);
 - config validation before any process starts (``validate``);
@@ -25,11 +25,36 @@ not implement both cannot be instantiated, and the registry refuses it.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+import dataclasses
+from typing import Any, ClassVar
 
 from .layouts import SCHEDULER, load_scheduler, save_scheduler, torch_optimizer  # noqa: F401 - re-exported
 
 PARTS = ("params", "grads", "optimizer_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One of a strategy's own options, declared in the strategy's module (``Strategy.options``): a flat
+    keyword of ``TrainConfig`` / ``stnb.run`` (``TrainConfig(bucket_cap_mb=100)``) that only the strategies
+    declaring it take; set away from its default under another strategy it is refused, naming its owners. The
+    config, the CLI (``--bucket-cap-mb``, with ``help``), the Panel's widgets and the results read it from here.
+
+    type: its annotation, as a TrainConfig field's ('float | None'; the CLI's and the widgets' type);
+    choices: the values it takes where it has a fixed set (the Panel's drop-down; anything else refused);
+    positive: a number, when given, must be > 0;
+    unset: how a value of None reads in the comparison's hover (what the library then uses);
+    label: how runs that differ in it are told apart in the comparison's labels ('hook {}'; '': not used);
+    lever: what setting it does to the step's communication (the time split's advice; '': nothing)."""
+
+    default: Any
+    type: str
+    help: str
+    choices: tuple = ()
+    positive: bool = False
+    unset: str = "default"
+    label: str = ""
+    lever: str = ""
 
 
 class Strategy(abc.ABC):
@@ -41,8 +66,7 @@ class Strategy(abc.ABC):
     distributed: ClassVar[bool] = True  # one process per device in a process group
     min_gpus: ClassVar[int] = 0        # GPUs needed at all (dp: 2, in one process)
     min_ranks: ClassVar[int] = 1       # a sharding strategy needs 2 ranks to shard over
-    knobs: ClassVar[tuple] = ()        # TrainConfig fields this strategy owns
-    choices: ClassVar[dict] = {}       # knob -> the values it takes (the Panel's drop-downs)
+    options: ClassVar[dict] = {}       # its own options: name -> Option (TrainConfig's flat keywords)
     sharded: ClassVar[frozenset] = frozenset()  # parts of PARTS each rank holds 1/N of
     # parameters whole in memory during forward and backward, beyond the rank's own shard:
     # 'all' (zero2: gathered for the whole step), 'layer' (fsdp: one block at a time), '' (none)
@@ -114,9 +138,21 @@ class Strategy(abc.ABC):
             return True, f"up to {max_ranks} ranks, one per {unit}, backend {backend}"
         return False, f"needs at least {need} ranks (one per {unit}); this machine has {max_ranks} {unit}(s)"
 
+    def given(self, config) -> dict:
+        """Its options ``config`` sets away from their defaults: what the run asked of it."""
+        return {name: getattr(config, name) for name, o in self.options.items() if getattr(config, name) != o.default}
+
+    def levers(self, config: dict) -> list:
+        """What its options would change about the step's communication (``Option.lever``), for a run whose
+        config is ``config`` (a result's config dict): the time split's advice."""
+        return [o.lever for o in self.options.values() if o.lever]
+
     # ---- before any process starts --------------------------------------------------------
     def validate(self, config) -> None:
         """Raise ConfigError for a config this strategy cannot run (beyond the registry's generic checks)."""
+
+    def check_device(self, config, device: str) -> None:
+        """Raise ConfigError for what its options ask that ranks on ``device`` ('cpu', 'cuda') cannot do."""
 
     def world_refusal(self, device: str, world: int) -> str:
         """Before any process starts: why this strategy cannot run ``world`` processes on ``device`` ('' when it
@@ -328,10 +364,3 @@ def rebuild_optimizer(trainer, rebuild) -> None:
         return trainer.optimizer
 
     trainer.create_optimizer = create_optimizer
-
-
-def config_default(config, name: str):
-    """The TrainConfig field's default (a knob left at it was not asked for)."""
-    import dataclasses
-
-    return {f.name: f.default for f in dataclasses.fields(type(config))}[name]

@@ -3,8 +3,8 @@
 The Trainer wraps the model through accelerate; stnb hands accelerate its DDP knobs
 (``DistributedDataParallelKwargs``) and then checks the wrapper holds them (observed, not assumed).
 
-Knobs: bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers, comm_hook.
-``broadcast_buffers``: sentence-transformers' training arguments force ``ddp_broadcast_buffers=False``
+Its options (``DDP_OPTIONS``, zero1's too): bucket_cap_mb, gradient_as_bucket_view, static_graph,
+broadcast_buffers, comm_hook. ``broadcast_buffers``: sentence-transformers' training arguments force ``ddp_broadcast_buffers=False``
 (its comment: some BERT models hit an in-place RuntimeError when buffers are broadcast at every
 forward), so the default here is False, what really runs; ``broadcast_buffers=True`` is applied to DDP
 (``forward_sync_buffers``) and checked on the wrapper.
@@ -12,12 +12,23 @@ forward), so the default here is False, what really runs; ``broadcast_buffers=Tr
 
 from __future__ import annotations
 
-from .base import Strategy, config_default
+from .base import Option, Strategy
 from .stepcost import buckets, pipeline, step
 
-DDP_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "comm_hook")
 COMM_HOOKS = ("none", "fp16", "bf16", "embedding_rows")
-DDP_CHOICES = {"comm_hook": COMM_HOOKS}
+DDP_OPTIONS = {
+    "comm_hook": Option(
+        "none", "str", "DDP's communication hook: none, fp16, bf16 (NCCL only) or embedding_rows (all-reduce only "
+        "the embedding rows some rank used; exact, stnb.embedding_rows_hook)", choices=COMM_HOOKS, label="hook {}",
+        lever="comm_hook='fp16' (half the bytes on the wire)"),
+    "gradient_as_bucket_view": Option(False, "bool", "DDP: gradients are views into the buckets (no copy of each)"),
+    "static_graph": Option(False, "bool", "DDP: the same graph every step (not with gradient_accumulation_steps > 1)"),
+    "bucket_cap_mb": Option(None, "float | None", "DDP: the gradient bucket size in MiB (default: DDP's 25)",
+                            positive=True, unset="default (25)", lever="another bucket_cap_mb"),
+    "broadcast_buffers": Option(
+        False, "bool", "DDP: broadcast rank 0's buffers at every forward, a sync point (sentence-transformers turns "
+        "it off, so False is what runs by default; BERT-style buffers never change)"),
+}
 # (stnb.run knob, SentenceTransformerTrainingArguments field)
 DDP_ARGS = (("bucket_cap_mb", "ddp_bucket_cap_mb"), ("broadcast_buffers", "ddp_broadcast_buffers"),
             ("static_graph", "ddp_static_graph"))
@@ -28,8 +39,7 @@ class DistributedDataParallel(Strategy):
     label = "DDP"
     summary = "DistributedDataParallel: one process per device, gradients all-reduced"
     color = "#1f77b4"
-    knobs = DDP_KNOBS
-    choices = DDP_CHOICES
+    options = DDP_OPTIONS
     ddp_buckets = True
     order = 30
     bench = True
@@ -46,9 +56,12 @@ class DistributedDataParallel(Strategy):
                               "static graph breaks under no_sync() (pytorch/pytorch#143580: an INTERNAL ASSERT on "
                               "the first backward); use static_graph=False when accumulating gradients")
 
+    def check_device(self, config, device):
+        check_hook_device(config, device)
+
     def refusals(self, trainer, config):
         args = trainer.args
-        static = config.static_graph or (args.ddp_static_graph and config.static_graph == config_default(config, "static_graph"))
+        static = config.static_graph or (args.ddp_static_graph and "static_graph" not in self.given(config))
         if static and args.gradient_accumulation_steps > 1:
             return ["DDP's static_graph cannot be combined with gradient_accumulation_steps > 1 "
                     "(pytorch/pytorch#143580); drop static_graph or the accumulation"]
@@ -98,6 +111,15 @@ def every_parameter_used_by_design(model) -> bool:
     return kind is not None and kind.kind == "reranker"
 
 
+def check_hook_device(config, device: str) -> None:
+    """torch's bf16 compression hook is NCCL's alone: refused for CPU ranks (gloo), before any process starts."""
+    from ..errors import ConfigError
+
+    if config.comm_hook == "bf16" and device == "cpu":
+        raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
+                          "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
+
+
 def ddp_kwargs(config) -> dict:
     """accelerate DistributedDataParallelKwargs from a TrainConfig's DDP knobs."""
     from accelerate.utils import DDPCommunicationHookType
@@ -138,7 +160,7 @@ def apply_ddp(trainer, config) -> tuple[dict, dict]:
                        "used in its forward, so False is exact (set ddp_find_unused_parameters to choose)"}
     for knob, arg in DDP_ARGS:
         theirs, mine = getattr(trainer.args, arg), getattr(config, knob)
-        if mine != config_default(config, knob):  # given to stnb.run
+        if mine != DDP_OPTIONS[knob].default:  # given to stnb.run
             if theirs is not None and theirs != mine:
                 overridden[arg] = {"from": theirs, "to": mine,
                                    "why": f"stnb.run(..., {knob}={mine!r}) was given; it decides DDP's {knob}"}

@@ -32,7 +32,7 @@ import contextlib
 import importlib.util
 import json
 
-from .base import Strategy, mixed_precision
+from .base import Option, Strategy, mixed_precision
 
 STAGES = (1, 2, 3)
 DEFAULT_STAGE = 2  # accelerate's default (ACCELERATE_DEEPSPEED_ZERO_STAGE)
@@ -129,12 +129,23 @@ class DeepSpeed(Strategy):
                "2 (+ gradients) or 3 (+ parameters) sharded")
     color = "#e377c2"
     min_ranks = 1
-    knobs = ("stage", "deepspeed_config")
-    choices = {"stage": STAGES}
+    options = {
+        "stage": Option(None, "int | None", "deepspeed: the ZeRO stage, 1 (optimizer state), 2 (+ gradients) or 3 "
+                        "(+ parameters); default 2, accelerate's", choices=STAGES, unset=f"default ({DEFAULT_STAGE})",
+                        lever="a lower ZeRO stage (fewer collectives)"),
+        "deepspeed_config": Option(
+            None, "dict | None", "deepspeed: a DeepSpeed config merged over stnb's (JSON on the command line, e.g. "
+            '\'{"zero_optimization": {"stage": 2}}\'); a value contradicting the run is refused'),
+    }
     owns_deepspeed = True
     checkpoint_format = "deepspeed"  # the engine's own: each rank writes its ZeRO partition (global_step<N>/)
     master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
     order = 70
+
+    def levers(self, config):
+        """No lower stage to advise at stage 1."""
+        return [o.lever for name, o in self.options.items() if o.lever and not (name == "stage" and
+                                                                                  config.get("stage") == 1)]
 
     def shards_params(self, config):
         return stage_of(config) == 3

@@ -21,7 +21,7 @@ parameters, no param_dtype); on GPUs FSDP2's half-precision parameters, said in 
 
 from __future__ import annotations
 
-from .base import (Strategy, load_scheduler, mixed_precision, rebuild_optimizer, save_scheduler,
+from .base import (Option, Strategy, load_scheduler, mixed_precision, rebuild_optimizer, save_scheduler,
                    torch_optimizer)
 from .stepcost import pipeline, step
 
@@ -38,6 +38,16 @@ def installed_transformers() -> str:
     return version("transformers")
 
 
+FSDP_OPTIONS = {
+    "reshard_after_forward": Option(
+        True, "bool", "FSDP: free the gathered parameters after forward, gathering them again in backward "
+        "(--no-reshard-after-forward keeps them: zero2's layout)",
+        lever="reshard_after_forward=False (no second all-gather in backward)"),
+    "fsdp_layer_cls": Option(None, "str | None", "FSDP: the module class to shard separately (default: the "
+                                                 "model's transformer block)", unset="its transformer block"),
+}
+
+
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     label = "FSDP (ZeRO-3)"
@@ -45,7 +55,7 @@ class FullyShardedDataParallel(Strategy):
     summary = "FSDP2 fully_shard: one process per device, parameters, gradients and optimizer state sharded"
     color = "#2ca02c"
     min_ranks = 2
-    knobs = ("reshard_after_forward", "fsdp_layer_cls")
+    options = FSDP_OPTIONS
     sharded = frozenset({"params", "grads", "optimizer_state"})
     gathered_during_step = "layer"
     order = 60

@@ -10,7 +10,7 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 from __future__ import annotations
 
 from .base import Strategy, load_scheduler, rebuild_optimizer, save_scheduler, torch_optimizer
-from .ddp import DDP_CHOICES, DDP_KNOBS, apply_ddp, check_ddp_wrapper, ddp_step
+from .ddp import DDP_OPTIONS, apply_ddp, check_ddp_wrapper, check_hook_device, ddp_step
 from .stepcost import step
 
 # optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
@@ -23,8 +23,7 @@ class Zero1(Strategy):
     aka = "ZeRO stage 1"
     summary = "DDP + ZeroRedundancyOptimizer: optimizer state sharded, parameters and gradients whole"
     color = "#9467bd"
-    knobs = DDP_KNOBS
-    choices = DDP_CHOICES
+    options = DDP_OPTIONS
     ddp_buckets = True
     sharded = frozenset({"optimizer_state"})
     order = 40
@@ -43,6 +42,9 @@ class Zero1(Strategy):
         if config.comm_hook == "embedding_rows":
             raise ConfigError("comm_hook='embedding_rows' sends sparse embedding gradients, which "
                               "ZeroRedundancyOptimizer's partition cannot take; use strategy='ddp' for it")
+
+    def check_device(self, config, device):
+        check_hook_device(config, device)
 
     def refusals(self, trainer, config):
         optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))

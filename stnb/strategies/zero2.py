@@ -12,7 +12,7 @@ the parameters' shards, and the ranks' shards adding up to the model.
 
 from __future__ import annotations
 
-from .fsdp import FullyShardedDataParallel, fsdp_step
+from .fsdp import FSDP_OPTIONS, FullyShardedDataParallel, fsdp_step
 
 
 class Zero2(FullyShardedDataParallel):
@@ -22,7 +22,7 @@ class Zero2(FullyShardedDataParallel):
     summary = ("FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state sharded, "
                "parameters whole during forward and backward")
     color = "#17becf"
-    knobs = ("fsdp_layer_cls",)
+    options = {"fsdp_layer_cls": FSDP_OPTIONS["fsdp_layer_cls"]}  # its parameters stay gathered: no resharding
     gathered_during_step = "all"
     order = 50
     bench = False

@@ -25,9 +25,9 @@ stnb-batch, stnb-batch-override, stnb-build, stnb-model, stnb-steps, stnb-knobs,
 stnb-knob-<field>), stnb-run, stnb-validation, stnb-status, stnb-progress, stnb-progress-rank, stnb-error,
 stnb-results, stnb-plot, stnb-advice, stnb-split, stnb-log.
 
-The chosen strategy's knobs (``strategies.get(name).knobs``: DDP's bucket size and comm hook, FSDP's
-resharding, DeepSpeed's ZeRO ``stage``...) appear under the sizes, each a widget made from its
-TrainConfig field; a strategy added to the registry brings its own. After a run, the time split of the
+The chosen strategy's own options (``strategies.get(name).options``: DDP's bucket size and comm hook,
+FSDP's resharding, DeepSpeed's ZeRO ``stage``...) appear under the sizes, each a widget made from its
+declaration (``stnb.strategies.Option``); a strategy added to the registry brings its own. After a run, the time split of the
 runs so far (``stnb.plots.split_bars``) and one sentence on the last run: what dominates its step and
 what to change (``stnb.plots.timesplit.advice``).
 

@@ -2,9 +2,9 @@
 knobs, the per-rank progress bars, and a plotly figure in an output widget.
 
 The picker and the knobs come from the strategy registry (``stnb.strategies``): a strategy's label,
-its availability here, and for each of its ``knobs`` (TrainConfig fields) a widget made from the
-field's type and default, with the values the strategy lists in ``choices`` as a drop-down. A strategy
-added to the registry appears with its knobs without a change here.
+its availability here, and for each of its ``options`` (``stnb.strategies.Option``) a widget made from the
+option's type and default, with its ``choices`` as a drop-down and its help as the tooltip. A strategy
+added to the registry appears with its options without a change here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import ipywidgets as W
 
 from .. import strategies
-from ..config import TrainConfig
 from ..errors import ConfigError
 from ..models import MINILM, TINY
 
@@ -99,7 +98,7 @@ def run_button(on_click):
 
 @dataclasses.dataclass
 class Knob:
-    """One TrainConfig field a strategy owns, as a widget; ``value()`` reads it back (ConfigError when the
+    """One strategy option (``stnb.strategies.Option``), as a widget; ``value()`` reads it back (ConfigError when the
     text is not a value of the field's type)."""
     name: str
     widget: object
@@ -121,20 +120,15 @@ class Knob:
             raise ConfigError(f"{self.name}={text!r} is not a {self.kind.__name__} ({e})") from None
 
 
-def field_type(name: str) -> tuple[type, bool]:
-    """(base type, may be None) of a TrainConfig field, from its annotation ('int | None' -> (int, True))."""
+def knob(name: str, value) -> Knob:
+    """A widget for strategy option ``name`` holding ``value``: a drop-down of the values it takes, a checkbox
+    for a flag, else a text box (empty: None; a dict as JSON); its help text as the tooltip."""
     from ..cli_options import base_type
 
-    annotation = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
-    return base_type(annotation), "None" in annotation.replace(" ", "").split("|")
-
-
-def knob(name: str, value, help_text: str = "") -> Knob:
-    """A widget for knob ``name`` holding ``value``: a drop-down of the values a strategy lists for it, a
-    checkbox for a flag, else a text box (empty: the field's None; a dict as JSON)."""
-    kind, optional = field_type(name)
-    choices = next((s.choices[name] for s in strategies.all_strategies() if name in s.choices), None)
-    common = dict(description=name, style=WIDE, tooltip=help_text)
+    o = strategies.options()[name]
+    kind, optional = base_type(o.type), "None" in o.type.replace(" ", "").split("|")
+    choices = o.choices or None
+    common = dict(description=name, style=WIDE, tooltip=o.help)
     if choices is not None:
         if value not in choices and not (optional and value is None):
             raise ConfigError(f"{name}={value!r}: choose one of {', '.join(map(repr, choices))}")
@@ -152,17 +146,14 @@ def knob(name: str, value, help_text: str = "") -> Knob:
 
 
 def knob_controls(config) -> dict:
-    """{field: Knob} for every knob of every registered strategy (a field two strategies share, like the
-    DDP knobs of ddp and zero1, is one widget), each holding ``config``'s value."""
-    from ..cli_options import HELP
-
-    names = dict.fromkeys(k for s in strategies.all_strategies() for k in s.knobs)
-    return {k: knob(k, getattr(config, k), HELP.get(k, "")) for k in names}
+    """{option: Knob} for every option of every registered strategy (one two strategies share, like DDP's
+    options of ddp and zero1, is one widget), each holding ``config``'s value."""
+    return {name: knob(name, getattr(config, name)) for name in strategies.options()}
 
 
 def show_knobs(all_knobs: dict, strategy: str) -> None:
-    """Only the chosen strategy's knobs are visible."""
-    own = strategies.get(strategy).knobs
+    """Only the chosen strategy's options are visible."""
+    own = strategies.get(strategy).options
     for k in all_knobs.values():
         k.widget.layout.display = None if k.name in own else "none"
 

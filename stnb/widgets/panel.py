@@ -109,8 +109,7 @@ class Panel(W.VBox):
         that is not a value."""
         s = strategies.get(self.strategy.value)
         launch = {"strategy": s.name, "num_processes": int(self.processes.value) if s.distributed else None}
-        defaults = {f: getattr(TrainConfig(), f) for f in self.knobs}
-        launch.update({name: k.value() if name in s.knobs else defaults[name] for name, k in self.knobs.items()})
+        launch["strategy_options"] = {name: k.value() for name, k in self.knobs.items() if name in s.options}
         return self.mode.config(launch)
 
     def run(self) -> RunResult | None:

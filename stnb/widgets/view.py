@@ -55,18 +55,16 @@ def build_info(build_name: str) -> str:
 
 
 def strategy_help(strategy) -> str:
-    """The chosen strategy's title (name, ZeRO stage, summary) and the knobs it owns."""
-    knobs = f" · options: {', '.join(strategy.knobs)}" if strategy.knobs else ""
+    """The chosen strategy's title (name, ZeRO stage, summary) and its own options."""
+    knobs = f" · options: {', '.join(strategy.options)}" if strategy.options else ""
     return f'<span style="color:#555;font-size:12px">{escape(strategy.title())}{escape(knobs)}</span>'
 
 
 def asked(config) -> str:
-    """The strategy and the knobs of it set away from their defaults: 'deepspeed (stage=3)'."""
+    """The strategy and its options set away from their defaults: 'deepspeed (stage=3)'."""
     from ..strategies import get
-    from ..strategies.base import config_default
 
-    knobs = [f"{k}={getattr(config, k)!r}" for k in get(config.strategy).knobs
-             if getattr(config, k) != config_default(config, k)]
+    knobs = [f"{k}={v!r}" for k, v in get(config.strategy).given(config).items()]
     return escape(config.strategy + (f" ({', '.join(knobs)})" if knobs else ""))
 
 

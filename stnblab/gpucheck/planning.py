@@ -136,7 +136,7 @@ def plan(machine: Machine) -> list:
                                 skip=_needs(machine, s.name)))
         # every communication hook of a strategy that lists them (ddp's comm_hook), each on its own row
         for s in trained:
-            for hook in (h for h in s.choices.get("comm_hook", ()) if h != "none"):
+            for hook in (h for h in getattr(s.options.get("comm_hook"), "choices", ()) if h != "none"):
                 checks.append(Check(f"{s.name} x{n} {dist_mp} hook {hook}", "train",
                                     dict(multi, strategy=s.name, num_processes=n, comm_hook=hook), gpus=n,
                                     skip=no_bf16 if hook == "bf16" else None))
