@@ -6,7 +6,7 @@
   starts the forward; the loss runs until backward starts, so ``forward`` includes the loss);
 * ``accelerator.backward`` wrapped: backward's start and end (for DDP its end waits for the last
   bucket's all-reduce);
-* DDP: a communication hook that wraps the hook the run asked for (``comm_hook``: torch's
+* DDP: a communication hook that wraps the hook the run asked for (the strategy's ``comm_hook``: torch's
   ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, or stnb's embedding-rows hook)
   and reads the clock when DDP hands it a bucket and when that bucket's future completes (for gloo
   on the thread that completes it). The last bucket handed over marks the end of backward compute;
@@ -102,7 +102,8 @@ class CudaEvents:
 
 
 class StepTimer:
-    """Per-step phase readings of one rank. ``attach(trainer, comm_hook)`` once (first step begin),
+    """Per-step phase readings of one rank. ``attach(trainer, ddp_hook)`` once (first step begin; ``ddp_hook``:
+    the strategy's ``(name, torch hook)``, ``Strategy.ddp_hook``),
     then ``on_step_begin`` / ``on_pre_optimizer_step`` / ``on_optimizer_step`` / ``on_step_end(now)``;
     ``summary()`` returns plain data."""
 
@@ -140,18 +141,19 @@ class StepTimer:
 
     # ---- attaching ---------------------------------------------------------------------------
 
-    def attach(self, trainer, comm_hook: str = "none") -> None:
+    def attach(self, trainer, ddp_hook: tuple = ("none", None)) -> None:
         import torch
         import torch.distributed as dist
 
+        name, hook = ddp_hook  # the hook the run asked for (None: one that registers itself, timed)
         wrapped = trainer.model_wrapped
         is_ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         device = next(wrapped.parameters()).device.type
         if not self.enabled or device not in ("cpu", "cuda"):
             self.method = ("off (STNB_TIME_SPLIT=off)" if not self.enabled else
                            f"not measured on {device} (clock readings would time kernel launches); use the profiler")
-            if is_ddp and comm_hook != "none" and builtin_hook(comm_hook) is not None:
-                wrapped.register_comm_hook(None, builtin_hook(comm_hook))  # the hook asked for, untimed
+            if is_ddp and name != "none" and hook is not None:
+                wrapped.register_comm_hook(None, hook)  # the hook asked for, untimed
             return
         if device == "cuda":
             self.clock = CudaEvents()
@@ -191,8 +193,7 @@ class StepTimer:
         trainer.get_batch_samples = timed_fetch
         self._hook_gradients(trainer.model)
         if is_ddp:
-            self.hook, self.comm = comm_hook, "DDP bucket hooks"
-            hook = builtin_hook(comm_hook)
+            self.hook, self.comm = name, "DDP bucket hooks"
             if hook is not None:  # stnb's embedding-rows hook registers itself, with ``timed``
                 try:
                     wrapped.register_comm_hook(None, self.timed(hook))
@@ -382,16 +383,6 @@ class StepTimer:
                 "comm": self.comm, "note": self.comm_note, "grad_groups": self.groups,
                 "host_clock": "the same clock (CPU)" if isinstance(self.clock, HostClock) else
                 "host seconds (time.perf_counter) beside the device's CUDA events: steps' 'host'"}
-
-
-def builtin_hook(name: str):
-    """torch's DDP hook for stnb's ``comm_hook`` name ('none' is the all-reduce DDP does by default);
-    None for stnb's own hooks (they register themselves)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-             "bf16": default_hooks.bf16_compress_hook}
-    return hooks.get(name)
 
 
 def _union(spans) -> float:

@@ -77,7 +77,7 @@ def _train(config: TrainConfig, build, here: "Here", memory, budget, restarted: 
     resume = saves.resume_from(checkpoints.resume_point(config.resume, trainer.args.output_dir, restarted))
     # attach the instruments
     steps = ins.StepLog(here.launch_time)
-    time_split = ins.TimeSplit(trainer, steps, config.comm_hook)
+    time_split = ins.TimeSplit(trainer, steps, strategy.ddp_hook(config))
     verify = ins.FirstStepChecks(trainer, strategy, config, here.requested, here.world, loss_sync, time_split.timed)
     batch = overridden.get("per_device_train_batch_size")  # asked: the loss's first batch is checked against it
     attached = ins.attach(trainer, [flops, steps, time_split, memory, verify, allocator, ins.Collectives(),

@@ -96,7 +96,7 @@ MODULES = (
                                               "xǁStepTimerǁon_step_end", "xǁStepTimerǁresume",
                                               "xǁStepTimerǁ_split",
                                               "xǁStepTimerǁsummary",
-                                              "x_builtin_hook", "x__union", "x_combine", "x_problems", "x_table")),
+                                              "x__union", "x_combine", "x_problems", "x_table")),
     # the memory split: the parts that add up to the peak, the marks, the activations counted, the largest
     # rank and its sentence. Left out: allocator_free and resident (what glibc and the OS report; the slow
     # tests/test_memory.py runs check the split of real ranks adds up)
@@ -145,7 +145,7 @@ MODULES = (
     Module("strategies.ddp", "stnb/strategies/ddp.py", (
         "xǁDistributedDataParallelǁvalidate", "xǁDistributedDataParallelǁrefusals",
         "xǁDistributedDataParallelǁcheck_prepared", "xǁDistributedDataParallelǁcheck_ranks",
-        "x_check_ddp_wrapper", "x_every_parameter_used_by_design", "x_ddp_kwargs")),
+        "x_check_ddp_wrapper", "x_every_parameter_used_by_design", "x_ddp_kwargs", "x_torch_hook")),
     Module("strategies.zero1", "stnb/strategies/zero1.py", (
         "xǁZero1ǁvalidate", "xǁZero1ǁrefusals", "xǁZero1ǁcheck_prepared", "xǁZero1ǁcheck_step",
         "xǁZero1ǁcheck_ranks")),

@@ -117,7 +117,7 @@ def attached(model, backward_tail=lambda: None):
     """A timer on the model's simulated clock, attached (no DDP hook) to a trainer of the model: (timer, trainer)."""
     timer = StepTimer(clock=model.clock, enabled=True)
     tr = trainer_for(model, backward_tail)
-    timer.attach(tr, "none")
+    timer.attach(tr, ("none", None))
     return timer, tr
 
 

@@ -111,3 +111,52 @@ def test_stnb_run_with_a_build_takes_the_options_and_says_so():
         TrainConfig.for_build(no_such_option=1)
     assert TrainConfig.for_build(strategy="zero1", comm_hook="fp16").comm_hook == "fp16"
     assert stnb.strategies.options()["comm_hook"].choices == ("none", "fp16", "bf16", "embedding_rows")
+
+
+# the names issue 44 counts: the strategies' options outside the module that declares them
+COUNTED = ("comm_hook", "reshard_after_forward", "deepspeed_config", "bucket_cap_mb", "static_graph",
+           "gradient_as_bucket_view", "broadcast_buffers", "fsdp_layer_cls")
+#: the most uses in code outside stnb/strategies/ (issue 44 asks for at most 10, in at most 2 files): a ratchet,
+#: lowered as the strategies take over what they know; what remains is listed in docs/architecture.md
+MOST = 43
+
+
+def option_uses() -> dict:
+    """{file: uses} of the COUNTED names in the code of stnb/ and stnblab/ outside stnb/strategies/: names,
+    attributes, keywords, parameters and string constants (docstrings and comments aside)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(stnb.__file__).resolve().parent.parent
+    pattern = re.compile(r"\b(" + "|".join(COUNTED) + r")\b")
+    uses = {}
+    for path in [*(root / "stnb").rglob("*.py"), *(root / "stnblab").rglob("*.py")]:
+        if (root / "stnb" / "strategies") in path.parents:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        n = 0
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                n += len(pattern.findall(node.value))
+            else:
+                name = getattr(node, "attr", None) or getattr(node, "id", None) or getattr(node, "arg", None)
+                n += isinstance(node, (ast.Attribute, ast.Name, ast.keyword, ast.arg)) and name in COUNTED
+        if n:
+            uses[str(path.relative_to(root))] = n
+    return uses
+
+
+def test_the_option_names_outside_the_strategies_do_not_grow():
+    uses = option_uses()
+    assert "stnb/config.py" not in uses and "stnb/cli_options.py" not in uses and "stnb/results.py" not in uses
+    assert sum(uses.values()) <= MOST, f"{sum(uses.values())} uses of a strategy's option outside stnb/strategies/ " \
+                                       f"(at most {MOST}): {uses}"
+
+
+if __name__ == "__main__":  # python tests/test_strategy_options.py: the count, file by file
+    found = option_uses()
+    print(sum(found.values()), "in", len(found), "files:", dict(sorted(found.items(), key=lambda kv: -kv[1])))

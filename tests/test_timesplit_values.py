@@ -9,7 +9,7 @@ import torch
 
 from simsteps import (BUCKET, CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, Bucket, DeviceSimClock, Net,
                       SimClock, Takes, attached, ddp_timer, one_step, pending)
-from stnb.timesplit import PHASES, WIRE_BYTES, StepTimer, _union, builtin_hook, combine, problems, table
+from stnb.timesplit import PHASES, WIRE_BYTES, StepTimer, _union, combine, problems, table
 
 
 def test_a_ddp_step_splits_into_the_parts_its_timeline_took():
@@ -131,12 +131,18 @@ def _done(bucket):
     return fut
 
 
-def test_builtin_hooks_are_torchs_and_stnbs_own_register_themselves():
+def test_the_hook_the_time_split_registers_is_the_strategys_torchs_or_none_for_stnbs_own():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
 
-    assert builtin_hook("none") is d.allreduce_hook
-    assert builtin_hook("fp16") is d.fp16_compress_hook and builtin_hook("bf16") is d.bf16_compress_hook
-    assert builtin_hook("embedding_rows") is None
+    from stnb import TrainConfig, strategies
+
+    for name in ("ddp", "zero1"):
+        s = strategies.get(name)
+        assert s.ddp_hook(TrainConfig(strategy=name)) == ("none", d.allreduce_hook)
+        assert s.ddp_hook(TrainConfig(strategy=name, comm_hook="fp16")) == ("fp16", d.fp16_compress_hook)
+        assert s.ddp_hook(TrainConfig(strategy=name, comm_hook="bf16")) == ("bf16", d.bf16_compress_hook)
+        assert s.ddp_hook(TrainConfig(strategy=name, comm_hook="embedding_rows")) == ("embedding_rows", None)
+    assert strategies.get("fsdp").ddp_hook(TrainConfig(strategy="fsdp")) == ("none", None)
 
 
 def fsdp_step(clock, gather):

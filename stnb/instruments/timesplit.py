@@ -18,10 +18,10 @@ class TimeSplit(Instrument):
 
     after = ("StepLog",)  # its phases are read on StepLog's clock: the step's begin and end as step_times
 
-    def __init__(self, trainer, steps, comm_hook: str = "none"):
+    def __init__(self, trainer, steps, ddp_hook: tuple = ("none", None)):
         self.trainer = trainer
         self.steps = steps            # the StepLog: its clock times the steps
-        self.comm_hook = comm_hook    # the DDP communication hook the run asked for (TrainConfig.comm_hook)
+        self.ddp_hook = ddp_hook      # (name, torch hook): the DDP communication hook the run asks for (Strategy.ddp_hook)
         self.timer = StepTimer()
         self.attached = False
 
@@ -32,7 +32,7 @@ class TimeSplit(Instrument):
     def on_step_begin(self, args, state, control, **kw):
         if not self.attached:
             self.attached = True
-            self.timer.attach(self.trainer, self.comm_hook)  # registers DDP's comm hook, timed
+            self.timer.attach(self.trainer, self.ddp_hook)  # registers DDP's comm hook, timed
             self.timer.on_step_begin(self.steps.began)  # steps timed as step_times are
 
     def on_pre_optimizer_step(self, args, state, control, **kw):

@@ -192,6 +192,12 @@ class Strategy(abc.ABC):
         """Apply the strategy to the trainer before ``train()``. Returns {"info": ..., "overridden": ...}."""
         return {"info": {}, "overridden": {}}
 
+    def ddp_hook(self, config) -> tuple:
+        """(name, torch's DDP communication hook) the run asks for, registered by the time split, timed, on a DDP
+        wrapper: ('none', None) unless the strategy's options choose one (ddp's ``comm_hook``); a hook of None is
+        one that registers itself (stnb's embedding-rows hook)."""
+        return "none", None
+
     def saving(self, trainer) -> None:
         """Make the trainer write and read this strategy's state in its checkpoints (``checkpoint_format``),
         in every rank, before training: the default leaves the trainer's own saving and loading as they are and

@@ -59,6 +59,9 @@ class DistributedDataParallel(Strategy):
     def check_device(self, config, device):
         check_hook_device(config, device)
 
+    def ddp_hook(self, config):
+        return config.comm_hook, torch_hook(config.comm_hook)
+
     def refusals(self, trainer, config):
         args = trainer.args
         static = config.static_graph or (args.ddp_static_graph and "static_graph" not in self.given(config))
@@ -109,6 +112,16 @@ def every_parameter_used_by_design(model) -> bool:
 
     kind = of_model(model)
     return kind is not None and kind.kind == "reranker"
+
+
+def torch_hook(name: str):
+    """torch's DDP hook for a ``comm_hook`` name ('none' is the all-reduce DDP does by default); None for stnb's
+    own hooks (they register themselves, timed: ``embedding_rows``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+             "bf16": default_hooks.bf16_compress_hook}
+    return hooks.get(name)
 
 
 def check_hook_device(config, device: str) -> None:

@@ -10,7 +10,7 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 from __future__ import annotations
 
 from .base import Strategy, load_scheduler, rebuild_optimizer, save_scheduler, torch_optimizer
-from .ddp import DDP_OPTIONS, apply_ddp, check_ddp_wrapper, check_hook_device, ddp_step
+from .ddp import DDP_OPTIONS, apply_ddp, check_ddp_wrapper, check_hook_device, ddp_step, torch_hook
 from .stepcost import step
 
 # optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
@@ -45,6 +45,9 @@ class Zero1(Strategy):
 
     def check_device(self, config, device):
         check_hook_device(config, device)
+
+    def ddp_hook(self, config):
+        return config.comm_hook, torch_hook(config.comm_hook)
 
     def refusals(self, trainer, config):
         optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))
