@@ -529,7 +529,7 @@ def check_parts(cls=TrainConfig) -> None:
 
 check_parts()
 strategies.reserve(f.name for f in dataclasses.fields(TrainConfig))  # no strategy option takes a field's name
-TrainConfig.__doc__ += "\n    The strategies' own options (``stnb.strategies.options()``, each declared in its strategy's module):\n" + \
+TrainConfig.__doc__ = (TrainConfig.__doc__ or "") + "\n    The strategies' own options (``stnb.strategies.options()``, each declared in its strategy's module):\n" + \
     "".join(f"    {name} (default {o.default!r}; {', '.join(strategies.option_owners(name))}): {o.help}.\n"
             for name, o in strategies.options().items())
 
