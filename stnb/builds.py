@@ -139,7 +139,8 @@ class UserBuild:
 
     def result_config(self, config: TrainConfig, training: dict) -> dict:
         """The run options it was given, what its trainer trains with, and the function's name."""
-        return {**{k: v for k, v in config.to_dict().items() if k in launch_fields()},
+        takes = launch_fields()
+        return {**{k: v for k, v in config.to_dict().items() if k in takes},
                 **training, "build": self.name}
 
     def unavailable_row(self, config: TrainConfig) -> dict:

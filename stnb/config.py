@@ -55,13 +55,8 @@ def takes_strategy_options(cls):
         given.update({name: kw.pop(name) for name in [k for k in kw if k not in own]})
         unknown = sorted(set(given) - set(declared))
         if unknown:
-            import difflib
-
-            known = [*own, *declared]
-            hints = [f"{u!r} -> {m[0]!r}" for u in unknown for m in [difflib.get_close_matches(u, known, n=1)] if m]
-            raise TypeError(f"{cls.__name__} got unknown option(s) {unknown}"
-                            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-                            + f"; strategy options: {', '.join(declared)} (stnb.strategies.options())")
+            raise TypeError(f"{cls.__name__} got unknown option(s) {unknown}{_did_you_mean(unknown, [*own, *declared])}"
+                            f"; strategy options: {', '.join(declared)} (stnb.strategies.options())")
         kept = {k: v for k, v in given.items() if not _is_default(v, declared[k].default)}
         fields_init(self, *args, strategy_options=kept, **kw)
 
@@ -83,10 +78,11 @@ def takes_strategy_options(cls):
     cls.__init__, cls.__getattr__ = __init__, __getattr__
     if not cls.__dataclass_params__.frozen:
         def __setattr__(self, name, value):
-            if name not in own and name in strategies.options():
+            o = None if name in own else strategies.options().get(name)
+            if o is not None:
                 given = dict(self.strategy_options)
                 given.pop(name, None)
-                if not _is_default(value, strategies.options()[name].default):
+                if not _is_default(value, o.default):
                     given[name] = value
                 name, value = "strategy_options", given
             object.__setattr__(self, name, value)
@@ -97,6 +93,19 @@ def takes_strategy_options(cls):
 
 def _is_default(value, default) -> bool:
     return value is default or (type(value) is type(default) and value == default)
+
+
+def _did_you_mean(unknown, known) -> str:
+    """' (did you mean 'x' -> 'y'?)' for the names in ``unknown`` that are close to one in ``known``; '' if none."""
+    import difflib
+
+    hints = [f"{u!r} -> {m[0]!r}" for u in unknown for m in [difflib.get_close_matches(u, known, n=1)] if m]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def _keywords(cls) -> set:
+    """What ``cls`` (TrainConfig) takes by name: its fields and every registered strategy's options."""
+    return {f.name for f in dataclasses.fields(cls)} | set(strategies.options())
 
 
 @dataclass(frozen=True)
@@ -328,16 +337,11 @@ class TrainConfig:
         return self.per_device_batch_size * ws * self.gradient_accumulation_steps
 
     def replace(self, **changes) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(self)} | set(strategies.options())
+        names = _keywords(type(self))
         unknown = sorted(set(changes) - names)
         if unknown:  # dataclasses.replace would raise a bare TypeError
-            import difflib
-
-            hints = [f"{u!r} -> {m[0]!r}" for u in unknown
-                     for m in [difflib.get_close_matches(u, names, n=1)] if m]
-            raise ConfigError(f"unknown TrainConfig field(s) {unknown}"
-                              + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-                              + f"; valid fields: {sorted(names)}")
+            raise ConfigError(f"unknown TrainConfig field(s) {unknown}{_did_you_mean(unknown, names)}"
+                              f"; valid fields: {sorted(names)}")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -358,13 +362,8 @@ class TrainConfig:
                 + f". stnb.run(build, ...) takes {', '.join(takes)}")
         unknown = sorted(k for k in options if k not in takes and k != "strategy_options")
         if unknown:
-            import difflib
-
-            hints = [f"{u!r} -> {m[0]!r}" for u in unknown
-                     for m in [difflib.get_close_matches(u, takes, n=1)] if m]
-            raise ConfigError(f"unknown option(s) {unknown} for stnb.run(build, ...)"
-                              + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-                              + f"; it takes {', '.join(takes)}")
+            raise ConfigError(f"unknown option(s) {unknown} for stnb.run(build, ...){_did_you_mean(unknown, takes)}"
+                              f"; it takes {', '.join(takes)}")
         return cls(**options)
 
     def arg_overrides(self) -> dict:
@@ -401,7 +400,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)} | set(strategies.options())
+        names = _keywords(cls)
         unknown = set(d) - names
         if unknown:
             raise ConfigError(f"unknown TrainConfig field(s) {sorted(unknown)}; valid fields: {sorted(names)}")

@@ -34,12 +34,29 @@ DDP_ARGS = (("bucket_cap_mb", "ddp_bucket_cap_mb"), ("broadcast_buffers", "ddp_b
             ("static_graph", "ddp_static_graph"))
 
 
-class DistributedDataParallel(Strategy):
+class TakesDDPOptions:
+    """What a strategy whose gradients go through a DDP wrapper (ddp, zero1) takes from DDP: its options, the
+    refusal of a hook CPU ranks cannot run, and the hook the time split registers."""
+
+    options = DDP_OPTIONS
+
+    def check_device(self, config, device):
+        """torch's bf16 compression hook is NCCL's alone: refused for CPU ranks (gloo), before any process starts."""
+        from ..errors import ConfigError
+
+        if config.comm_hook == "bf16" and device == "cpu":
+            raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
+                              "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
+
+    def ddp_hook(self, config):
+        return config.comm_hook, torch_hook(config.comm_hook)
+
+
+class DistributedDataParallel(TakesDDPOptions, Strategy):
     name = "ddp"
     label = "DDP"
     summary = "DistributedDataParallel: one process per device, gradients all-reduced"
     color = "#1f77b4"
-    options = DDP_OPTIONS
     ddp_buckets = True
     order = 30
     bench = True
@@ -55,12 +72,6 @@ class DistributedDataParallel(Strategy):
             raise ConfigError("static_graph=True cannot be combined with gradient_accumulation_steps > 1: DDP's "
                               "static graph breaks under no_sync() (pytorch/pytorch#143580: an INTERNAL ASSERT on "
                               "the first backward); use static_graph=False when accumulating gradients")
-
-    def check_device(self, config, device):
-        check_hook_device(config, device)
-
-    def ddp_hook(self, config):
-        return config.comm_hook, torch_hook(config.comm_hook)
 
     def refusals(self, trainer, config):
         args = trainer.args
@@ -122,15 +133,6 @@ def torch_hook(name: str):
     hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
              "bf16": default_hooks.bf16_compress_hook}
     return hooks.get(name)
-
-
-def check_hook_device(config, device: str) -> None:
-    """torch's bf16 compression hook is NCCL's alone: refused for CPU ranks (gloo), before any process starts."""
-    from ..errors import ConfigError
-
-    if config.comm_hook == "bf16" and device == "cpu":
-        raise ConfigError("comm_hook='bf16' needs CUDA GPUs: DDP accepts torch's bf16_compress_hook only with "
-                          "NCCL, not with gloo (CPU); on CPU use comm_hook='fp16' or 'none'")
 
 
 def ddp_kwargs(config) -> dict:

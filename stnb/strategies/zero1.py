@@ -10,20 +10,19 @@ covering a disjoint partition of the trainable parameters of about 1/N each that
 from __future__ import annotations
 
 from .base import Strategy, load_scheduler, rebuild_optimizer, save_scheduler, torch_optimizer
-from .ddp import DDP_OPTIONS, apply_ddp, check_ddp_wrapper, check_hook_device, ddp_step, torch_hook
+from .ddp import TakesDDPOptions, apply_ddp, check_ddp_wrapper, ddp_step
 from .stepcost import step
 
 # optimizers whose update is elementwise per parameter, so a rank can update its own partition alone
 ZERO_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adam", "adamw", "sgd", "adagrad", "rmsprop")
 
 
-class Zero1(Strategy):
+class Zero1(TakesDDPOptions, Strategy):
     name = "zero1"
     label = "ZeRO-1"
     aka = "ZeRO stage 1"
     summary = "DDP + ZeroRedundancyOptimizer: optimizer state sharded, parameters and gradients whole"
     color = "#9467bd"
-    options = DDP_OPTIONS
     ddp_buckets = True
     sharded = frozenset({"optimizer_state"})
     order = 40
@@ -42,12 +41,6 @@ class Zero1(Strategy):
         if config.comm_hook == "embedding_rows":
             raise ConfigError("comm_hook='embedding_rows' sends sparse embedding gradients, which "
                               "ZeroRedundancyOptimizer's partition cannot take; use strategy='ddp' for it")
-
-    def check_device(self, config, device):
-        check_hook_device(config, device)
-
-    def ddp_hook(self, config):
-        return config.comm_hook, torch_hook(config.comm_hook)
 
     def refusals(self, trainer, config):
         optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))
