@@ -255,8 +255,23 @@ SAID = "stnblab.exercises: rank "
 
 
 def _said(result: dict) -> dict:
-    print(f"{SAID}{result['rank']}: {result['problem']}", flush=True)
+    _say(result["rank"], result["problem"])
     return result
+
+
+def _say(rank, words: str) -> None:
+    """One line of a rank's output, in one write: ranks share the launch's output, and ``print`` writes the text
+    and its newline apart, so an unbuffered rank's line could end inside another's."""
+    import os
+    import sys
+
+    line = f"{SAID}{rank}: {words}\n"
+    sys.stdout.flush()
+    try:
+        os.write(sys.stdout.fileno(), line.encode())
+    except (AttributeError, OSError, ValueError):  # a stream with no file behind it (a captured one)
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 GAVE_UP = "did not finish in"
@@ -273,7 +288,7 @@ def _guarded(limit_s, rank_fn, fn, *args):
     rank = dist.get_rank()
 
     def give_up():
-        print(f"{SAID}{rank}: {GAVE_UP} {limit_s:g} s", flush=True)
+        _say(rank, f"{GAVE_UP} {limit_s:g} s")
         os._exit(3)
 
     timer = threading.Timer(limit_s, give_up)
@@ -288,7 +303,7 @@ def _guarded(limit_s, rank_fn, fn, *args):
 def _from_output(text: str) -> str | None:
     """Why a launch stopped without results, from what its ranks said: an attempt that raised (its partners
     then wait for it), or ranks that gave up waiting."""
-    said = dict(re.findall(re.escape(SAID) + r"(\d+): (.*)", text))
+    said = dict(re.findall(re.escape(SAID) + r"(\d+): (.*?)(?=" + re.escape(SAID) + "|$)", text, re.M))
     gave_up = sorted((r for r, why in said.items() if why.startswith(GAVE_UP)), key=int)
     raised = {r: why for r, why in said.items() if r not in gave_up and not _peer_gone(why)}
     if raised:  # its own attempt failed; the others only lost it

@@ -141,3 +141,24 @@ def test_a_step_without_the_all_gather_leaves_the_other_slices_unchanged():
 def test_the_optimizer_must_be_returned():
     verdict = exercises.check_zero1_step(sol.zero1_returns_nothing, worlds=(2,))
     assert verdict.lines == ["2 ranks: rank 0: returned NoneType, not the torch.optim.Optimizer that took the step"]
+
+
+def test_ranks_saying_why_at_once_each_write_whole_lines(tmp_path):
+    """Ranks share the launch's output and run unbuffered (torchrun's): print() writes a line and its newline
+    apart, so one rank's line could end inside another's (a CI run read 'did not finish in 4 sstnblab.exercises:
+    rank 1: ...'). Three processes say 2,000 lines each at once; every line is whole, and the verdict reads a
+    broken line too."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.txt"
+    code = ("import sys; from stnblab.exercises import _say, GAVE_UP\n"
+            "for _ in range(2000): _say(sys.argv[1], f'{GAVE_UP} 4 s')")
+    with open(out, "ab") as shared:
+        procs = [subprocess.Popen([sys.executable, "-u", "-c", code, str(r)], stdout=shared) for r in range(3)]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6000
+    assert [ln for ln in lines if not re.fullmatch(r"stnblab\.exercises: rank [0-2]: did not finish in 4 s", ln)] == []
+    broken = f"{exercises.SAID}0: {exercises.GAVE_UP} 4 s{exercises.SAID}1: {exercises.GAVE_UP} 4 s\n"
+    assert exercises._from_output(broken).startswith("rank(s) 0, 1 did not finish in 4 s: a receive whose")
