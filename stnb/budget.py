@@ -75,13 +75,12 @@ def shape_from_files(path: str) -> dict | None:
 
 def predicted(config, shape: dict, strategy: str, world: int) -> dict:
     """``memory.predict`` of ``strategy`` for ``shape`` on ``world`` ranks (1 for a one-process strategy), with the
-    config's knobs where it is the config's strategy."""
+    options the config sets where it is the config's strategy."""
     s = strategies.get(strategy)
-    own = strategy == config.strategy
+    own = s.given(config) if strategy == config.strategy else {}
     return memory.predict(strategy, shape["param_count"], world if s.distributed else 1,
                           shape["trainable_param_count"], bytes_per_param=shape["bytes_per_param"],
-                          optimizer=shape["optimizer"], gradient_as_bucket_view=own and config.gradient_as_bucket_view,
-                          stage=config.stage if own else None)
+                          optimizer=shape["optimizer"], **own)
 
 
 def _others(config, world: int, device: str) -> list:

@@ -7,7 +7,7 @@ import inspect
 import os
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, StrategyUnavailable, unknown_choice
+from .errors import ConfigError, StrategyUnavailable, check_positive, unknown_choice
 from .hardware import START_METHODS, start_method as resolve_start_method
 from . import strategies
 
@@ -438,11 +438,11 @@ class TrainConfig:
             _check_int("max_seq_length", self.max_seq_length, 8)
         if self.num_processes is not None:
             _check_int("num_processes", self.num_processes, 1)
-        _check_num("learning_rate", self.learning_rate, lo_exclusive=0.0)
+        check_positive("learning_rate", self.learning_rate)
         for name in ("timeout", "stall_timeout", "memory_budget_gib"):
             v = getattr(self, name)
             if v is not None:
-                _check_num(name, v, lo_exclusive=0.0)
+                check_positive(name, v)
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"model must be 'minilm', 'tiny', a hub id or a local path; got {self.model!r}")
         if not isinstance(self.data, str) or not self.data.strip():
@@ -560,10 +560,3 @@ def _check_int(name, value, lo):
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r} ({type(value).__name__})")
     if value < lo:
         raise ConfigError(f"{name} must be >= {lo}, got {value}")
-
-
-def _check_num(name, value, lo_exclusive):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number > {lo_exclusive}, got {value!r}")
-    if not value > lo_exclusive:
-        raise ConfigError(f"{name} must be > {lo_exclusive}, got {value}")

@@ -16,6 +16,12 @@ def unknown_choice(name: str, value, choices) -> ConfigError:
     return ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, choices))}")
 
 
+def check_positive(name: str, value) -> None:
+    """Raise the ConfigError for a value that is not a number > 0 (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from: missing, half-written, or not one this run can load
     (``stnb.checkpoints``)."""

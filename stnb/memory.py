@@ -51,8 +51,7 @@ OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adafacto
 
 
 def predict(strategy: str, param_count: int, world_size: int = 1, trainable_param_count: int | None = None,
-            bytes_per_param: int = 4, optimizer: str = "adamw", gradient_as_bucket_view: bool = False,
-            stage: int | None = None) -> dict:
+            bytes_per_param: int = 4, optimizer: str = "adamw", **options) -> dict:
     """Predicted model-state bytes held by *one* rank.
 
     strategy: a registered strategy's name (``stnb.strategies.names()``).
@@ -61,8 +60,9 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     trainable_param_count: parameters that get gradients and optimizer state (T; default P).
     bytes_per_param: 4 for fp32 weights (mixed precision still keeps fp32 master weights).
     optimizer: 'adamw'/'adam' (2 states per parameter), 'sgd_momentum' (1), 'sgd' (0).
-    gradient_as_bucket_view: DDP's option that lets gradients live in the buckets (no copy).
-    stage: the ZeRO stage of a strategy that has several (deepspeed; default its own).
+    options: the strategy's own options that change what a rank holds, as ``TrainConfig`` takes them (DDP's
+    ``gradient_as_bucket_view=True``: gradients live in the buckets, no copy; DeepSpeed's ``stage=1``, 2, 3); an
+    option of another strategy is refused.
 
     Returns ``{"params", "grads", "optimizer_state", "ddp_buckets", "gathered_params", "total"}`` in bytes.
 
@@ -72,6 +72,11 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     8000000
     """
     s = strategies.get(strategy)
+    for name, value in options.items():
+        if name not in s.options:
+            raise ConfigError(f"{name}={value!r} is not an option of strategy {s.name!r}; its options: "
+                              f"{', '.join(s.options) or 'none'}")
+        s.options[name].check(name, value)
     _check_count("param_count", param_count, 0)
     _check_count("world_size", world_size, 1)
     _check_count("bytes_per_param", bytes_per_param, 1)
@@ -85,12 +90,12 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
     if key not in OPTIMIZER_SLOTS:
         raise unknown_choice("optimizer", optimizer, OPTIMIZER_SLOTS)
 
-    held = s.held(world_size, stage=stage)
+    held = s.held(world_size, options)
     params = math.ceil(bytes_per_param * param_count * held["params"])
     grads = math.ceil(bytes_per_param * trainable * held["grads"])
     slots = OPTIMIZER_SLOTS[key] + (1 if s.master_weights else 0)  # DeepSpeed: + its fp32 master partition
     optimizer_state = math.ceil(slots * bytes_per_param * trainable * held["optimizer_state"])
-    ddp_buckets = bytes_per_param * trainable if s.ddp_buckets and not gradient_as_bucket_view else 0
+    ddp_buckets = bytes_per_param * trainable if s.bucket_copy(options) else 0
     gathered = bytes_per_param * param_count - params if s.gathered_during_step == "all" else 0
     out = {"params": params, "grads": grads, "optimizer_state": optimizer_state, "ddp_buckets": ddp_buckets,
            "gathered_params": gathered}
@@ -100,15 +105,22 @@ def predict(strategy: str, param_count: int, world_size: int = 1, trainable_para
 
 def predict_table(param_count: int, world_size: int = 2, trainable_param_count: int | None = None,
                   strategies=None, **kwargs):
-    """``predict`` for several strategies side by side: a DataFrame, one row per strategy, in MiB."""
+    """``predict`` for several strategies side by side: a DataFrame, one row per strategy, in MiB. A strategy's
+    own option among ``kwargs`` applies to the strategies that take it."""
     import pandas as pd
 
     from . import strategies as registry
 
+    unknown = [k for k in kwargs if k not in ("bytes_per_param", "optimizer") and k not in registry.options()]
+    if unknown:
+        raise ConfigError(f"predict_table got {', '.join(unknown)}: neither bytes_per_param, optimizer nor a "
+                          f"strategy's option ({', '.join(registry.options())})")
     rows = []
     for name in (strategies or registry.names()):
-        ws = world_size if registry.get(name).distributed else 1
-        p = predict(name, param_count, ws, trainable_param_count, **kwargs)
+        s = registry.get(name)
+        ws = world_size if s.distributed else 1
+        shared = {k: v for k, v in kwargs.items() if k in ("bytes_per_param", "optimizer")}
+        p = predict(name, param_count, ws, trainable_param_count, **shared, **s.own(kwargs))
         rows.append({"strategy": name, "world_size": ws, **{f"{k}_mib": v / 2**20 for k, v in p.items()}})
     return pd.DataFrame(rows)
 
@@ -305,13 +317,11 @@ def compare(result, optimizer: str | None = None):
     world_size = int(verification.get("world_size_requested") or r.get("world_size") or 1)
     total_params, trainable = int(shape["param_count"]), int(shape["trainable_param_count"])
     optimizer = optimizer_kind(optimizer or shape.get("optimizer") or "adamw")
-    cfg = r.get("config") or {}
-    bucket_view = _first(r.get("gradient_as_bucket_view"), cfg.get("gradient_as_bucket_view"),
-                         strategies.options()["gradient_as_bucket_view"].default)
     s = strategies.get(strategy)
+    # its own options as the run set them: the result's row first, then its config (None, NaN: not recorded)
+    own = {k: v for source in (r.get("config") or {}, r) for k, v in s.own(source).items() if v is not None and v == v}
     pred = predict(strategy, total_params, world_size if s.distributed else 1, trainable,
-                   bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer,
-                   gradient_as_bucket_view=bool(bucket_view), stage=cfg.get("stage"))
+                   bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer, **own)
     peaks = r.get("peak_memory_bytes") or []
     rows = []
     for rank, meas in enumerate(breakdown):
@@ -329,8 +339,9 @@ def compare(result, optimizer: str | None = None):
                         if pred[comp] else "one block gathered at a time (in the peak, not predicted)")
             elif comp == "ddp_buckets":
                 m = None
+                asked = ", ".join(f"{k}={v!r}" for k, v in own.items() if v != s.options[k].default)
                 note = ("not measured: the buckets live inside DDP's reducer"
-                        if pred[comp] else "gradient_as_bucket_view=True: gradients are the buckets, no copy")
+                        if pred[comp] else f"{asked}: gradients are the buckets, no copy")
             elif comp == "optimizer_state":
                 note = f"{optimizer}: {OPTIMIZER_SLOTS[optimizer]} states per trainable parameter"
             elif comp == "grads" and trainable < total_params:
@@ -370,13 +381,6 @@ def _as_dict(result) -> dict:
     if isinstance(result, dict):
         return result
     raise ConfigError(f"compare needs a RunResult, its dict or a results_frame row; got {type(result).__name__}")
-
-
-def _first(*values):
-    for v in values:
-        if v is not None and v == v:  # not None, not NaN
-            return v
-    return None
 
 
 def _check_count(name, value, lo):

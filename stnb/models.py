@@ -411,7 +411,7 @@ def layer_classes(model, name: str | None = None) -> list[type]:
         missing = [n for n in wanted if n not in classes]
         if not wanted or missing:
             raise ConfigError(
-                f"fsdp_layer_cls {name!r}: no submodule of class {', '.join(missing) or repr(name)} in this model; "
+                f"no submodule of class {', '.join(missing) or repr(name)} in this model; "
                 f"candidates: {', '.join(_candidates(model, classes))}")
         return [classes[n] for n in wanted]
     names: list[str] = []
@@ -426,8 +426,8 @@ def layer_classes(model, name: str | None = None) -> list[type]:
     if not found:
         raise ConfigError(
             f"cannot tell which layers of this {type(model).__name__} to wrap for FSDP (no usable "
-            "_no_split_modules on the inner model); name the block class, e.g. "
-            f"TrainConfig(fsdp_layer_cls='ClassName'); candidates: {', '.join(_candidates(model, classes))}")
+            "_no_split_modules on the inner model); name the block class; candidates: "
+            f"{', '.join(_candidates(model, classes))}")
     return found
 
 

@@ -379,7 +379,7 @@ class StepTimer:
             self.clock.settle()  # the GPU finishes the last steps; their events can then be read
             self.steps.extend(self._split(*p) for p in self._pending)
             self._pending = []
-        return {"method": self.method, "comm_hook": self.hook, "units": self.units, "steps": self.steps,
+        return {"method": self.method, "hook": self.hook, "units": self.units, "steps": self.steps,
                 "comm": self.comm, "note": self.comm_note, "grad_groups": self.groups,
                 "host_clock": "the same clock (CPU)" if isinstance(self.clock, HostClock) else
                 "host seconds (time.perf_counter) beside the device's CUDA events: steps' 'host'"}

@@ -19,21 +19,28 @@ import os
 import statistics
 import time
 
-STRATEGY = "ddp"  # what every run here is unless a variant says otherwise (the knobs below are its knobs)
-SHARE_VARIANTS = (("fp32 all-reduce", {}), ("fp16 hook", {"comm_hook": "fp16"}),
-                  ("fp32, 1 MiB buckets", {"bucket_cap_mb": 1}))
+STRATEGY = "ddp"  # what every run here is unless a variant says otherwise
+
+
+def share_variants() -> tuple:
+    """The comm-share runs: fp32 all-reduce (the defaults), the strategy's fp16 hook (``Strategy.tunings``),
+    and buckets of 1 MiB (many all-reduces, each overlapping backward)."""
+    from stnb import strategies
+
+    return (("fp32 all-reduce", {}), ("fp16 hook", dict(strategies.get(STRATEGY).tunings["fp16 hook"])),
+            ("fp32, 1 MiB buckets", {"bucket_cap_mb": 1}))
 
 
 def fsdp_variants() -> tuple:
-    """``--fsdp``: the DDP runs' baseline, then every strategy owning ``reshard_after_forward`` (fsdp), with
-    it on and off."""
+    """``--fsdp``: the DDP runs' baseline, then every strategy that shards the parameters and declares
+    tunings (fsdp), with its defaults and each tuning."""
     from stnb import strategies
 
     out = [(STRATEGY, {})]
     for s in strategies.all_strategies():
-        if "reshard_after_forward" in s.options:
+        if "params" in s.sharded and s.tunings:
             out += [(s.name, {"strategy": s.name}),
-                    (f"{s.name}, no reshard", {"strategy": s.name, "reshard_after_forward": False})]
+                    *((f"{s.name}, {name}", {"strategy": s.name, **values}) for name, values in s.tunings.items())]
     return tuple(out)
 
 
@@ -55,12 +62,14 @@ def summarize(result) -> dict:
 
 
 def comm_share(model: str = "minilm", steps: int = 10, batch: int = 16, repeats: int = 1,
-               variants=SHARE_VARIANTS) -> list:
+               variants=None) -> list:
     """Each variant (DDP on 2 ranks, with the knobs given) ``repeats`` times, interleaved (the machine's
-    load drifts alike for all); per variant the medians over its runs of ``summarize``."""
+    load drifts alike for all); per variant the medians over its runs of ``summarize``. ``variants``: (label,
+    overrides) pairs; default ``share_variants()``."""
     from stnb.config import TrainConfig
     from stnb.runner import run
 
+    variants = share_variants() if variants is None else variants
     seen = {label: [] for label, _ in variants}
     for _ in range(repeats):
         for label, knobs in variants:

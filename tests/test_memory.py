@@ -376,3 +376,19 @@ def test_freed_memory_is_released_each_step_only_where_it_grows_and_can_be_turne
     assert not release_each_step("cuda", True)
     monkeypatch.setenv(RELEASE_ENV, "off")
     assert not release_each_step("cpu", True)
+
+
+def test_predict_takes_the_strategys_own_options_and_refuses_what_it_would_drop():
+    """A strategy's option changes the prediction where it changes what a rank holds; an option of another
+    strategy, a value its declaration refuses, or a name no strategy has is refused, not ignored."""
+    assert memory.predict("deepspeed", 100, world_size=4, stage=3)["params"] == 100
+    assert memory.predict("deepspeed", 100, world_size=4, stage=1)["params"] == 400
+    with pytest.raises(ConfigError, match="stage=2 is not an option of strategy 'ddp'; its options: comm_hook"):
+        memory.predict("ddp", 100, world_size=2, stage=2)
+    with pytest.raises(ConfigError, match="unknown stage 5; choose one of 1, 2, 3"):
+        memory.predict("deepspeed", 100, world_size=2, stage=5)
+    table = memory.predict_table(2**20, 2, gradient_as_bucket_view=True, strategies=["ddp", "zero1", "fsdp"])
+    assert table.set_index("strategy")["ddp_buckets_mib"].to_dict() == {"ddp": 0.0, "zero1": 0.0, "fsdp": 0.0}
+    assert memory.predict_table(2**20, 2, strategies=["ddp"])["ddp_buckets_mib"].iloc[0] == 4.0
+    with pytest.raises(ConfigError, match="predict_table got no_such_option"):
+        memory.predict_table(100, 2, no_such_option=1)

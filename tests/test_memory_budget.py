@@ -41,7 +41,7 @@ def tiny_params():
 
 def test_the_budget_is_a_positive_number_of_gib():
     for bad in (0, -1.0, "2", True):
-        with pytest.raises(ConfigError, match=r"memory_budget_gib must be (a number )?> 0.0"):
+        with pytest.raises(ConfigError, match=r"memory_budget_gib must be a number > 0, got "):
             TrainConfig(memory_budget_gib=bad).validate(check_resources=False)
     assert TrainConfig(memory_budget_gib=0.5).validate(check_resources=False).memory_budget_gib == 0.5
     assert "memory_budget_gib" in TrainConfig.for_build(memory_budget_gib=1).to_dict()  # a build function takes it

@@ -156,8 +156,15 @@ def test_layer_classes(tiny_env, minilm):
     assert "LlamaDecoderLayer" in msg and "BertLayer" in msg and "candidates" in msg
 
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    with pytest.raises(ConfigError, match="fsdp_layer_cls"):
+    with pytest.raises(ConfigError, match="cannot tell which layers of this Sequential to wrap"):
         models.layer_classes(plain)
+    # FSDP names its own option in the fix, before any process group is needed
+    from stnb.strategies.fsdp import shard_fsdp
+
+    with pytest.raises(ConfigError, match=r"name the block class; candidates: .*; e.g. TrainConfig\(fsdp_layer_cls="):
+        shard_fsdp(plain, "cpu", 2)
+    with pytest.raises(ConfigError, match="^fsdp_layer_cls 'LlamaDecoderLayer': no submodule of class LlamaDecoderLayer"):
+        shard_fsdp(tiny, "cpu", 2, layer_cls="LlamaDecoderLayer")
     assert models.layer_classes(plain, "Linear") == [torch.nn.Linear]
 
 

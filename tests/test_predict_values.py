@@ -47,7 +47,7 @@ def test_the_step_is_the_runs_measured_phases_and_the_inputs_say_measured():
     assert m.step == pytest.approx(2 * FORWARD + 4 * GRAD_STEP + CLIP + OPT_STEP + FETCH + REST)
     assert m.batch == BATCH * ACCUMULATION and m.forward_calls == 2
     assert m.grad_bytes == 4 * TRAINABLE and m.param_bytes == 4 * PARAMS and m.bucket_bytes == 25 * 2**20
-    assert m.fits and m.reshard_after_forward
+    assert m.fits and m.gathers_again
     assert m.source == "ddp run on 2 cpu rank(s), means of 4 steady steps of its measured time split"
     inputs = said(m)
     assert inputs["forward, backward compute, data + rest"] == ("measured", "the time split's phases")
@@ -128,7 +128,7 @@ def test_the_recorded_units_bucket_size_hook_and_resharding_are_the_runs():
         split["units"] = {"layers": 2, "root_fraction": 0.3}
     m = from_result(r)
     assert (m.layers, m.root_fraction) == (2, 0.3) and "FSDP units" not in said(m)
-    assert m.bucket_bytes == 4 * 2**20 and m.grad_bytes == 2 * TRAINABLE and not m.reshard_after_forward
+    assert m.bucket_bytes == 4 * 2**20 and m.grad_bytes == 2 * TRAINABLE and not m.gathers_again
     assert from_result(run(config={"comm_hook": "bf16"})).grad_bytes == 2 * TRAINABLE
     assert from_result(run(config={"comm_hook": "embedding_rows"})).grad_bytes == 4 * TRAINABLE
     r["verification"]["model_shape"].pop("trainable_param_count")

@@ -175,7 +175,7 @@ def test_fsdp_without_resharding_gathers_once():
     from dataclasses import replace
 
     fab = Fabric(custom("slow", 3, 5, overlap=False), PRESETS["100gbps"])
-    kept = replace(SMALL, reshard_after_forward=False)
+    kept = replace(SMALL, gathers_again=False)
     resharded, once = model("fsdp")(SMALL, fab, 2), model("fsdp")(kept, fab, 2)
     shares = [SMALL.root_fraction] + [(1 - SMALL.root_fraction) / SMALL.layers] * SMALL.layers
     regather = sum(fab.all_gather(share * SMALL.param_bytes, 2) for share in shares)  # every unit once more
@@ -186,7 +186,7 @@ def test_zero_stages_are_their_strategies():
     from dataclasses import replace
 
     fab = Fabric(custom("slow", 3, 5, overlap=False), PRESETS["100gbps"])
-    kept = model("fsdp")(replace(SMALL, reshard_after_forward=False), fab, 4)
+    kept = model("fsdp")(replace(SMALL, gathers_again=False), fab, 4)
     assert model("zero2")(SMALL, fab, 4) == kept  # FSDP without resharding after forward
     z1, d = model("zero1")(SMALL, fab, 4), model("ddp")(SMALL, fab, 4)
     assert z1["comm"] == pytest.approx(d["comm"] + fab.all_gather(SMALL.param_bytes, 4))  # + the shards sent back

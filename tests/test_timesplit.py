@@ -51,7 +51,7 @@ def test_comm_bytes_are_every_gradient_once_per_step_and_halve_with_fp16(ddp, dd
         assert result.verified, result.reason
         for rank in range(2):
             assert {st["comm_bytes"] for st in result.time_split[rank]["steps"]} == {size * trainable}
-    assert ddp_fp16.time_split[0]["comm_hook"] == "fp16"
+    assert ddp_fp16.time_split[0]["hook"] == "fp16"
 
 
 def test_single_and_fsdp_runs_split_what_they_can():

@@ -64,7 +64,7 @@ def test_the_next_step_begins_where_the_last_ended_and_summary_hands_every_step(
     assert second["data"] == pytest.approx(0.5 + FETCH) and second["forward"] == pytest.approx(FORWARD)
     assert second["forward_calls"] == 1 and first["forward_calls"] == 2
     s = timer.summary()
-    assert s["steps"] == [first, second] and s["method"] == "simulated clock" and s["comm_hook"] == "none"
+    assert s["steps"] == [first, second] and s["method"] == "simulated clock" and s["hook"] == "none"
     assert s["comm"] == "DDP bucket hooks" and s["note"] is None and s["grad_groups"] == timer.groups
     assert s["units"] is None  # a model stnb knows no layer classes of: no FSDP units to report
     assert s["host_clock"] == "the same clock (CPU)"
@@ -561,7 +561,7 @@ def test_the_split_is_on_unless_stnb_time_split_is_off(monkeypatch):
     monkeypatch.setenv("STNB_TIME_SPLIT", "on")
     assert StepTimer(enabled=False).enabled is False
     s = StepTimer().summary()  # never attached: nothing measured, nothing made up
-    assert s == {"method": None, "comm_hook": None, "units": None, "steps": [], "comm": None, "note": None,
+    assert s == {"method": None, "hook": None, "units": None, "steps": [], "comm": None, "note": None,
                  "grad_groups": [], "host_clock": "the same clock (CPU)"}
 
 

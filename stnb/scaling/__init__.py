@@ -332,7 +332,8 @@ def from_result(result) -> Measured:
         inputs.append(("forward, backward, optimizer", "assumed", "1:2 of the step, optimizer inside them"))
     if int(r.get("world_size") or 1) > 1:
         notes.append(f"the compute was measured in a {r['world_size']}-rank {r['strategy']} run, not on one device")
-    grad_size = 2 if cfg.get("comm_hook") in ("fp16", "bf16") else 4
+    wire = {"grad_element_bytes": 4, "grad_how": "fp32", **registry.on_the_wire(cfg)}  # what the options change
+    grad_size = wire["grad_element_bytes"]
     # FSDP's MixedPrecisionPolicy, as fsdp itself decides it (on GPUs parameters gathered in the training precision,
     # on CPU in fp32: the trainer's autocast only, as under single); gradients reduced in fp32; DDP's gradients are
     # the fp32 parameters' (2 B only with an fp16 / bf16 hook)
@@ -340,7 +341,7 @@ def from_result(result) -> Measured:
 
     low = "param_dtype" in precision_policy(cfg.get("mixed_precision"), str(r.get("device")).split(":")[0])[0]
     inputs.append(("bytes on the wire", "from the run's settings",
-                   f"gradients {grad_size} B each ({'the ' + cfg['comm_hook'] + ' hook' if grad_size == 2 else 'fp32'}), "
+                   f"gradients {grad_size} B each ({wire['grad_how']}), "
                    f"FSDP's gathered parameters {2 if low else 4} B each "
                    f"({cfg['mixed_precision'] + ' param_dtype' if low else 'fp32'}), its reduce-scatters fp32"))
     layers, root = units.get("layers"), units.get("root_fraction")
@@ -390,11 +391,10 @@ def from_result(result) -> Measured:
                     fits="params" not in registry.get(r["strategy"]).sharded,
                     grad_bytes=grad_size * shape.get("trainable_param_count", shape["param_count"]),
                     param_bytes=4 * shape["param_count"], gather_bytes=(2 if low else 4) * shape["param_count"],
-                    bucket_bytes=float(cfg.get("bucket_cap_mb") or 25) * 2**20,
-                    layers=int(layers), root_fraction=float(root),
-                    reshard_after_forward=bool(cfg.get("reshard_after_forward", True)), source=source,
+                    layers=int(layers), root_fraction=float(root), source=source,
                     threads=_threads(r, cfg),
-                    notes=tuple(notes), ready=ready, inputs=tuple(inputs))
+                    notes=tuple(notes), ready=ready, inputs=tuple(inputs),
+                    **{k: v for k, v in wire.items() if k in Measured.__dataclass_fields__})
 
 
 def collective_host(single, one_rank) -> Range:
@@ -424,7 +424,7 @@ def collective_host(single, one_rank) -> Range:
         steady = list(r["step_times"])[warm:]
         means.append((statistics.fmean(steady), statistics.pstdev(steady) / len(steady) ** 0.5))
     (t1, e1), (t0, e0) = means
-    count = collectives_per_step(m, m.reshard_after_forward)
+    count = collectives_per_step(m, m.gathers_again)
     d, err = t1 - t0, 2 * (e1 ** 2 + e0 ** 2) ** 0.5
     return Range("collective_host", max(0.0, d - err) / count, max(0.0, d) / count, max(0.0, d + err) / count,
                  HOST_PER_COLLECTIVE + " (s)",

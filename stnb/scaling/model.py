@@ -60,7 +60,7 @@ class Measured:
     bucket_bytes: float = 25 * 2**20
     layers: int = 12           # FSDP units besides the root
     root_fraction: float = 0.25  # parameters outside the layers (embeddings): gathered first, reduced last
-    reshard_after_forward: bool = True  # FSDP frees gathered parameters after forward: gathers again in backward
+    gathers_again: bool = True  # FSDP frees gathered parameters after forward and gathers them again in backward
     forward_calls: float = 1.0  # calls of the model per step (one per text column the loss embeds)
     step_spread: float = 0.0    # standard deviation of a rank's step (s): the slowest of n ranks sets the pace
     fits: bool = True           # the whole model trained on one device (the input run did not shard it)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..errors import ConfigError, VerificationError, unknown_choice
+from ..errors import ConfigError, VerificationError
 from .base import PARTS, Option, Strategy, mixed_precision, replicated_check, save_strategy, torch_optimizer
 from .dp import autocast_data_parallel
 from .ddp import ddp_kwargs
@@ -64,7 +64,8 @@ def register(cls) -> Strategy:
 
 def _check_options(cls) -> None:
     """TypeError for options a strategy cannot declare: not ``Option``s, a name TrainConfig's own fields use, a
-    default outside its choices, or a name another strategy declares differently."""
+    default outside its choices, or a name another strategy declares differently; or a tuning that sets
+    something other than its own options."""
     declared = options()
     for name, o in cls.options.items():
         why = ("it is not a stnb.strategies.Option" if not isinstance(o, Option) else
@@ -74,6 +75,11 @@ def _check_options(cls) -> None:
                if name in declared and declared[name] != o else "")
         if why:
             raise TypeError(f"strategy class {cls.__name__} cannot declare option {name!r}: {why}")
+    for name, values in {**cls.tunings, **cls.tunings_accumulating}.items():
+        foreign = [k for k in values if k not in cls.options]
+        if foreign:
+            raise TypeError(f"strategy class {cls.__name__}'s tuning {name!r} sets {', '.join(foreign)}, which "
+                            f"{'is not an option' if len(foreign) == 1 else 'are not options'} of its own")
 
 
 def reserve(names) -> None:
@@ -172,12 +178,18 @@ def validate_config(config) -> None:
             raise ConfigError(refused)
     s.validate(config)
     for name, value in s.given(config).items():  # its options' declared rules, after its own checks
-        o = s.options[name]
-        if o.choices and value not in o.choices:
-            raise unknown_choice(name, value, o.choices)
-        if o.positive and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                 or not value > 0):
-            raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        s.options[name].check(name, value)
+
+
+def on_the_wire(values: dict) -> dict:
+    """What the options among ``values`` (a run's config) change about what the collectives move: the
+    ``stnb.scaling.Measured`` fields their ``Option.wire`` gives (an option not in ``values``: its default)."""
+    out = {}
+    for name, o in options().items():
+        if o.wire is not None:
+            value = values.get(name)
+            out.update(o.wire(o.default if value is None else value))
+    return out
 
 
 def availability(device: str, n_gpu: int, max_ranks: int, backend: str, has_distributed: bool = True) -> dict:

@@ -45,7 +45,10 @@ class Option:
     positive: a number, when given, must be > 0;
     unset: how a value of None reads in the comparison's hover (what the library then uses);
     label: how runs that differ in it are told apart in the comparison's labels ('hook {}'; '': not used);
-    lever: what setting it does to the step's communication (the time split's advice; '': nothing)."""
+    lever: what setting it does to the step's communication (the time split's advice; '': nothing);
+    wire: what a value changes about what the collectives move, for the predictor (``stnb.scaling``): a function
+    of the value returning fields of ``stnb.scaling.Measured`` (and 'grad_how', a few words on the gradients'
+    bytes), or None."""
 
     default: Any
     type: str
@@ -55,6 +58,16 @@ class Option:
     unset: str = "default"
     label: str = ""
     lever: str = ""
+    wire: Any = None
+
+    def check(self, name: str, value) -> None:
+        """Raise ConfigError for a value its declared rules refuse (``choices``, ``positive``)."""
+        from ..errors import check_positive, unknown_choice
+
+        if self.choices and value not in self.choices:
+            raise unknown_choice(name, value, self.choices)
+        if self.positive and value is not None:
+            check_positive(name, value)
 
 
 class Strategy(abc.ABC):
@@ -67,6 +80,10 @@ class Strategy(abc.ABC):
     min_gpus: ClassVar[int] = 0        # GPUs needed at all (dp: 2, in one process)
     min_ranks: ClassVar[int] = 1       # a sharding strategy needs 2 ranks to shard over
     options: ClassVar[dict] = {}       # its own options: name -> Option (TrainConfig's flat keywords)
+    #: sets of its options worth measuring against its defaults (the lab's benches): name -> options; and those
+    #: measured under gradient accumulation too
+    tunings: ClassVar[dict] = {}
+    tunings_accumulating: ClassVar[dict] = {}
     sharded: ClassVar[frozenset] = frozenset()  # parts of PARTS each rank holds 1/N of
     # parameters whole in memory during forward and backward, beyond the rank's own shard:
     # 'all' (zero2: gathered for the whole step), 'layer' (fsdp: one block at a time), '' (none)
@@ -109,10 +126,18 @@ class Strategy(abc.ABC):
         """Name and what it is, e.g. "fsdp (ZeRO stage 3): FSDP2 fully_shard ..." (Panel, CLI, docs)."""
         return f"{self.name}{f' ({self.aka})' if self.aka else ''}: {self.summary}"
 
-    def held(self, world_size: int, stage: int | None = None) -> dict:
+    def held(self, world_size: int, options: dict | None = None) -> dict:
         """Fraction of each model-state part one rank holds at rest (the memory prediction's shape).
-        ``stage``: the ZeRO stage asked of a strategy that has several (deepspeed); the others ignore it."""
+        ``options``: its own options as a run sets them (``own``; a missing one is at its default)."""
         return {part: (1.0 / world_size if part in self.sharded else 1.0) for part in PARTS}
+
+    def bucket_copy(self, options: dict | None = None) -> bool:
+        """A DDP wrapper copies every gradient into its buckets, with its own options ``options``."""
+        return self.ddp_buckets
+
+    def own(self, values: dict) -> dict:
+        """Its own options among ``values`` (a flat dict: a result's config, keyword arguments)."""
+        return {name: values[name] for name in self.options if name in values}
 
     def shards_params(self, config) -> bool:
         """Each rank holds only a piece of the parameters (the trained model must be gathered)."""

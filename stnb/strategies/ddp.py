@@ -20,14 +20,37 @@ DDP_OPTIONS = {
     "comm_hook": Option(
         "none", "str", "DDP's communication hook: none, fp16, bf16 (NCCL only) or embedding_rows (all-reduce only "
         "the embedding rows some rank used; exact, stnb.embedding_rows_hook)", choices=COMM_HOOKS, label="hook {}",
-        lever="comm_hook='fp16' (half the bytes on the wire)"),
+        lever="comm_hook='fp16' (half the bytes on the wire)", wire=lambda hook: (
+            {"grad_element_bytes": 2, "grad_how": f"the {hook} hook"} if hook in ("fp16", "bf16") else {})),
     "gradient_as_bucket_view": Option(False, "bool", "DDP: gradients are views into the buckets (no copy of each)"),
     "static_graph": Option(False, "bool", "DDP: the same graph every step (not with gradient_accumulation_steps > 1)"),
     "bucket_cap_mb": Option(None, "float | None", "DDP: the gradient bucket size in MiB (default: DDP's 25)",
-                            positive=True, unset="default (25)", lever="another bucket_cap_mb"),
+                            positive=True, unset="default (25)", lever="another bucket_cap_mb",
+                            wire=lambda mb: {"bucket_bytes": float(mb or 25) * 2**20}),
     "broadcast_buffers": Option(
         False, "bool", "DDP: broadcast rank 0's buffers at every forward, a sync point (sentence-transformers turns "
         "it off, so False is what runs by default; BERT-style buffers never change)"),
+}
+# sentence-transformers turns DDP's buffer broadcast off, so that is the default; the tunings that say "no
+# broadcast" spell it out, and "buffer broadcast on" measures what it would cost
+_NO_BROADCAST = {"broadcast_buffers": False}
+DDP_TUNINGS = {
+    "buffer broadcast on": {"broadcast_buffers": True},
+    "bucket 100 MB (one bucket)": {"bucket_cap_mb": 100},
+    "static_graph + bucket view": {"static_graph": True, "gradient_as_bucket_view": True},
+    "fp16 hook": {"comm_hook": "fp16"},
+    "bf16 hook": {"comm_hook": "bf16"},
+    "tuned: static + view + 100 MB + no broadcast": {"static_graph": True, "gradient_as_bucket_view": True,
+                                                     "bucket_cap_mb": 100, **_NO_BROADCAST},
+    "embedding rows hook": {"comm_hook": "embedding_rows"},
+}
+# under accumulation: no static_graph (it breaks under no_sync, pytorch/pytorch#143580; TrainConfig refuses it)
+DDP_TUNINGS_ACCUMULATING = {
+    "embedding rows hook": {"comm_hook": "embedding_rows"},
+    "no broadcast": _NO_BROADCAST,
+    "embedding rows hook + no broadcast": {"comm_hook": "embedding_rows", **_NO_BROADCAST},
+    "fp16 hook": {"comm_hook": "fp16"},
+    "view + 100 MB + no broadcast": {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, **_NO_BROADCAST},
 }
 # (stnb.run knob, SentenceTransformerTrainingArguments field)
 DDP_ARGS = (("bucket_cap_mb", "ddp_bucket_cap_mb"), ("broadcast_buffers", "ddp_broadcast_buffers"),
@@ -51,6 +74,10 @@ class TakesDDPOptions:
     def ddp_hook(self, config):
         return config.comm_hook, torch_hook(config.comm_hook)
 
+    def bucket_copy(self, options=None):
+        """No copy when the gradients are views into the buckets."""
+        return not (options or {}).get("gradient_as_bucket_view", DDP_OPTIONS["gradient_as_bucket_view"].default)
+
 
 class DistributedDataParallel(TakesDDPOptions, Strategy):
     name = "ddp"
@@ -59,6 +86,8 @@ class DistributedDataParallel(TakesDDPOptions, Strategy):
     color = "#1f77b4"
     ddp_buckets = True
     order = 30
+    tunings = DDP_TUNINGS
+    tunings_accumulating = DDP_TUNINGS_ACCUMULATING
     bench = True
     gpu_check = True
 

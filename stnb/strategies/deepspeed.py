@@ -150,7 +150,8 @@ class DeepSpeed(Strategy):
     def shards_params(self, config):
         return stage_of(config) == 3
 
-    def held(self, world_size, stage=None):
+    def held(self, world_size, options=None):
+        stage = (options or {}).get("stage")
         sharded = SHARDED_BY_STAGE[stage if stage in STAGES else DEFAULT_STAGE]
         return {part: (1.0 / world_size if part in sharded else 1.0) for part in ("params", "grads",
                                                                                   "optimizer_state")}

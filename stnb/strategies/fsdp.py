@@ -42,7 +42,8 @@ FSDP_OPTIONS = {
     "reshard_after_forward": Option(
         True, "bool", "FSDP: free the gathered parameters after forward, gathering them again in backward "
         "(--no-reshard-after-forward keeps them: zero2's layout)",
-        lever="reshard_after_forward=False (no second all-gather in backward)"),
+        lever="reshard_after_forward=False (no second all-gather in backward)",
+        wire=lambda reshard: {"gathers_again": bool(reshard)}),
     "fsdp_layer_cls": Option(None, "str | None", "FSDP: the module class to shard separately (default: the "
                                                  "model's transformer block)", unset="its transformer block"),
 }
@@ -56,6 +57,7 @@ class FullyShardedDataParallel(Strategy):
     color = "#2ca02c"
     min_ranks = 2
     options = FSDP_OPTIONS
+    tunings = {"no reshard": {"reshard_after_forward": False}}
     sharded = frozenset({"params", "grads", "optimizer_state"})
     gathered_during_step = "layer"
     order = 60
@@ -64,10 +66,10 @@ class FullyShardedDataParallel(Strategy):
 
     def step_time(self, m, fab, n, host_fraction=None):
         """Per unit (each transformer layer, and the root holding the embeddings): all-gather the parameters
-        before its forward and again before its backward (unless ``m.reshard_after_forward`` is off: the
+        before its forward and again before its backward (unless ``m.gathers_again`` is off: the
         gathered parameters stay), reduce-scatter its gradients after; the next unit's all-gather is
         prefetched during this unit's compute. The optimizer updates 1/n of the parameters."""
-        return fsdp_step(m, fab, n, m.reshard_after_forward)
+        return fsdp_step(m, fab, n, m.gathers_again)
 
     def reshard_after_forward(self, config) -> bool:
         return bool(config.reshard_after_forward)
@@ -287,9 +289,14 @@ def shard_fsdp(model, device: str, world_size: int, layer_cls: str | None = None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from ..errors import ConfigError
     from ..models import layer_classes
 
-    classes = tuple(layer_classes(model, layer_cls))
+    try:
+        classes = tuple(layer_classes(model, layer_cls))
+    except ConfigError as e:  # named as the user gives it
+        raise ConfigError(f"fsdp_layer_cls {layer_cls!r}: {e}" if layer_cls is not None else
+                          f"{e}; e.g. TrainConfig(fsdp_layer_cls='ClassName')") from None
     mesh = init_device_mesh(device, (world_size,))
     blocks_mp, root_mp, _ = precision_policy(mixed_precision, device.split(":")[0])
     blocks = [m for m in model.modules() if isinstance(m, classes)]

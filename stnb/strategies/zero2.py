@@ -23,6 +23,7 @@ class Zero2(FullyShardedDataParallel):
                "parameters whole during forward and backward")
     color = "#17becf"
     options = {"fsdp_layer_cls": FSDP_OPTIONS["fsdp_layer_cls"]}  # its parameters stay gathered: no resharding
+    tunings = {}
     gathered_during_step = "all"
     order = 50
     bench = False

@@ -63,34 +63,19 @@ def _rotate(seq, k):
     return seq[k:] + seq[:k]
 
 
+KNOBS = "ddp"  # the strategy whose tunings the knobs section measures
+
+
 def _knob_variants(device: str, threads: int, quick: bool, accumulate: int | None = None) -> list:
-    """(name, TrainConfig overrides, accumulation of the matching baseline). Knobs are TrainConfig
-    fields."""
+    """(name, TrainConfig overrides, accumulation of the matching baseline): the knobs section's strategy's
+    tunings (``Strategy.tunings``, declared by the strategy) against its defaults, then under accumulation."""
     a = accumulate or (2 if quick else 4)
-    # sentence-transformers turns DDP's buffer broadcast off, so that is the default; the variants that
-    # say "no broadcast" spell it out, and "buffer broadcast on" measures what it would cost
-    nobb = {"broadcast_buffers": False}
-    tuned = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
-    # static_graph breaks under no_sync (pytorch/pytorch#143580); TrainConfig refuses the combination
-    tuned_acc = {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, **nobb}
-    v = [
-        ("defaults", {}, 1),
-        ("system allocator (page faults)", {"reuse_freed_memory": False}, 1),
-        ("buffer broadcast on", {"broadcast_buffers": True}, 1),
-        ("bucket 100 MB (one bucket)", {"bucket_cap_mb": 100}, 1),
-        ("static_graph + bucket view", {"static_graph": True, "gradient_as_bucket_view": True}, 1),
-        ("fp16 hook", {"comm_hook": "fp16"}, 1),
-        ("bf16 hook", {"comm_hook": "bf16"}, 1),
-        ("tuned: static + view + 100 MB + no broadcast", tuned, 1),
-        ("embedding rows hook", {"comm_hook": "embedding_rows"}, 1),
-        (f"accumulate {a} (no_sync)", {"gradient_accumulation_steps": a}, a),
-        (f"accumulate {a} + embedding rows hook", {"gradient_accumulation_steps": a, "comm_hook": "embedding_rows"}, a),
-        (f"accumulate {a} + no broadcast", {"gradient_accumulation_steps": a, **nobb}, a),
-        (f"accumulate {a} + embedding rows hook + no broadcast",
-         {"gradient_accumulation_steps": a, "comm_hook": "embedding_rows", **nobb}, a),
-        (f"accumulate {a} + fp16 hook", {"gradient_accumulation_steps": a, "comm_hook": "fp16"}, a),
-        (f"accumulate {a} + view + 100 MB + no broadcast", {"gradient_accumulation_steps": a, **tuned_acc}, a),
-    ]
+    s = registry.get(KNOBS)
+    v = [("defaults", {}, 1), ("system allocator (page faults)", {"reuse_freed_memory": False}, 1),
+         *((name, dict(options), 1) for name, options in s.tunings.items()),
+         (f"accumulate {a} (no_sync)", {"gradient_accumulation_steps": a}, a),
+         *((f"accumulate {a} + {name}", {"gradient_accumulation_steps": a, **options}, a)
+           for name, options in s.tunings_accumulating.items())]
     if device == "cpu":
         v.append((f"{threads * 2} threads/rank (oversubscribed)", {"threads_per_rank": threads * 2}, 1))
     if quick:

@@ -134,12 +134,13 @@ def plan(machine: Machine) -> list:
             ranks = {"num_processes": n} if s.distributed else {}
             checks.append(Check(f"{s.name} x{n} {dist_mp}", "train", dict(multi, strategy=s.name, **ranks), gpus=n,
                                 skip=_needs(machine, s.name)))
-        # every communication hook of a strategy that lists them (ddp's comm_hook), each on its own row
+        # every other choice of an option with a fixed set and a label (ddp's hooks), each on its own row
         for s in trained:
-            for hook in (h for h in getattr(s.options.get("comm_hook"), "choices", ()) if h != "none"):
-                checks.append(Check(f"{s.name} x{n} {dist_mp} hook {hook}", "train",
-                                    dict(multi, strategy=s.name, num_processes=n, comm_hook=hook), gpus=n,
-                                    skip=no_bf16 if hook == "bf16" else None))
+            for name, o in s.options.items():
+                for value in (v for v in o.choices if o.label and v != o.default):
+                    checks.append(Check(f"{s.name} x{n} {dist_mp} {o.label.format(value)}", "train",
+                                        dict(multi, strategy=s.name, num_processes=n, **{name: value}), gpus=n,
+                                        skip=no_bf16 if "bf16" in str(value) else None))
         # the sharding strategies without rows of their own above (zero1, zero2, deepspeed)
         for s in strategies.all_strategies():
             if s.distributed and not s.gpu_check and s.name != base:
