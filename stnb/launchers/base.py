@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Plan", "Launcher", "execute", "finish", "rank_env"]
+__all__ = ["Plan", "Launcher", "check_plan", "execute", "finish", "rank_env"]
 
 
 @dataclass
@@ -33,6 +33,28 @@ class Plan:
     echo: bool = True               # print the ranks' output and default progress bars
     device: str | None = None       # 'cpu' / 'cuda', set by the launcher's check
     t0: float = field(default_factory=time.time)  # the run's start (its wall time counts from here)
+
+
+def check_plan(plan: Plan, config, device: str | None = None, *, machine=None, writes: bool = True) -> None:
+    """The checks every launcher makes, in this one order, once it has settled the world and the device in
+    ``config``: the options the build takes (stnb's recipe, or a build function), the config itself, ``machine(config)``
+    (the launcher's check of what its ranks get: this machine's cores or GPUs, a cluster job's device), the
+    build's inputs (stnb's recipe: its model resolved once, its data checked), then the files the run writes,
+    where this process writes them (``writes``). Completes ``plan.config`` and ``plan.device`` (``device``:
+    the config's resolved device unless the launcher gives it)."""
+    from ..results import check_writable
+    from ..saving import check_target
+
+    plan.build.check(config)
+    config.validate(check_resources=False)  # the hardware is the launcher's to check, just below
+    if machine is not None:
+        machine(config)
+    plan.build.check_inputs(config)
+    if writes:
+        if plan.results_file is not None:
+            check_writable(plan.results_file)
+        check_target(config.save_to)
+    plan.config, plan.device = config, device or config.resolved_device()
 
 
 def rank_env(config, device: str) -> dict:

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..errors import ConfigError
-from .base import Launcher, Plan, finish, rank_env
+from .base import Launcher, Plan, check_plan, finish, rank_env
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -30,9 +30,6 @@ class External(Launcher):
         self.name = launcher_name(self.env)
 
     def check(self, plan: Plan) -> None:
-        from ..results import check_writable
-        from ..saving import check_target
-
         env = self.env
         self.world, self.rank, local_world = _world(env)
         plan.t0 = _process_start_time()
@@ -43,15 +40,9 @@ class External(Launcher):
                       f"instead of num_processes={config.num_processes}", file=sys.stderr, flush=True)
         if config.strategy_object().distributed:
             config = config.replace(num_processes=self.world)
-        config = plan.config = config.replace(threads_per_rank=_threads(config, env))
-        plan.build.check(config)  # the options its kind of training takes (stnb's recipe, or a build function)
-        check_here(config, self.world, local_world, self.name)
-        plan.build.check_inputs(config)  # stnb's recipe: its model resolved in this rank, its data checked
-        if plan.results_file is not None and self.rank == 0:
-            check_writable(plan.results_file)
-        if self.rank == 0:
-            check_target(config.save_to)
-        plan.device = config.resolved_device()
+        config = config.replace(threads_per_rank=_threads(config, env))
+        check_plan(plan, config, machine=lambda c: check_here(c, self.world, local_world, self.name),
+                   writes=self.rank == 0)  # rank 0 writes the results file and the model
 
     def start(self, plan: Plan) -> list:
         import torch.distributed as dist
@@ -122,8 +113,8 @@ def _world(env) -> tuple[int, int, int]:
 
 
 def check_here(config, world: int, local_world: int, launcher: str) -> None:
-    """Validation for ranks started from outside: the world comes from the launcher, and the
-    hardware check is per node (this node's ranks on this node's cores or GPUs)."""
+    """The hardware check for ranks started from outside (after the config's validation): the world comes
+    from the launcher, and the check is per node (this node's ranks on this node's cores or GPUs)."""
     from ..hardware import capacity_problem
 
     strategy = config.strategy_object()
@@ -132,7 +123,6 @@ def check_here(config, world: int, local_world: int, launcher: str) -> None:
             f"strategy {config.strategy!r} runs in one process, but {launcher} started {world} processes "
             f"(WORLD_SIZE={world}); use --strategy ddp or fsdp, or start one process "
             "(python -m stnb run ..., without a launcher)")
-    config.validate(check_resources=False)
     device = config.resolved_device()
     if strategy.min_gpus:  # GPUs in this one process
         from ..errors import StrategyUnavailable

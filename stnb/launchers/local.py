@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from .bars import StepBars
-from .base import Launcher, Plan, rank_env
+from .base import Launcher, Plan, check_plan, rank_env
 
 
 class Local(Launcher):
@@ -19,19 +19,9 @@ class Local(Launcher):
 
     def check(self, plan: Plan) -> None:
         from ..hardware import start_method as resolve_start_method
-        from ..results import check_writable
-        from ..saving import check_target
 
-        config = plan.config
-        plan.build.check(config)  # the options its kind of training takes (stnb's recipe, or a build function)
-        config.validate(check_resources=False)
-        config.check_hardware()
-        plan.build.check_inputs(config)  # stnb's recipe: its model resolved once, here, and its data checked
-        if plan.results_file is not None:
-            check_writable(plan.results_file)
-        check_target(config.save_to)
-        plan.device = config.resolved_device()
-        self.method = resolve_start_method(config.start_method)
+        check_plan(plan, plan.config, machine=lambda config: config.check_hardware())  # this machine's cores or GPUs
+        self.method = resolve_start_method(plan.config.start_method)
 
     def start(self, plan: Plan) -> list:
         from ..processes import launch

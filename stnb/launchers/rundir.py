@@ -288,8 +288,7 @@ def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, 
     ``threads_per_rank`` says otherwise. Completes ``plan.config``/``device`` and the build's model (``check_inputs``)."""
     from .. import strategies
     from ..errors import ConfigError
-    from ..results import check_writable
-    from ..saving import check_target
+    from .base import check_plan
 
     config = plan.config
     strategy = config.strategy_object()
@@ -307,15 +306,8 @@ def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, 
     if strategy.min_ranks and world < strategy.min_ranks:
         raise ConfigError(f"{config.strategy} needs at least {strategy.min_ranks} ranks to shard over; "
                           f"the {engine} job has {world} ({option})")
-    config = plan.config = config.replace(num_processes=world, device=device)
-    plan.build.check(config)  # the options its kind of training takes
-    config.validate(check_resources=False)  # the hardware is the cluster's, checked by the launcher
-    config.check_device(device)
-    plan.build.check_inputs(config)  # stnb's recipe: its model resolved, its data checked
-    if plan.results_file is not None:
-        check_writable(plan.results_file)
-    check_target(config.save_to)
-    plan.device = device
+    config = config.replace(num_processes=world, device=device)
+    check_plan(plan, config, device, machine=lambda c: c.check_device(device))  # the job's nodes: the launcher's
     if device == "cpu" and not config.threads_per_rank:  # a CPU rank uses the cores its task or worker got
         plan.config = config.replace(threads_per_rank=cpus_per_rank)
 
