@@ -43,6 +43,16 @@ assert os.getpid() not in {h["pid"] for h in hellos}     # ...none of them the n
          """assert greetings == [f"hi from rank {r}, started by spawn" for r in range(N)]  # observed in each rank"""),
     ],
     "01_single_device_baseline.ipynb": [
+        ('import torch\nfrom sentence_transformers import SentenceTransformer',
+         """assert len(losses) == 4 and losses[-1] < losses[0]        # the same batch, four steps: its loss fell
+assert all(p.grad is None for p in model.parameters())     # zero_grad() cleared what backward() filled
+from sentence_transformers.sentence_transformer.losses import CosineSimilarityLoss
+model.eval()                                               # no dropout: the two losses see the same embeddings
+with torch.no_grad():                                      # the cell's loss is CosineSimilarityLoss's
+    a, b = (model(model.preprocess(batch[c]))["sentence_embedding"] for c in ("sentence1", "sentence2"))
+    ours = torch.nn.functional.mse_loss(torch.cosine_similarity(a, b), target).item()
+    theirs = CosineSimilarityLoss(model)([model.preprocess(batch[c]) for c in ("sentence1", "sentence2")], target)
+assert abs(ours - theirs.item()) < 1e-6 * max(1.0, abs(ours)), (ours, theirs)"""),
         ('print(f"Spearman on {cfg.dev_size} held-out dev pairs, by step:")',
          """steps = [s for s, _ in result.dev_curve]
 assert steps[0] == 0 and steps[-1] == cfg.steps and 3 <= len(steps) <= 5 and steps == sorted(set(steps))
