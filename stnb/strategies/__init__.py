@@ -182,8 +182,9 @@ def validate_config(config) -> None:
 
 
 def on_the_wire(values: dict) -> dict:
-    """What the options among ``values`` (a run's config) change about what the collectives move: the
-    ``stnb.scaling.Measured`` fields their ``Option.wire`` gives (an option not in ``values``: its default)."""
+    """What the options among ``values`` (a run's config) change about what the collectives move: what their
+    ``Option.wire`` gives (``stnb.scaling.Measured`` fields, and the bytes of a gradient element), merged; an
+    option not in ``values`` counts at its default."""
     out = {}
     for name, o in options().items():
         if o.wire is not None:

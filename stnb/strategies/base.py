@@ -47,8 +47,9 @@ class Option:
     label: how runs that differ in it are told apart in the comparison's labels ('hook {}'; '': not used);
     lever: what setting it does to the step's communication (the time split's advice; '': nothing);
     wire: what a value changes about what the collectives move, for the predictor (``stnb.scaling``): a function
-    of the value returning fields of ``stnb.scaling.Measured`` (and 'grad_how', a few words on the gradients'
-    bytes), or None."""
+    of the value returning fields of ``stnb.scaling.Measured`` ('bucket_bytes', 'gathers_again') or the bytes
+    of one gradient element on the wire ('grad_element_bytes', with 'grad_how': a few words saying why), or
+    None."""
 
     default: Any
     type: str
