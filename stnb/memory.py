@@ -111,7 +111,8 @@ def predict_table(param_count: int, world_size: int = 2, trainable_param_count: 
 
     from . import strategies as registry
 
-    unknown = [k for k in kwargs if k not in ("bytes_per_param", "optimizer") and k not in registry.options()]
+    shared = {k: kwargs[k] for k in ("bytes_per_param", "optimizer") if k in kwargs}  # every row's
+    unknown = [k for k in kwargs if k not in shared and k not in registry.options()]
     if unknown:
         raise ConfigError(f"predict_table got {', '.join(unknown)}: neither bytes_per_param, optimizer nor a "
                           f"strategy's option ({', '.join(registry.options())})")
@@ -119,7 +120,6 @@ def predict_table(param_count: int, world_size: int = 2, trainable_param_count: 
     for name in (strategies or registry.names()):
         s = registry.get(name)
         ws = world_size if s.distributed else 1
-        shared = {k: v for k, v in kwargs.items() if k in ("bytes_per_param", "optimizer")}
         p = predict(name, param_count, ws, trainable_param_count, **shared, **s.own(kwargs))
         rows.append({"strategy": name, "world_size": ws, **{f"{k}_mib": v / 2**20 for k, v in p.items()}})
     return pd.DataFrame(rows)
@@ -322,6 +322,7 @@ def compare(result, optimizer: str | None = None):
     own = {k: v for source in (r.get("config") or {}, r) for k, v in s.own(source).items() if v is not None and v == v}
     pred = predict(strategy, total_params, world_size if s.distributed else 1, trainable,
                    bytes_per_param=int(shape.get("bytes_per_param") or 4), optimizer=optimizer, **own)
+    asked = ", ".join(f"{k}={v!r}" for k, v in own.items() if v != s.options[k].default)
     peaks = r.get("peak_memory_bytes") or []
     rows = []
     for rank, meas in enumerate(breakdown):
@@ -339,7 +340,6 @@ def compare(result, optimizer: str | None = None):
                         if pred[comp] else "one block gathered at a time (in the peak, not predicted)")
             elif comp == "ddp_buckets":
                 m = None
-                asked = ", ".join(f"{k}={v!r}" for k, v in own.items() if v != s.options[k].default)
                 note = ("not measured: the buckets live inside DDP's reducer"
                         if pred[comp] else f"{asked}: gradients are the buckets, no copy")
             elif comp == "optimizer_state":

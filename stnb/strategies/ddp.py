@@ -26,7 +26,7 @@ DDP_OPTIONS = {
     "static_graph": Option(False, "bool", "DDP: the same graph every step (not with gradient_accumulation_steps > 1)"),
     "bucket_cap_mb": Option(None, "float | None", "DDP: the gradient bucket size in MiB (default: DDP's 25)",
                             positive=True, unset="default (25)", lever="another bucket_cap_mb",
-                            wire=lambda mb: {"bucket_bytes": float(mb or 25) * 2**20}),
+                            wire=lambda mb: {"bucket_bytes": float(mb) * 2**20} if mb else {}),  # else Measured's 25
     "broadcast_buffers": Option(
         False, "bool", "DDP: broadcast rank 0's buffers at every forward, a sync point (sentence-transformers turns "
         "it off, so False is what runs by default; BERT-style buffers never change)"),
