@@ -15,7 +15,7 @@ What the budget covers:
 
 ``refusal`` (before launch for stnb's recipe, from the model folder's tensor headers; in the rank for a user's
 build function, once its model is built): a budget below the model state the prediction says one rank holds
-(``stnb.memory.predict``), with the strategies that would fit it. ``Budget`` in the rank: ``enforced()`` applies
+(``stnb.memory.predict``), with the strategies that would fit it. ``Budget`` in the rank (``instruments.MemoryBudget``): ``enforced()`` applies
 the limit while the rank trains and takes it back after; an allocation past it is raised as ``OutOfMemory`` naming
 the rank, the budget, the prediction, what the rank held and its measured peak, and what would fit.
 """

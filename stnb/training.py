@@ -37,55 +37,42 @@ def train_rank(config: TrainConfig, build, launch_time: float | None = None,
         compares it with the process group this rank is in.
     restarted: the engine restarted this run (a requeued SLURM job): it continues from its newest checkpoint.
     """
-    from .budget import Budget
-    from .instruments import MemoryUse
+    from . import instruments as ins
 
     here = Here.join(config, launch_time, world_size)  # the process group (an outer launcher's too), the device
-    memory = MemoryUse(here.cuda, config.strategy_object())  # the peak is growth from here on
-    budget = Budget(config, here, memory, recipe=build.name is None)
-    with budget.enforced():  # memory_budget_gib: the rank cannot use more; past it, OutOfMemory names what fits
-        return _train(config, build, here, memory, budget, restarted)
+    rank = ins.Rank(config, config.strategy_object(), here, build)
+    ins.reach("start", rank)  # the instruments made first: the memory peak is growth from here on, the budget
+    with ins.whole_rank(rank):  # memory_budget_gib: the rank cannot use more; past it, OutOfMemory names what fits
+        return _train(rank, restarted)
 
 
-def _train(config: TrainConfig, build, here: "Here", memory, budget, restarted: bool) -> RankReport:
-    """``train_rank`` inside the rank's memory budget."""
+def _train(rank, restarted: bool) -> RankReport:
+    """``train_rank`` inside what its instruments made at its start hold it in (the memory budget)."""
     import torch
 
     from . import instruments as ins
 
-    strategy = config.strategy_object()
-    allocator = ins.AllocatorRelease(config.reuse_freed_memory, here.cuda, bool(strategy.gathered_during_step),
-                                     budget=config.memory_budget_gib is not None)
+    config, build, here, strategy = rank.config, rank.build, rank.here, rank.strategy
     torch.manual_seed(config.seed)
     # build: stnb's recipe or the user's function, checked and made ready (stnb's display, the overrides)
-    trainer = build.build(config, here.device, here.distributed)
+    trainer = rank.trainer = build.build(config, here.device, here.distributed)
     prepare.refusals(trainer, config, here.cuda)
-    memory.built(trainer)
-    budget.check_model()  # a budget below the model state it predicts (a user's model: known only now)
+    ins.reach("built", rank)  # the model as built: the memory prediction's inputs, checked against the budget
     overridden, callbacks = prepare.own_display(trainer)  # {"kept": the trainer's callbacks, "removed": ...}
     overridden.update(prepare.apply_overrides(trainer, config))
     outcome = Outcome.before_training(trainer, config, strategy, build.initial_path, here)  # rank 0
-    flops = ins.Flops(trainer.model, here.device)  # its hook counts the training forwards' tokens
     # apply the strategy, and keep the loss's own parameters equal on every rank (a collective)
     trainer.stnb_config = config
     prepared = strategy.prepare(trainer, config, here.device_type, here.world)
     overridden.update(prepared["overridden"])
-    memory.prepared(trainer)
-    loss_sync = strategies.LossParameterSync(trainer)
-    trainer.add_callback(loss_sync.callback())
-    saves = ins.Checkpoints(trainer, strategy, here.rank, here.world, here.distributed, build.initial_path)
-    resume = saves.resume_from(checkpoints.resume_point(config.resume, trainer.args.output_dir, restarted))
-    # attach the instruments
-    steps = ins.StepLog(here.launch_time)
-    time_split = ins.TimeSplit(trainer, steps, strategy.ddp_hook(config))
-    verify = ins.FirstStepChecks(trainer, strategy, config, here.requested, here.world, loss_sync, time_split.timed)
-    batch = overridden.get("per_device_train_batch_size")  # asked: the loss's first batch is checked against it
-    attached = ins.attach(trainer, [flops, steps, time_split, memory, verify, allocator, ins.Collectives(),
-                                    ins.OutsideSteps(trainer, steps), ins.LossInputs(trainer, batch and batch["to"]),
-                                    saves])
+    rank.overridden, rank.loss_sync = overridden, strategies.LossParameterSync(trainer)
+    trainer.add_callback(rank.loss_sync.callback())
+    rank.resume = checkpoints.resume_point(config.resume, trainer.args.output_dir, restarted)
+    ins.reach("prepared", rank)  # the resume point checked against this run
+    attached = ins.attach(trainer, rank.made.values())
     try:
-        with memory.training_steps():
-            trainer.train(resume_from_checkpoint=resume)
+        with ins.training(rank):
+            trainer.train(resume_from_checkpoint=rank.resume)
         strategy.after_training(trainer)  # the model as the strategy keeps it between steps (sharded)
         prepare.drop_autocast(trainer.model)  # evaluated and saved below as before training: full precision
         digests = checks.replicated_digests(trainer.model, strategies.loss_owned_parameters(trainer))
@@ -95,8 +82,7 @@ def _train(config: TrainConfig, build, here: "Here", memory, budget, restarted: 
         build.clean_up(trainer)
     # report: each instrument its own part, the verification record composed from them
     callbacks["added"] = [type(c).__name__ for c in trainer.callback_handler.callbacks[len(callbacks["kept"]):]]
-    verification = verify.record({**prepared["info"], "callbacks": callbacks, "frozen_unused": build.frozen,
-                                  "memory_budget": budget.report()}, attached)
+    verification = ins.record(attached, {**prepared["info"], "callbacks": callbacks, "frozen_unused": build.frozen})
     return RankReport(**here.report(), global_batch_size=here.global_batch(trainer.args, strategy),
                       verification=verification, weight_digests=digests, overridden_args=overridden,
                       **outcome.report(), **ins.reports(attached), **build.facts(trainer))

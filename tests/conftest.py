@@ -18,6 +18,20 @@ from cpu_use import (pytest_addoption, pytest_configure, pytest_runtest_protocol
                      pytest_terminal_summary)
 
 
+@pytest.fixture(autouse=True)
+def _instruments_as_found():
+    """A test that defines an Instrument registers it; the registry goes back as it was after the test, since a
+    rank started later by fork in this worker makes every registered instrument (``stnb.instruments.reach``)."""
+    import sys
+
+    base = sys.modules.get("stnb.instruments.base")
+    before = dict(base.Instrument.registered) if base else None
+    yield
+    if base is not None:
+        base.Instrument.registered.clear()
+        base.Instrument.registered.update(before)
+
+
 @pytest.fixture
 def world_of_one(tmp_path):
     """A torch.distributed gloo group of one process (this one), for the checks that ask the group."""

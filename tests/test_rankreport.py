@@ -74,7 +74,7 @@ def test_train_rank_reports_across_a_spawned_launch():
 
 
 def test_every_check_of_a_rank_reaches_its_one_verification_record():
-    """The record is composed in one place (``FirstStepChecks.record``) from what the rank's instruments
+    """The record is composed in one place (``instruments.record``) from what the rank's instruments
     observed: a problem found at the first optimizer step, a loss that never called the module that trains,
     a first batch other than the one asked for (``LossInputs``, from the rows the loss really received),
     each one lands in ``problems`` (in the order training found them) and turns ``ok`` off; every
@@ -84,7 +84,7 @@ def test_every_check_of_a_rank_reaches_its_one_verification_record():
 
     import torch
 
-    from stnb.instruments import AllocatorRelease, FirstStepChecks, LossInputs
+    from stnb.instruments import AllocatorRelease, FirstStepChecks, LossInputs, record
 
     def checks(**kw):
         c = FirstStepChecks(None, None, None, world_size_requested=2, process_group_size=2, loss_sync=None)
@@ -111,7 +111,7 @@ def test_every_check_of_a_rank_reaches_its_one_verification_record():
     good = checks(step_check=({"grads_sharded": False}, []), trained_parameters={"model": 3})
     first = loss_inputs(rows=4)
     assert first.report()["loss_inputs"] == {"texts": 2, "label": True} and first.first_batch_rows == 4
-    v = good.record(facts, [good, allocator, first])
+    v = record([good, allocator, first], facts)
     assert v["ok"] is True and v["problems"] == [] and v["grads_sharded"] is False and v["wrapper_kind"] == "ddp"
     assert v["trained_parameters"] == {"model": 3} and v["callbacks"] == {"added": ["StepLog"]}
     assert v["batch_override"] == {"asked": 4, "first_batch_rows": 4, "ok": True}
@@ -120,22 +120,24 @@ def test_every_check_of_a_rank_reaches_its_one_verification_record():
 
     bad = checks(step_check=({}, ["the optimizer updates 1 parameter(s) that neither the model nor the loss own"]),
                  loss_model={"trains": "DistributedDataParallel", "rebound": [], "calls_in_first_step": 0, "ok": False})
-    v = bad.record({}, [allocator, loss_inputs(rows=2)])
+    v = record([bad, allocator, loss_inputs(rows=2)], {})
     assert v["ok"] is False and len(v["problems"]) == 3
     assert v["problems"][0].startswith("the optimizer updates 1 parameter(s)")
     assert v["problems"][1].startswith("the loss never called the DistributedDataParallel that trains")
     assert v["problems"][2] == ("per_device_train_batch_size was overridden to 4, but the loss's first batch "
                                 "had 2 rows")
-    assert "batch_override" not in checks().record({}, [loss_inputs(rows=2, asked=None)])  # nothing overridden
+    assert "batch_override" not in record([checks(), loss_inputs(rows=2, asked=None)], {})  # nothing overridden
     # fp16's loss scaler skipped the first steps: checked at the first that updated; skipped all: not verified
-    assert v["steps_skipped_before_step_check"] == 0 and good.record({}, [])["steps_skipped_before_step_check"] == 0
-    assert checks(step_check=({}, []), skipped_steps=2).record({}, [])["ok"] is True
-    skipped = checks(skipped_steps=3).record({}, [])
+    assert v["steps_skipped_before_step_check"] == 0 and record([good], {})["steps_skipped_before_step_check"] == 0
+    assert record([checks(step_check=({}, []), skipped_steps=2)], {})["ok"] is True
+    skipped = record([checks(skipped_steps=3)], {})
     assert skipped["ok"] is False and skipped["problems"] == [
         "the loss scaler skipped every optimizer step (3: inf/nan gradients under fp16), so nothing was updated and "
         "the strategy's step check never ran; train more steps, lower the learning rate, or use bf16"]
-    assert checks().record({}, [])["ok"] is True  # no optimizer step at all (a step that never ended): not this
-    never = checks(prepared=None).record(facts, [allocator, first])
+    assert record([checks()], {})["ok"] is True  # no optimizer step at all (a step that never ended): not this
+    with pytest.raises(ValueError, match=r"AllocatorRelease gives the verification entries \['reuse_freed_memory'\]"):
+        record([good, allocator], {"reuse_freed_memory": "a fact"})  # one entry, two sources: refused
+    never = record([allocator, first, checks(prepared=None)], facts)
     assert never == {}
     res = merge(_cfg(), [RankReport(**dict(REQUIRED, verification=never))], device="cpu")
     assert not res.verified and "no training step began" in res.reason

@@ -12,6 +12,8 @@ instrument              module             what it reports (RankReport fields; e
 ``MemoryUse``           ``memsplit``       ``peak_memory_bytes`` (the training steps), ``peak_memory_run_bytes``,
                                            ``peak_memory_method``, ``memory_breakdown``, ``memory_split``
                                            (``stnb.memsplit``), ``model_shape`` (the prediction's inputs)
+``MemoryBudget``        ``budget``         verification: ``memory_budget`` (``stnb.budget``: the limit the rank
+                                           runs inside, the model checked against it once built)
 ``FirstStepChecks``     ``checks``         the verification record: the prepared model at the first step
                                            (``strategies.verify_prepared``), the strategy's first-step hooks and
                                            step check, the loss's model, the parameters the optimizer updates
@@ -25,21 +27,29 @@ instrument              module             what it reports (RankReport fields; e
                                            (``stnb.checkpoints``: whole or absent, rotated after, resumed)
 ======================  =================  ========================================================================
 
-Each instrument's ``report()`` returns its RankReport fields and ``verification()`` its entries of the
-rank's verification record with the problems it found; ``FirstStepChecks.record`` composes the record.
-Callbacks run in the order they were added: ``attach`` adds them in the order ``order`` gives, which only the
-instruments' own ``after`` declarations decide (what each needs to have run before it, with the reason beside
-it); instruments that declare nothing about each other come in the order of their names. Adding one: its own
-module (a subclass of ``Instrument``) and one line below that imports it.
+The rank (``training.train_rank``) names none of them: it reaches its moments (``reach``: "start", "built",
+"prepared"; ``MOMENTS``), and at each every registered instrument made at that moment is made (``made_at``,
+``for_rank``) and those made before are told (``on_built``, ``on_prepared``); it runs inside their contexts
+(``whole_rank``, ``training``), attaches them, and after training asks each for its part. Each instrument's
+``report()`` returns its RankReport fields and ``verification()`` its entries of the rank's verification record
+with the problems it found; ``record`` composes the record. Callbacks run in the order they were added:
+``attach`` adds them in the order ``order`` gives, which only the instruments' own ``after`` declarations decide
+(what each needs to have run before it, with the reason beside it); instruments that declare nothing about each
+other come in the order of their names. Adding one: its own module (a subclass of ``Instrument``) and one line
+below that imports it.
 """
 
 from __future__ import annotations
 
-__all__ = ["Instrument", "attach", "reports", "Flops", "StepLog", "TimeSplit", "MemoryUse", "FirstStepChecks",
-           "AllocatorRelease", "LossInputs", "Collectives", "OutsideSteps", "Checkpoints", "order", "BUILT_IN"]
+__all__ = ["Instrument", "Rank", "MOMENTS", "reach", "whole_rank", "training", "attach", "reports", "record",
+           "Flops", "StepLog", "TimeSplit", "MemoryUse", "MemoryBudget", "FirstStepChecks", "AllocatorRelease",
+           "LossInputs", "Collectives", "OutsideSteps", "Checkpoints", "order", "BUILT_IN"]
 
-from .base import Instrument, reports
+from contextlib import ExitStack, contextmanager
+
+from .base import MOMENTS, Instrument, Rank, record, reports
 from .allocator import AllocatorRelease
+from .budget import MemoryBudget
 from .checkpoints import Checkpoints
 from .checks import FirstStepChecks
 from .collectives import Collectives
@@ -72,6 +82,43 @@ def order(kinds) -> list:
         out.append(ready[0])
         placed.add(ready[0].__name__)
     return out
+
+
+def reach(moment: str, rank: Rank) -> list:
+    """The rank reached ``moment`` (``MOMENTS``, in their order): every instrument made before it is told
+    (``on_built`` / ``on_prepared``), then every registered instrument made at it is made (``for_rank``), in
+    ``order``, each seeing those made before it in ``rank.made``. Returns the ones made now."""
+    if moment not in MOMENTS:
+        raise ValueError(f"a rank's moments are {MOMENTS}, not {moment!r}")
+    if moment != MOMENTS[0]:
+        for instrument in list(rank.made.values()):
+            getattr(instrument, f"on_{moment}")(rank)
+    made = []
+    for kind in order(Instrument.registered.values()):
+        if kind.made_at == moment:
+            instrument = kind.for_rank(rank)
+            if instrument is not None:
+                rank.made[kind.__name__] = instrument
+                made.append(instrument)
+    return made
+
+
+@contextmanager
+def _inside(contexts):
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+def whole_rank(rank: Rank):
+    """The context the rest of the rank runs inside: each instrument's ``whole_rank()``, in their order."""
+    return _inside([i.whole_rank() for i in rank.made.values()])
+
+
+def training(rank: Rank):
+    """The context ``trainer.train()`` runs inside: each instrument's ``training()``, in their order."""
+    return _inside([i.training() for i in rank.made.values()])
 
 
 def attach(trainer, instruments) -> list:

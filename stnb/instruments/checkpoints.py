@@ -56,6 +56,14 @@ class Checkpoints(Instrument):
             args.save_total_limit = None
             self._wrap()
 
+    @classmethod
+    def for_rank(cls, rank):
+        """Made once the strategy prepared the trainer: the checkpoint ``rank.resume`` checked against this run."""
+        here = rank.here
+        saves = cls(rank.trainer, rank.strategy, here.rank, here.world, here.distributed, rank.build.initial_path)
+        saves.resume_from(rank.resume)
+        return saves
+
     def _wrap(self) -> None:
         trainer = self.trainer
         save_checkpoint, output_dir_of, save = trainer._save_checkpoint, trainer._get_output_dir, trainer._save

@@ -1,5 +1,5 @@
-"""``FirstStepChecks``: the strategy verified in the rank at its first training step, and the rank's one
-verification record composed from it and the other instruments' entries (``record``).
+"""``FirstStepChecks``: the strategy verified in the rank at its first training step (the base of the rank's
+verification record: without a first step, nothing was verified).
 
 At the first step's begin (the trainer has wrapped the model): the strategy's own first-step hooks
 (``Strategy.on_first_step``: a DDP communication hook, before the first backward), the prepared model
@@ -18,7 +18,7 @@ from .base import Instrument, step_was_skipped
 
 
 class FirstStepChecks(Instrument):
-    """The first step's checks of this rank; ``record()`` is the rank's verification record."""
+    """The first step's checks of this rank."""
 
     after = ("MemoryUse",)  # the strategy's step check runs once the step's memory was measured: its reads
     # (gathers, state) would count in the peak
@@ -39,6 +39,12 @@ class FirstStepChecks(Instrument):
         self.step_check: tuple | None = None    # after the first optimizer step: (details, problems)
         self.trained_parameters: dict | None = None  # what the optimizer updates: the model's and the loss's
         self.skipped_steps = 0                  # optimizer steps the loss scaler skipped before the step check
+
+    @classmethod
+    def for_rank(cls, rank):
+        here = rank.here  # made after TimeSplit (it runs after MemoryUse, which runs after TimeSplit)
+        return cls(rank.trainer, rank.strategy, rank.config, here.requested, here.world, rank.loss_sync,
+                   rank.made["TimeSplit"].timed)
 
     def on_step_begin(self, args, state, control, **kw):
         if self.prepared is not None:
@@ -88,8 +94,14 @@ class FirstStepChecks(Instrument):
             self._hook = None
             self.loss_model.update(calls_in_first_step=self.loss_model_calls, ok=self.loss_model_calls > 0)
 
-    def verification(self) -> tuple[dict, list]:
-        v, problems = {"loss_model": self.loss_model, "device_seen": self.device_seen}, []
+    def verification(self) -> tuple[dict, list] | None:
+        """``verify_prepared``'s world and counts at the first step, then this instrument's checks; None when no
+        training step began (never verified)."""
+        if self.prepared is None:
+            return None
+        v = {k: value for k, value in self.prepared.items() if k not in ("problems", "ok")}
+        problems = list(self.prepared["problems"])
+        v.update({"loss_model": self.loss_model, "device_seen": self.device_seen})
         v["steps_skipped_before_step_check"] = self.skipped_steps
         if self.step_check is not None:
             info, step_problems = self.step_check
@@ -105,20 +117,3 @@ class FirstStepChecks(Instrument):
                             "it holds its own reference to the model; store the model as `self.model` in the loss")
         v.update({name: watched.stats() for name, watched in self.watch.items()})
         return v, problems
-
-    def record(self, facts: dict, instruments) -> dict:
-        """The rank's verification record, composed here only: ``verify_prepared``'s world and counts at the
-        first step, ``facts`` (the strategy's ``prepare`` details, the trainer's callbacks, ...), this
-        instrument's checks, then each of ``instruments``' entries and problems, in their order. ``ok`` is
-        True when no check found a problem; empty when no training step began (the report then merges as
-        never verified)."""
-        if self.prepared is None:
-            return {}
-        v = {**self.prepared, **facts}
-        problems = list(self.prepared["problems"])
-        for entries, found in [self.verification()] + [i.verification() for i in instruments if i is not self]:
-            v.update(entries)
-            problems += found
-        v["problems"] = problems
-        v["ok"] = not problems
-        return v

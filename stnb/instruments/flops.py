@@ -12,10 +12,16 @@ class Flops(Instrument):
     """Counts the training forwards' FLOPs (``FlopMeter``: a forward pre-hook on the model's first module,
     registered at construction); evaluation forwards between steps do not count."""
 
+    made_at = "built"  # its hook goes on the model as built, before the strategy wraps it
+
     def __init__(self, model, device: str):
         self.meter = FlopMeter(model)
         self.device = device
         self.args = None
+
+    @classmethod
+    def for_rank(cls, rank):
+        return cls(rank.trainer.model, rank.here.device)
 
     def on_train_begin(self, args, state, control, **kw):
         self.args = args  # the precision the run trains in, for the device's peak

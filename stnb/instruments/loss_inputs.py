@@ -17,6 +17,11 @@ class LossInputs(Instrument):
     """Hooks the loss at construction; reports ``loss_inputs`` (``{dataset: that}`` for a dict of losses)
     and ``data_columns``; with ``batch_asked`` (the overridden per-device batch), checks the first batch."""
 
+    @classmethod
+    def for_rank(cls, rank):
+        batch = rank.overridden.get("per_device_train_batch_size")  # asked: the loss's first batch is checked
+        return cls(rank.trainer, batch and batch["to"])
+
     def __init__(self, trainer, batch_asked: int | None = None):
         self.trainer = trainer
         self.batch_asked = batch_asked

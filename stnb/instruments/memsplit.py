@@ -1,8 +1,8 @@
 """``MemoryUse``: a rank's peak memory, the training steps apart from the whole run, and where it goes.
 
-Alive from the rank's start (the peak is growth over the resident size then; ``stnb.memory.PeakMemory``):
-``train_rank`` marks the trainer ``built`` and ``prepared`` (``stnb.memsplit.MemorySplit``), and trains
-inside ``training_steps()``, so rank 0's evaluation, FSDP's gathered full copy and the save/reload count in
+Made at the rank's start (the peak is growth over the resident size then; ``stnb.memory.PeakMemory``): told
+when the trainer is built and prepared, it marks both (``stnb.memsplit.MemorySplit``), and the rank trains
+inside ``training()``, so rank 0's evaluation, FSDP's gathered full copy and the save/reload count in
 the whole run's peak only, and so does an evaluation the trainer runs between two steps (the dev curve: from
 a step's end that asks for one to the evaluation's end). As a callback it measures the model's and optimizer's
 tensors after the first optimizer step (``memory.measure``) and counts the activations of the first training forwards.
@@ -23,6 +23,7 @@ class MemoryUse(Instrument):
 
     after = ("TimeSplit",)  # at the first optimizer step the time split marks the optimizer's end first: measuring
     # the tensors takes time that is not the step's
+    made_at = "start"
 
     def __init__(self, cuda: bool, strategy):
         self.strategy = strategy     # what it holds beyond the model's and optimizer's tensors (held_bytes)
@@ -33,21 +34,26 @@ class MemoryUse(Instrument):
         self.breakdown = None        # memory.measure after the first optimizer step
         self.train_peak = None
 
-    def built(self, trainer) -> None:
+    @classmethod
+    def for_rank(cls, rank):
+        return cls(rank.here.cuda, rank.strategy)
+
+    def on_built(self, rank) -> None:
         """The trainer and the whole model are built (the model as the prediction sees it: before sharding)."""
+        trainer = rank.trainer
         self.split.mark("built")
         self.split.remember_built(trainer.model)
         self.model_shape = memory.model_shape(trainer.model)
 
-    def prepared(self, trainer) -> None:
+    def on_prepared(self, rank) -> None:
         """The strategy prepared the trainer (sharded, wrapped): count the activations from here on."""
-        self.trainer = trainer
+        self.trainer = trainer = rank.trainer
         self.split.mark("prepared")
         self.split.watch_activations(trainer)
         self.model_shape["optimizer"] = memory.optimizer_kind(trainer.args.optim)
 
     @contextmanager
-    def training_steps(self):
+    def training(self):
         """The peak of what runs inside: the training steps alone."""
         self.split.mark("train_start")
         self.peak.start_phase()

@@ -40,6 +40,10 @@ def spread(times) -> dict | None:
 class OutsideSteps(Instrument):
     """Times the trainer's evaluations and checkpoint saves; reports them with the step spread."""
 
+    @classmethod
+    def for_rank(cls, rank):
+        return cls(rank.trainer, rank.made["StepLog"])
+
     def __init__(self, trainer, steps, warmup: int | None = None):
         self.steps = steps                # the StepLog: its step times
         config = getattr(trainer, "stnb_config", None)  # steps left out of the spread: the run's warm-up

@@ -19,6 +19,8 @@ from .base import Instrument
 class StepLog(Instrument):
     """Step times (``time.perf_counter``), losses, and the wall time from launch to the first step's end."""
 
+    made_at = "start"  # the clock the instruments made later read (TimeSplit, OutsideSteps)
+
     def __init__(self, launch_time: float):
         self.launch_time = launch_time
         self.step_times: list = []
@@ -26,6 +28,10 @@ class StepLog(Instrument):
         self.began: float | None = None       # perf_counter at the first step's begin (None: no step began)
         self.last_end: float | None = None    # perf_counter at the last step's end
         self.first_step_wall: float | None = None  # time.time() at the first step's end
+
+    @classmethod
+    def for_rank(cls, rank):
+        return cls(rank.here.launch_time)
 
     def on_step_begin(self, args, state, control, **kw):
         if self.began is None:

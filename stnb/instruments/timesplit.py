@@ -25,6 +25,10 @@ class TimeSplit(Instrument):
         self.timer = StepTimer()
         self.attached = False
 
+    @classmethod
+    def for_rank(cls, rank):
+        return cls(rank.trainer, rank.made["StepLog"], rank.strategy.ddp_hook(rank.config))
+
     def timed(self, hook):
         """``hook`` (a DDP communication hook a strategy registers itself) timed like the built-in ones."""
         return self.timer.timed(hook)
