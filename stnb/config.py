@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, StrategyUnavailable, check_positive, unknown_choice
-from .hardware import START_METHODS, start_method as resolve_start_method
-from . import strategies
-
-LOSSES = ("cosine", "mnrl", "softmax+cosine")  # softmax+cosine: stnb.seed_recipe (NLI + STS, one run)
-PRECISIONS = ("no", "fp16", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
+from . import configcheck, strategies
+from .configcheck import check_int
+from .errors import ConfigError
 
 # A TrainConfig is two parts, each a type of its own (below): the ``Recipe`` (what stnb's recipe trains: model, data,
 # loss, steps, batch...; for a user's trainer it lives in the user's code, and each of its fields says where) and
@@ -383,7 +378,7 @@ class TrainConfig:
                 if len(given) != 2 or not isinstance(given[1], str):
                     raise ConfigError(f"override_args[{name!r}] must be a value or (value, why), got {given!r}")
                 value, why = given
-            _check_int(f"override_args[{name!r}]", value, 1)
+            check_int(f"override_args[{name!r}]", value, 1)
             out[name] = (value, why)
         return out
 
@@ -406,77 +401,14 @@ class TrainConfig:
             raise ConfigError(f"unknown TrainConfig field(s) {sorted(unknown)}; valid fields: {sorted(names)}")
         return cls(**d)
 
-    # ---- validation ----------------------------------------------------------------
+    # ---- validation (stnb.configcheck) ----------------------------------------------
     def validate(self, check_resources: bool = True) -> "TrainConfig":
         """Raise ConfigError / StrategyUnavailable naming the fix; return self when fine.
 
         check_resources also resolves the model and data (exists, non-empty) and checks
         the hardware. Nothing here starts a process or initialises CUDA.
         """
-        strategies.get(self.strategy)  # an unknown name: ConfigError listing the known ones
-        _check_choice("loss", self.loss, LOSSES)
-        _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("start_method", self.start_method, START_METHODS)
-        resolve_start_method(self.start_method)  # one this platform has
-        _check_int("per_device_batch_size", self.per_device_batch_size, 1)
-        _check_int("steps", self.steps, 1)
-        _check_int("train_size", self.train_size, 2)
-        _check_int("dev_size", self.dev_size, 0)
-        _check_int("seed", self.seed, 0)
-        _check_int("warmup_steps_excluded", self.warmup_steps_excluded, 0)
-        _check_int("dev_points", self.dev_points, 0)
-        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
-        _check_int("checkpoint_every", self.checkpoint_every, 0)
-        if self.keep is not None:
-            _check_int("keep", self.keep, 1)
-        if self.resume is not None and (not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume)):
-            raise ConfigError(f"resume takes 'latest', 'auto' or a checkpoint's path, got {self.resume!r}")
-        if self.threads_per_rank is not None:
-            _check_int("threads_per_rank", self.threads_per_rank, 1)
-        if self.max_seq_length is not None:
-            _check_int("max_seq_length", self.max_seq_length, 8)
-        if self.num_processes is not None:
-            _check_int("num_processes", self.num_processes, 1)
-        check_positive("learning_rate", self.learning_rate)
-        for name in ("timeout", "stall_timeout", "memory_budget_gib"):
-            v = getattr(self, name)
-            if v is not None:
-                check_positive(name, v)
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise ConfigError(f"model must be 'minilm', 'tiny', a hub id or a local path; got {self.model!r}")
-        if not isinstance(self.data, str) or not self.data.strip():
-            raise ConfigError(f"data must be 'synthetic', a .csv/.jsonl path or a hub dataset; got {self.data!r}")
-        from .columns import check_mapping
-
-        check_mapping(self.columns)
-        self.arg_overrides()
-        if self.steps <= self.warmup_steps_excluded:
-            raise ConfigError(
-                f"steps={self.steps} leaves no measured step after warmup_steps_excluded={self.warmup_steps_excluded}; "
-                f"use steps >= {self.warmup_steps_excluded + 1} or lower warmup_steps_excluded")
-        strategies.validate_config(self)  # the knobs it owns, one process or several, its own rules
-        if self.loss != "mnrl" and self.gather_across_devices:
-            raise ConfigError(f"gather_across_devices only applies to loss='mnrl' (in-batch negatives), not "
-                              f"loss={self.loss!r}; set loss='mnrl' or gather_across_devices=False")
-        if self.gather_across_devices and not self.strategy_object().distributed:
-            raise ConfigError(f"gather_across_devices gathers in-batch negatives from the other ranks; "
-                              f"strategy {self.strategy!r} runs one process, so there is nothing to gather. "
-                              "Use strategy='ddp' or set gather_across_devices=False")
-        if self.loss == "mnrl" and self.per_device_batch_size < 2 and self.world_size() < 2:
-            raise ConfigError("loss='mnrl' needs at least 2 samples per batch for in-batch negatives; "
-                              "use per_device_batch_size >= 2")
-        if self.dev_size == 0 and self.evaluate:
-            raise ConfigError("evaluate=True needs dev pairs; set dev_size > 0 or evaluate=False")
-        if self.dev_points and not self.evaluate:
-            raise ConfigError(f"dev_points={self.dev_points} evaluates the dev evaluator during training, and "
-                              "evaluate=False turns it off; set evaluate=True or dev_points=0")
-        if self.dev_points >= self.steps:
-            raise ConfigError(f"dev_points={self.dev_points} evaluations between step 0 and step {self.steps} need "
-                              f"more steps: use dev_points <= {self.steps - 1} or steps >= {self.dev_points + 1}")
-        if check_resources:
-            self.check_hardware()
-            self.check_inputs()
+        configcheck.validate(self, check_resources)
         return self
 
     def check_inputs(self) -> str:
@@ -485,33 +417,11 @@ class TrainConfig:
 
     def check_device(self, device: str) -> None:
         """What only a GPU does, refused for ranks on ``device`` 'cpu' (ConfigError)."""
-        if self.mixed_precision == "fp16" and device == "cpu":
-            raise ConfigError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' or 'no'")
-        self.strategy_object().check_device(self, device)
+        configcheck.check_device(self, device)
 
     def check_hardware(self) -> None:
         """This machine can run the strategy with this many processes (ConfigError / StrategyUnavailable)."""
-        from .hardware import capacity_problem, gpu_count, gpu_problems, strategy_availability
-
-        device = self.resolved_device()
-        if device == "cuda" and gpu_count() == 0:  # before the strategy's own availability says less
-            raise ConfigError(capacity_problem(device, self.world_size()))
-        if device == "cuda":
-            problems = gpu_problems(self.mixed_precision)
-            if problems:
-                raise ConfigError("; ".join(problems))
-        self.check_device(device)
-        avail = strategy_availability(device)[self.strategy]
-        if not avail["runnable"]:
-            raise StrategyUnavailable(self.strategy, avail["reason"])
-        ws = self.world_size()
-        problem = capacity_problem(device, ws)
-        if problem:
-            raise ConfigError(problem)
-        need = self.strategy_object().min_ranks
-        if ws < need:
-            raise ConfigError(f"{self.strategy} needs at least {need} ranks to shard over; use num_processes >= {need}")
-
+        configcheck.check_hardware(self)
 
 def check_parts(cls=TrainConfig) -> None:
     """TypeError unless every field of ``cls`` is declared by exactly one of its parts (``part(Recipe, ...)`` or
@@ -549,14 +459,3 @@ def launch_fields() -> tuple:
 #: the recipe's fields, each with where it belongs in a user's own code (``Recipe.where``)
 RECIPE_FIELDS = {name: Recipe.where(name) for name in Recipe.__dataclass_fields__}
 
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise unknown_choice(name, value, choices)
-
-
-def _check_int(name, value, lo):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r} ({type(value).__name__})")
-    if value < lo:
-        raise ConfigError(f"{name} must be >= {lo}, got {value}")

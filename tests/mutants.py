@@ -114,10 +114,10 @@ MODULES = (
     # (shows the table, the figure and the assumptions: display glue)
     Module("scaling", "stnb/scaling/__init__.py", ("xǁPredictionǁrow", "x_known", "x_predict", "x__uncertain",
                                                    "x__with_host_fraction", "x_assumptions", "x_compare", "x_verdict",
-                                                   "x_from_result", "x_text_columns", "x_uncertain_from_result",
                                                    "x__model", "x__check_strategies", "x__check_devices", "x__ms",
-                                                   "x__on_shared_cores", "x__check_threads", "x__computing",
-                                                   "x__threads")),
+                                                   "x__on_shared_cores", "x__check_threads", "x__computing")),
+    Module("scaling.inputs", "stnb/scaling/inputs.py", ("x_from_result", "x_text_columns", "x_uncertain_from_result",
+                                                        "x__threads")),
     Module("scaling.model", "stnb/scaling/model.py"),
     Module("scaling.interval", "stnb/scaling/interval.py"),
     Module("scaling.links", "stnb/scaling/links.py"),
@@ -133,6 +133,11 @@ MODULES = (
     # (_held, _peak), and the figure's drawing (plots.fits.fits: names, colours; tests/test_plots_fits.py checks
     # its bars, labels and budget line)
     Module("fits", "stnb/fits.py", ("x__search",)),
+    # a rank's verification record, composed from its instruments' parts, and their order (issue 44 item 3).
+    # Left out: reach, whole_rank, training, attach (the rank's wiring: what they make is what the real runs
+    # check, tests/test_instrument_order.py's made-up instrument among them)
+    Module("instruments", "stnb/instruments/base.py", ("x_record", "x_reports")),
+    Module("instruments.order", "stnb/instruments/__init__.py", ("x_order",)),
     Module("plots/fits", "stnb/plots/fits.py", ("x__said", "x__num")),
     # ---- issue 33 item 3 (part A): what decides whether a run is reported verified -------------------
     # each strategy's own checks and refusals. Left out as wiring or as the predictor's: prepare /
@@ -159,7 +164,8 @@ MODULES = (
     Module("strategies.deepspeed", "stnb/strategies/deepspeed.py", (
         "x_stage_of", "x_contradictions", "xǁDeepSpeedǁvalidate", "xǁDeepSpeedǁcheck_recipe",
         "xǁDeepSpeedǁbuild_refusal", "xǁDeepSpeedǁrefusals", "xǁDeepSpeedǁcheck_prepared",
-        "xǁDeepSpeedǁcheck_step", "xǁDeepSpeedǁcheck_ranks", "x_stage3_partitions")),
+        "xǁDeepSpeedǁcheck_step", "xǁDeepSpeedǁcheck_ranks")),
+    Module("strategies.deepspeed_engine", "stnb/strategies/deepspeed_engine.py", ("x_stage3_partitions",)),
     # the loss's own parameters: broadcast from rank 0, gradients averaged over the ranks
     Module("strategies.loss_sync", "stnb/strategies/loss_sync.py"),
     # the saved model: refused target, reloaded weights compared with the trained and initial ones

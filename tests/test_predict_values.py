@@ -11,9 +11,10 @@ import pytest
 
 from simsteps import CLIP, FETCH, FORWARD, GRAD_STEP, OPT_STEP, REST, TAIL, ddp_rank_summary
 from stnb.errors import ConfigError
-from stnb.scaling import (Measured, Range, compare, from_result, known, predict, text_columns, uncertain_from_result,
+from stnb.scaling import (Measured, Range, compare, from_result, known, predict, uncertain_from_result,
                           verdict)
 from stnb.scaling import _check_devices, _check_strategies, assumptions
+from stnb.scaling.inputs import text_columns
 from stnb.scaling.links import PRESETS, Fabric, custom
 from stnb.strategies.stepcost import slowest_of
 
