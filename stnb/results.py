@@ -14,6 +14,9 @@ from .files import write_atomic
 from .errors import ResultsFileError
 from .rankreport import check_reports
 
+#: how an STS evaluator's primary metric ends (``RunResult.spearman_before`` / ``spearman_after`` read it)
+SPEARMAN = "spearman_cosine"
+
 
 @dataclass
 class RunResult:
@@ -36,8 +39,6 @@ class RunResult:
     memory_breakdown: list = field(default_factory=list)   # per rank {params, grads, optimizer_state}
     peak_memory_run_bytes: list = field(default_factory=list)  # per rank, the whole run (evaluation, save...)
     memory_split: list = field(default_factory=list)  # per rank: where the peak went (stnb.memsplit)
-    spearman_before: float | None = None
-    spearman_after: float | None = None
     dev_metric: str | None = None      # the dev evaluator's primary metric, e.g. 'dev_spearman_cosine'
     dev_metric_before: float | None = None
     dev_metric_after: float | None = None
@@ -65,13 +66,28 @@ class RunResult:
     run_id: str = ""
     timestamp: float = field(default_factory=time.time)
 
+    @property
+    def spearman_before(self) -> float | None:
+        """``dev_metric_before`` when the dev metric is a Spearman correlation (an STS evaluator's), else None."""
+        return self.dev_metric_before if (self.dev_metric or "").endswith(SPEARMAN) else None
+
+    @property
+    def spearman_after(self) -> float | None:
+        """``dev_metric_after`` when the dev metric is a Spearman correlation (an STS evaluator's), else None."""
+        return self.dev_metric_after if (self.dev_metric or "").endswith(SPEARMAN) else None
+
     def to_dict(self) -> dict:
-        return json.loads(json.dumps(asdict(self), default=_jsonable))
+        """Every field, and ``spearman_before`` / ``spearman_after`` (results files and tables keep their columns)."""
+        d = {**asdict(self), "spearman_before": self.spearman_before, "spearman_after": self.spearman_after}
+        return json.loads(json.dumps(d, default=_jsonable))
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunResult":
         known = {f for f in cls.__dataclass_fields__}
         kept = {k: v for k, v in d.items() if k in known}
+        if "dev_metric" not in d and d.get("spearman_after") is not None:  # an stnb older than dev_metric_*
+            kept.update(dev_metric=f"dev_{SPEARMAN}", dev_metric_before=d.get("spearman_before"),
+                        dev_metric_after=d["spearman_after"])
         if kept.get("dev_curve"):  # JSON holds each (step, value) as a list
             kept["dev_curve"] = [tuple(p) for p in kept["dev_curve"]]
         return cls(**kept)
@@ -146,7 +162,6 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0, wall_time_s: 
                       devices=config.strategy_object().devices(n_gpu))
     verification, problems = cross_rank_checks(config, rank_results, device)
     ok = not problems
-    spearman = (r0.dev_metric or "").endswith("spearman_cosine")
     return RunResult(
         strategy=config.strategy,
         world_size=len(rank_results) if config.strategy_object().distributed else 1,
@@ -168,8 +183,6 @@ def merge(config, rank_results: list, device: str, n_gpu: int = 0, wall_time_s: 
         versions=versions(),
         memory_breakdown=[r.memory_breakdown for r in rank_results],
         memory_split=[r.memory_split for r in rank_results],
-        spearman_before=r0.dev_metric_before if spearman else None,
-        spearman_after=r0.dev_metric_after if spearman else None,
         dev_metric=r0.dev_metric,
         dev_metric_before=r0.dev_metric_before,
         dev_metric_after=r0.dev_metric_after,

@@ -94,6 +94,13 @@ def test_dev_metrics_and_what_a_users_trainer_trained_with():
     assert res.overridden_args == {"a": 1} and res.saved_to == "/m" and res.start_method == "fork"
     ir = merge(_cfg("single"), [replace(r, dev_metric="ir_cosine_ndcg@10")], device="cpu")
     assert ir.spearman_before is None and ir.spearman_after is None and ir.dev_metric_after == 0.7
+    # one copy: spearman_* are the dev metric when it is a Spearman; results files and tables keep the columns
+    d = res.to_dict()
+    assert (d["spearman_before"], d["spearman_after"]) == (0.1, 0.7) and ir.to_dict()["spearman_after"] is None
+    assert stnb.RunResult.from_dict(d).spearman_after == 0.7
+    older = {k: v for k, v in d.items() if not k.startswith("dev_")}  # a results file of an stnb before dev_metric
+    older = stnb.RunResult.from_dict(older)
+    assert (older.dev_metric, older.dev_metric_before, older.spearman_after) == ("dev_spearman_cosine", 0.1, 0.7)
 
 
 def test_every_problem_is_in_the_reason():

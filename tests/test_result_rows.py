@@ -53,7 +53,9 @@ def test_a_runs_row_has_every_field_the_largest_rank_peak_and_share_the_last_los
     cfg = _config()
     # every field of the run keeps its value, and the derived and config columns are added: no other column
     names = [f.name for f in dataclasses.fields(RunResult)]
-    assert set(row) == set(names) | set(DERIVED) | set(CONFIG_COLUMNS)
+    spearman = ("spearman_before", "spearman_after")  # the dev metric's, when it is a Spearman: a column, not a field
+    assert set(row) == set(names) | set(DERIVED) | set(CONFIG_COLUMNS) | set(spearman)
+    assert [row[k] for k in spearman] == [None, None]  # this run has no dev metric
     for name in names:
         assert row[name] == getattr(run, name), name
     assert row["peak_memory_max_bytes"] == 700 * 2**20      # rank 1's, the largest
