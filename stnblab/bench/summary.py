@@ -226,74 +226,84 @@ def _f(v, spec=".1f", dash="-"):
     return dash if v is None else format(v, spec)
 
 
+def _table(rows: list, left: int = 1) -> list:
+    """``rows`` (one dict per row, its columns in order) as text lines, aligned by pandas: the first ``left``
+    columns (names) to the left, the rest (numbers) to the right; a column empty in every row (no run failed: no
+    "why not") is left out."""
+    import pandas as pd
+
+    if not rows:
+        return []
+    frame = pd.DataFrame(rows).astype(str)
+    frame = frame[[c for c in frame if (frame[c] != "").any()]]
+    for c in list(frame)[:left]:  # padded to the column's width, header included, they read from the left
+        width = max(len(c), frame[c].str.len().max())
+        frame = frame.rename(columns={c: c.ljust(width)})
+        frame[c.ljust(width)] = frame[c.ljust(width)].str.ljust(width)
+    return frame.to_string(index=False).splitlines()
+
+
+def _status(r: dict) -> str:
+    return r["status"] if r["status"] == "ok" else r["status"] + ": " + r["reason"][:70]
+
+
 def format_summary(s: dict) -> str:
     """The summary as plain-text tables."""
     lines = []
     sw = s["sections"].get("sweep")
     if sw:
         lines.append("== sweep (stnb.run) ==")
-        lines.append(f"{'run':<28}{'samples/s':>12}{'MFU':>7}{'tokens/sample':>15}{'step s':>9}{'global batch':>14}"
-                     f"{'first step s':>14}  status")
-        for r in sw:
-            lines.append(f"{r['variant']:<28}{_f(r['samples_per_second']):>12}{_f(r.get('mfu'), '.1%'):>7}"
-                         f"{_f(r.get('tokens_per_sample'), '.1f'):>15}{_f(r['step_s'], '.3f'):>9}"
-                         f"{_f(r['global_batch_size'], 'd'):>14}{_f(r['time_to_first_step_s']):>14}  "
-                         f"{r['status'] if r['status'] == 'ok' else r['status'] + ': ' + r['reason'][:70]}")
+        lines += _table([{"run": r["variant"], "samples/s": _f(r["samples_per_second"]), "MFU": _f(r.get("mfu"), ".1%"),
+                          "tokens/sample": _f(r.get("tokens_per_sample")), "step s": _f(r["step_s"], ".3f"),
+                          "global batch": _f(r["global_batch_size"], "d"),
+                          "first step s": _f(r["time_to_first_step_s"]), "status": _status(r)} for r in sw])
         lines.append("")
     la = s["sections"].get("launchers")
     if la:
         lines.append(f"== launchers: the same DDP train_rank, {la['nproc']} ranks (median of repeats) ==")
-        lines.append(f"{'variant':<40}{'samples/s':>11}{'[min - max]':>20}{'step s':>9}{'first step s':>14}"
-                     f"{'runs':>6}{'other load':>12}")
-        for r in la["variants"]:
-            rng = f"[{_f(r['min'])} - {_f(r['max'])}]" if r["ok"] else r["status"]
-            lines.append(f"{r['variant']:<40}{_f(r['samples_per_second']):>11}{rng:>20}{_f(r['step_s'], '.3f'):>9}"
-                         f"{_f(r['time_to_first_step_s']):>14}{r['ok']:>4}/{r['runs']}{_pct(r['other_load']):>12}")
-            if not r["ok"] and r["reason"]:
-                lines.append(f"    {r['reason'].splitlines()[0][:110]}")
-        ra = la["ratios"]
+        lines += _table([{"variant": r["variant"], "samples/s": _f(r["samples_per_second"]),
+                          "[min - max]": f"[{_f(r['min'])} - {_f(r['max'])}]" if r["ok"] else r["status"],
+                          "step s": _f(r["step_s"], ".3f"), "first step s": _f(r["time_to_first_step_s"]),
+                          "runs": f"{r['ok']}/{r['runs']}", "other load": _pct(r["other_load"]),
+                          "why not": "" if r["ok"] or not r["reason"] else r["reason"].splitlines()[0][:110]}
+                         for r in la["variants"]])
         names = {"stnb_vs_raw": "stnb / notebook_launcher", "stnb_vs_torchrun": "stnb / torchrun",
                  "raw_vs_torchrun": "notebook_launcher / torchrun",
                  "efficiency_stnb": f"efficiency stnb = DDP / ({la['nproc']} x {la['baseline']})",
                  "efficiency_raw": "efficiency notebook_launcher", "efficiency_torchrun": "efficiency torchrun",
                  "ddp_vs_single_whole_machine": "DDP / single process on every core"}
         lines.append("ratios (median of the per-repeat ratios):")
-        for k, v in ra.items():
-            if k in names:
-                n_pairs = len(la["ratio_samples"].get(k) or [])
-                lines.append(f"  {names[k]:<66} {_f(v, '.3f'):>7}   ({n_pairs} repeat{'s' if n_pairs != 1 else ''})")
+        lines += _table([{"ratio": names[k], "value": _f(v, ".3f"), "repeats": len(la["ratio_samples"].get(k) or [])}
+                         for k, v in la["ratios"].items() if k in names])
         lines.append("")
     kn = s["sections"].get("knobs")
     if kn:
         lines.append("== DDP knobs (stnb.launch), efficiency = samples/s / (N x matching 1-device baseline) ==")
-        lines.append(f"{'variant':<48}{'samples/s':>11}{'step s':>9}{'efficiency':>12}{'vs defaults':>13}"
-                     f"{'runs':>6}{'other load':>12}")
-        for r in kn["variants"]:
-            lines.append(f"{r['variant']:<48}{_f(r['samples_per_second']):>11}{_f(r['step_s'], '.3f'):>9}"
-                         f"{_f(r['efficiency'], '.3f'):>12}{_f(r['vs_defaults'], '.3f'):>13}{r['ok']:>4}/{r['runs']}"
-                         f"{_pct(r['other_load']):>12}")
-            if not r["ok"] and r["reason"]:
-                lines.append(f"    {r['status']}: {r['reason'].splitlines()[0][:110]}")
+        lines += _table([{"variant": r["variant"], "samples/s": _f(r["samples_per_second"]),
+                          "step s": _f(r["step_s"], ".3f"), "efficiency": _f(r["efficiency"], ".3f"),
+                          "vs defaults": _f(r["vs_defaults"], ".3f"), "runs": f"{r['ok']}/{r['runs']}",
+                          "other load": _pct(r["other_load"]),
+                          "why not": "" if r["ok"] or not r["reason"] else
+                          f"{r['status']}: {r['reason'].splitlines()[0][:110]}"} for r in kn["variants"]])
         lines.append("")
     ck = s["sections"].get("checkpoints")
     if ck:
         lines.append("== checkpoints: seconds (slowest rank) and MB each rank wrote, per checkpoint (medians) ==")
-        lines.append(f"{'strategy':<16}{'checkpoints':>12}{'s each':>9}{'MB per rank':>24}{'MB all':>9}"
-                     f"{'largest rank':>14}{'step s':>9}  status")
-        for r in ck:
-            mb = " / ".join(_f(b / 1e6 if b is not None else None) for b in r["bytes_per_rank"]) or "-"
-            lines.append(f"{r['variant']:<16}{_f(r['checkpoints'], 'd'):>12}{_f(r['seconds'], '.2f'):>9}{mb:>24}"
-                         f"{_f(r['bytes_total'] / 1e6 if r['bytes_total'] else None):>9}"
-                         f"{_pct(r['largest_share']):>14}{_f(r['step_s'], '.3f'):>9}  "
-                         f"{r['status'] if r['status'] == 'ok' else r['status'] + ': ' + r['reason'][:70]}")
+        lines += _table([{"strategy": r["variant"], "checkpoints": _f(r["checkpoints"], "d"),
+                          "s each": _f(r["seconds"], ".2f"),
+                          "MB per rank": " / ".join(_f(b / 1e6 if b is not None else None)
+                                                    for b in r["bytes_per_rank"]) or "-",
+                          "MB all": _f(r["bytes_total"] / 1e6 if r["bytes_total"] else None),
+                          "largest rank": _pct(r["largest_share"]), "step s": _f(r["step_s"], ".3f"),
+                          "status": _status(r)} for r in ck])
         lines.append("")
     if s["targets"]:
         lines.append("== targets ==")
-        for t in s["targets"]:
-            val = "-" if t["value"] is None else (f"{t['value'] * 100:.1f} %" if t["key"] == "overhead"
-                                                  else f"{t['value']:.3f}")
-            thr = f"{t['target'] * 100:.0f} %" if t["key"] == "overhead" else f"{t['target']:.2f}"
-            lines.append(f"{t['verdict']:<6} {t['label']:<72} {val:>9}  (target {t['op']} {thr})")
+        lines += _table([{"verdict": t["verdict"], "target": t["label"],
+                          "value": "-" if t["value"] is None else (f"{t['value'] * 100:.1f} %" if t["key"] == "overhead"
+                                                                   else f"{t['value']:.3f}"),
+                          "asked": f"{t['op']} " + (f"{t['target'] * 100:.0f} %" if t["key"] == "overhead"
+                                                    else f"{t['target']:.2f}")} for t in s["targets"]], left=2)
         lines.append("")
     for n in s.get("notes", []):
         lines.append(f"note: {n}")
