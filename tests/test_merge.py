@@ -229,11 +229,17 @@ def test_merge_names_the_strategy_launcher_versions_and_keeps_each_ranks_time_an
     def split(end):
         return {"steps": [{"backward_compute_end": end, "comm_exposed": 0.4}]}
 
-    r0 = _rank(0, [1.0, 2.0], time_split=split(1.0), memory_split={"peak": 100, "params": 60, "other": 40})
-    r1 = _rank(1, [1.0, 2.0], time_split=split(1.5), memory_split={"peak": 101, "params": 30, "other": 71})
+    def calls(n):
+        return {"per_step": [{"all_gather": {"count": n, "bytes": 8 * n}}]}
+
+    r0 = _rank(0, [1.0, 2.0], time_split=split(1.0), memory_split={"peak": 100, "params": 60, "other": 40},
+               collectives=calls(2))
+    r1 = _rank(1, [1.0, 2.0], time_split=split(1.5), memory_split={"peak": 101, "params": 30, "other": 71},
+               collectives=calls(3))
     res = merge(_cfg("zero2"), [r0, r1], device="cpu", launcher="torchrun")
     assert res.strategy == "zero2" and res.launcher == "torchrun"
     assert [m["params"] for m in res.memory_split] == [60, 30]  # where each rank's own peak went
+    assert res.collectives == [calls(2), calls(3)]  # each rank's own collective calls, in rank order
     assert res.versions["torch"] == md.version("torch")
     # rank 0 finished its backward 0.5 s before rank 1: 0.4 s of its exposed communication was waiting
     assert [s["steps"][0]["wait"] for s in res.time_split] == [pytest.approx(0.4), 0.0]
