@@ -176,21 +176,25 @@ class Budget:
         if self.bytes is None:
             yield
             return
-        undo = self._apply()
+        held = self._held()  # read before the limit: past it, even reading /proc raises MemoryError (seen in CI)
+        if held >= self.bytes - NEAR:  # the rank's runtime alone holds the budget: under it every allocation fails,
+            # Python's own too (a rank died unreported there, SIGSEGV formatting its traceback); said now, unapplied
+            self.record = {"limit_bytes": self.bytes, "how": HOW[self.here.device_type], "held_at_start": held}
+            raise OutOfMemory(self.explain(MemoryError("the rank's runtime already holds the budget")))
+        undo = self._apply(held)
         try:
             yield
         except BaseException as e:
+            undo()  # before anything else allocates: the checks and the report need memory of their own (under
+            undo = None  # the limit, out_of_memory's own set failed to allocate and the rank then died unreported)
             if isinstance(e, ConfigError) or not (out_of_memory(e) or self._held() >= self.bytes - NEAR):
                 raise  # (near the budget, any allocation fails; a refusal, check_model's, stays one)
-            undo()  # the report needs memory of its own
-            undo = None
             raise OutOfMemory(self.explain(e)) from e
         finally:
             if undo is not None:
                 undo()
 
-    def _apply(self):
-        held = self._held()  # read before the limit: past it, even reading /proc raises MemoryError (seen in CI)
+    def _apply(self, held: int):
         if self.here.cuda:
             import torch
 
@@ -205,8 +209,12 @@ class Budget:
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
         limit = self.bytes if hard == resource.RLIM_INFINITY else min(self.bytes, hard)
         self.record = {"limit_bytes": limit, "how": HOW["cpu"], "held_at_start": held}
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-        return lambda: resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        # everything the way back needs is made before the limit: past it (a budget below what the rank already
+        # holds) even the undo's closure failed to allocate, before enforced() could catch anything, and the rank
+        # ended with no error record (seen in CI once the rank's objects before it had grown)
+        undo, limits = (lambda: resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))), (limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, limits)
+        return undo
 
     def _held(self) -> int:
         """What the budget counts now: CPU, the process's VmData; GPU, what torch's allocator reserved."""
