@@ -407,3 +407,10 @@ def harmless_and_other_warnings() -> int:
     warnings.warn("a warning stnb knows nothing about", UserWarning)
     logging.getLogger("sentence_transformers.base.training_args").warning("another note of theirs")
     return _rank()
+
+
+def draws_a_bar(steps: int = 3) -> int:
+    """Draws a tqdm bar (as a trainer, a dataset map or a model card does) and returns the steps it counted."""
+    from tqdm import tqdm
+
+    return sum(1 for _ in tqdm(range(steps)))

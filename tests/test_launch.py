@@ -483,3 +483,36 @@ def test_known_harmless_warnings_are_left_out_and_others_kept():
         assert "BertForSequenceClassification LOAD REPORT" not in log, log
         assert "OtherModel LOAD REPORT" in log and "UNEXPECTED" in log, log
         assert "a warning stnb knows nothing about" in log and "another note of theirs" in log, log
+
+
+def test_a_bar_lock_a_dead_process_left_held_never_stops_a_later_rank():
+    """tqdm's multiprocessing lock is one semaphore shared by the launching process and every rank it forks. A
+    rank killed while drawing a bar (the Stop button, the stall watchdog, the out-of-memory killer) leaves it
+    held for good; a later rank of the same kernel must still draw its bars (seen in CI: every later launch of
+    one test worker stalled at its first bar, 60 s, and failed)."""
+    import multiprocessing
+
+    import tqdm.std
+
+    locks = tqdm.std.TqdmDefaultWriteLock
+    saved = {"mp_lock": locks.__dict__.get("mp_lock"), "_lock": tqdm.std.tqdm.__dict__.get("_lock")}
+    held = multiprocessing.get_context("fork").RLock()
+    locks.mp_lock = held
+    tqdm.std.tqdm.__dict__.get("_lock") is not None and delattr(tqdm.std.tqdm, "_lock")
+    pid = os.fork()
+    if pid == 0:  # a process of this kernel that dies holding the bars' lock
+        held.acquire()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    try:
+        assert not held.acquire(timeout=0.2)  # held for good by the dead process
+        assert cpu_launch(rankfns.draws_a_bar, 3, num_processes=2, timeout=120, stall_timeout=15, echo=False,
+                          start_method="fork") == [3, 3]
+    finally:  # this worker's own bars get their lock back
+        tqdm.std.tqdm.__dict__.get("_lock") is not None and delattr(tqdm.std.tqdm, "_lock")
+        for name, value in saved.items():
+            owner = locks if name == "mp_lock" else tqdm.std.tqdm
+            if value is None:
+                owner.__dict__.get(name) is not None and delattr(owner, name)
+            else:
+                setattr(owner, name, value)

@@ -42,9 +42,18 @@ def detach_from_kernel() -> None:
             import tqdm.std
 
             # tqdm's monitor thread does not exist in the fork, but the lock it may have held at
-            # fork time was copied locked: give the rank fresh locks.
+            # fork time was copied locked: give the rank fresh locks. Its multiprocessing lock is one
+            # semaphore shared with the launching process and every rank it ever forked: a rank killed
+            # while drawing a bar (the Stop button, the stall watchdog, the out-of-memory killer) left it
+            # held for good, and every later rank of that kernel waited on it at its first bar. A rank
+            # writes to its own log, so it needs no lock shared with other processes: none.
             tqdm.std.TqdmDefaultWriteLock.th_lock = threading.RLock()
-            tqdm.std.tqdm.__dict__.get("_lock") is not None and delattr(tqdm.std.tqdm, "_lock")
+            tqdm.std.TqdmDefaultWriteLock.mp_lock = None
+            classes = [tqdm.std.tqdm]
+            while classes:  # every bar class's own lock (tqdm.auto's, a notebook's) is made again
+                cls = classes.pop()
+                cls.__dict__.get("_lock") is not None and delattr(cls, "_lock")
+                classes += cls.__subclasses__()
             tqdm.std.tqdm.monitor = None
 
             std, std_range = tqdm.std.tqdm, tqdm.std.trange
