@@ -69,12 +69,16 @@ class RunResult:
     @property
     def spearman_before(self) -> float | None:
         """``dev_metric_before`` when the dev metric is a Spearman correlation (an STS evaluator's), else None."""
-        return self.dev_metric_before if (self.dev_metric or "").endswith(SPEARMAN) else None
+        return self.dev_metric_before if self._spearman else None
 
     @property
     def spearman_after(self) -> float | None:
         """``dev_metric_after`` when the dev metric is a Spearman correlation (an STS evaluator's), else None."""
-        return self.dev_metric_after if (self.dev_metric or "").endswith(SPEARMAN) else None
+        return self.dev_metric_after if self._spearman else None
+
+    @property
+    def _spearman(self) -> bool:
+        return (self.dev_metric or "").endswith(SPEARMAN)
 
     def to_dict(self) -> dict:
         """Every field, and ``spearman_before`` / ``spearman_after`` (results files and tables keep their columns)."""

@@ -45,7 +45,7 @@ __all__ = ["Instrument", "Rank", "MOMENTS", "reach", "whole_rank", "training", "
            "Flops", "StepLog", "TimeSplit", "MemoryUse", "MemoryBudget", "FirstStepChecks", "AllocatorRelease",
            "LossInputs", "Collectives", "OutsideSteps", "Checkpoints", "order", "BUILT_IN"]
 
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 from .base import MOMENTS, Instrument, Rank, record, reports
 from .allocator import AllocatorRelease
@@ -84,23 +84,20 @@ def order(kinds) -> list:
     return out
 
 
-def reach(moment: str, rank: Rank) -> list:
+def reach(moment: str, rank: Rank) -> None:
     """The rank reached ``moment`` (``MOMENTS``, in their order): every instrument made before it is told
     (``on_built`` / ``on_prepared``), then every registered instrument made at it is made (``for_rank``), in
-    ``order``, each seeing those made before it in ``rank.made``. Returns the ones made now."""
+    ``order``, each seeing those made before it in ``rank.made``."""
     if moment not in MOMENTS:
         raise ValueError(f"a rank's moments are {MOMENTS}, not {moment!r}")
     if moment != MOMENTS[0]:
         for instrument in list(rank.made.values()):
             getattr(instrument, f"on_{moment}")(rank)
-    made = []
     for kind in order(Instrument.registered.values()):
         if kind.made_at == moment:
             instrument = kind.for_rank(rank)
             if instrument is not None:
                 rank.made[kind.__name__] = instrument
-                made.append(instrument)
-    return made
 
 
 @contextmanager
@@ -112,12 +109,8 @@ def _inside(contexts):
 
 
 def whole_rank(rank: Rank):
-    """The context the rest of the rank runs inside: each instrument's ``whole_rank()``, in their order. One such
-    context (the memory budget's) is returned as it is: between an allocation past the budget and the budget's
-    undo nothing else runs (the unwinding of a generic stack allocates, and under the limit that failed again:
-    the rank then ended with no error record)."""
-    contexts = [c for c in (i.whole_rank() for i in rank.made.values()) if not isinstance(c, nullcontext)]
-    return contexts[0] if len(contexts) == 1 else _inside(contexts)
+    """The context the rest of the rank runs inside: each instrument's ``whole_rank()``, in their order."""
+    return _inside([i.whole_rank() for i in rank.made.values()])
 
 
 def training(rank: Rank):
