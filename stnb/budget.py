@@ -57,12 +57,13 @@ def shape_from_files(path: str) -> dict | None:
     """The prediction's inputs (``memory.model_shape``'s keys) read from a model folder's safetensors headers,
     without loading the model: every stored tensor counted as a trainable fp32 parameter, as stnb's recipe trains
     them (stnb freezes BERT's unused pooler, so this is at most a few tenths of a percent above the trained
-    model's). None for a folder without safetensors files (.bin weights) or a hub id."""
+    model's). None for a folder without safetensors files (.bin weights), a file or a hub id (no folder: nothing
+    found under it)."""
     import glob
     import json
     import struct
 
-    files = glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True) if os.path.isdir(path) else []
+    files = glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True)
     if not files:
         return None
     count = 0
@@ -112,8 +113,9 @@ def refusal(config, shape: dict | None, world: int, device: str) -> str | None:
     if fit:
         fix = "It fits under " + ", ".join(f"strategy={name!r} ({_mib(t)} per rank on {n})" for name, n, t in fit)
     else:
-        mine = [config.strategy] if config.strategy_object().sharded else []  # this strategy on more ranks too
-        more = [(name, n) for name in mine + [name for name, _ in _others(config, world, device)]
+        # this strategy on more ranks first (its own options: deepspeed's stage shards), then the others; one that
+        # shards nothing (ddp) never fits on more ranks and is not named
+        more = [(name, n) for name in [config.strategy] + [name for name, _ in _others(config, world, device)]
                 if (n := _ranks_that_fit(config, shape, name, world, limit))]
         fix = (f"No strategy fits it on {world} rank(s); with more ranks, " + ", ".join(
             f"strategy={name!r} from num_processes={n}" for name, n in more) if more
@@ -195,15 +197,9 @@ class Budget:
                 undo()
 
     def _apply(self, held: int):
+        """Apply the limit; returns what takes it back."""
         if self.here.cuda:
-            import torch
-
-            devices = [torch.cuda.current_device()] if self.here.distributed else list(range(self.here.n_gpu))
-            for d in devices:
-                total = torch.cuda.get_device_properties(d).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, self.bytes / total), d)
-            self.record = {"limit_bytes": self.bytes, "how": HOW["cuda"], "held_at_start": held}
-            return lambda: [torch.cuda.set_per_process_memory_fraction(1.0, d) for d in devices]
+            return self._apply_cuda(held)
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
@@ -215,6 +211,16 @@ class Budget:
         undo, limits = (lambda: resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))), (limit, hard)
         resource.setrlimit(resource.RLIMIT_DATA, limits)
         return undo
+
+    def _apply_cuda(self, held: int):
+        import torch
+
+        devices = [torch.cuda.current_device()] if self.here.distributed else list(range(self.here.n_gpu))
+        for d in devices:
+            total = torch.cuda.get_device_properties(d).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.bytes / total), d)
+        self.record = {"limit_bytes": self.bytes, "how": HOW["cuda"], "held_at_start": held}
+        return lambda: [torch.cuda.set_per_process_memory_fraction(1.0, d) for d in devices]
 
     def _held(self) -> int:
         """What the budget counts now: CPU, the process's VmData; GPU, what torch's allocator reserved."""
@@ -243,7 +249,7 @@ class Budget:
             f" ({_mib(self.record['held_at_start'])} already when the budget was applied, before its model was built: "
             "the runtime)")
         peak = self.memory.peak
-        resident = peak.peak() + (0 if peak.cuda else peak.base)  # CPU: growth over the rank's start, made whole
+        resident = peak.peak() if peak.cuda else peak.peak() + peak.base  # CPU: growth over the rank's start, whole
         if shape:
             own = predicted(config, shape, config.strategy, here.world)["total"]
             prediction = (f"the prediction (stnb.memory.predict) for strategy {config.strategy!r} on {here.world} "

@@ -139,6 +139,15 @@ MODULES = (
     Module("instruments", "stnb/instruments/base.py", ("x_record", "x_reports")),
     Module("instruments.order", "stnb/instruments/__init__.py", ("x_order",)),
     Module("plots/fits", "stnb/plots/fits.py", ("x__said", "x__num")),
+    # the memory budget (issue 45): the refusal before launch and the strategies it offers, what a rank that ran
+    # out says and what it offers, what counts as running out, the model folder's count, the limit applied and
+    # taken back in this process (tests/test_budget_words.py). Left out: _apply_cuda (the allocator's fraction:
+    # needs a GPU), the rank's wiring (instruments/budget.py: the real 2-rank runs of tests/test_memory_budget.py)
+    Module("budget", "stnb/budget.py", ("x__mib", "x_limit_bytes", "x_shape_from_files", "x_predicted", "x__others",
+                                        "x_refusal", "x__ranks_that_fit", "x_refuse", "x_out_of_memory", "x__asked",
+                                        "xǁBudgetǁ__init__", "xǁBudgetǁenforced", "xǁBudgetǁ_apply",
+                                        "xǁBudgetǁ_held", "xǁBudgetǁreport", "xǁBudgetǁcheck_model",
+                                        "xǁBudgetǁexplain", "xǁBudgetǁ_fixes")),
     # ---- issue 33 item 3 (part A): what decides whether a run is reported verified -------------------
     # each strategy's own checks and refusals. Left out as wiring or as the predictor's: prepare /
     # apply_ddp / ddp_handler / shard_fsdp / prefetch / keep_shards_apart / on_first_step / full_model
@@ -207,8 +216,11 @@ MODULES = (
     Module("launchers/rundir", "stnb/launchers/rundir.py", ("x_failure", "x__ranks")),
     Module("launchers/ray", "stnb/launchers/ray.py", ("x__hosts",)),
     # whether notebook 05's saved baseline stands for this notebook's (profile, model, device, steps, batch,
-    # cores). Left out: the measurement (the bench: tests/test_bench.py), the verdict's wording
-    Module("stnblab/bench/shared_baseline", "stnblab/bench/shared_baseline.py", ("x_wanted_key", "x_mismatch")),
+    # cores), and what 08 compares with when it measured again (the baseline beside its runs, how far the machine
+    # moved). Left out: the measurement (the bench: tests/test_bench.py), the verdict's wording
+    Module("stnblab/bench/shared_baseline", "stnblab/bench/shared_baseline.py", ("x_wanted_key", "x_mismatch",
+                                                                                "xǁBaselineǁremeasured",
+                                                                                "xǁBaselineǁdrift")),
     # gpu-check's verdict, its counts and its exit status (a planned check that did not run is a failure).
     # Left out: the speed-up rows and the table's layout
     Module("stnblab/gpucheck/report", "stnblab/gpucheck/report.py", ("x_build", "x_exit_code")),
@@ -236,6 +248,8 @@ RANK_TESTS = {
     "stnb.strategies.x_verify": _FSDP_RANKS, "stnb.strategies.x_verify_prepared": _FSDP_RANKS,
     "stnb.strategies.tensors.x_param_counts": _FSDP_RANKS, "stnb.strategies.tensors.x_local_numel": _FSDP_RANKS,
     "stnb.strategies.tensors.x_shard_problems": _FSDP_RANKS,
+    # the limit under a hard limit an administrator set: applied in a forked process (it cannot be raised again)
+    "stnb.budget.xǁBudgetǁ_apply": ("tests/test_budget_words.py::test_a_lower_hard_limit_is_the_one_applied",),
     **{f"stnb.processes.channel.xǁChannelǁ{m}": _LAUNCH_RANKS
        for m in ("check_in", "set_up", "set_state", "bump", "report", "write_result", "write_error",
                  "mark_progress")},

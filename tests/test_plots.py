@@ -205,6 +205,15 @@ def test_plots_accept_results_files_and_run_lists(tmp_path, df):
         plots.throughput("runs.jsonl")
 
 
+def test_runs_apart_only_in_a_labelled_option_are_told_apart_by_it():
+    """DeepSpeed's stage (notebook 09 ran stage 1 and 2 side by side: their curves were 'deepspeed ×2' and
+    'deepspeed ×2 #2'); a stage left unset reads as what DeepSpeed then uses."""
+    frame = stnb.results_frame([_run("deepspeed", 2, 10.0, stage=1), _run("deepspeed", 2, 11.0, stage=3),
+                                _run("deepspeed", 2, 12.0)])
+    assert list(plots.throughput(frame).data[0].x) == ["deepspeed ×2 · stage 1", "deepspeed ×2 · stage 3",
+                                                       "deepspeed ×2 · stage default (2)"]
+
+
 def test_duplicate_configurations_get_distinct_labels():
     frame = stnb.results_frame([_run("single", 1, 10.0, per_device=4), _run("single", 1, 12.0, per_device=8),
                                 _run("single", 1, 11.0, per_device=8)])
@@ -243,6 +252,13 @@ def test_knobs_figure_from_a_bench_summary():
     assert "vs DDP defaults: -" in bar.hovertext[2]
     lines = sorted(s.y0 for s in fig.layout.shapes)
     assert lines == [0.95, 1.0]
+    # the lines' names at the left, apart (at the right they overlapped each other and the last bar's number)
+    assert sorted((a.text, a.x, a.yanchor) for a in fig.layout.annotations) == [
+        ("N x 1 device (ideal)", 0, "bottom"), ("target 0.95", 0, "top")]
+    # long names wrapped under their bars, level (rotated, the last one ran off the figure's right edge)
+    assert fig.layout.xaxis.tickangle == 0 and list(fig.layout.xaxis.tickvals) == list(bar.x)
+    assert list(fig.layout.xaxis.ticktext) == ["ddp defaults", "ddp embedding rows<br>hook",
+                                               "2 x single at once<br>(no communication)"]
     with pytest.raises(ValueError, match="no 'knobs' section"):
         stnb.plots.knobs({"sections": {}})
 

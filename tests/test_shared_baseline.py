@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import time
 
 import pytest
 
@@ -127,6 +128,43 @@ def test_faster_or_slower_than_the_baseline_outside_5_percent_the_same_inside():
                            seconds=1.0)
     assert [base.against(v) for v in (52.6, 52.4, 50.0, 47.6, 47.4)] == [
         "faster than", "about as fast as", "about as fast as", "about as fast as", "slower than"]
+
+
+def test_a_notebook_compares_with_the_baseline_measured_beside_its_runs_and_says_how_far_the_machine_moved():
+    """Notebook 08 reused 05's table (DDP 60.2, the whole machine 75.5), then measured every run a quarter slower:
+    its fastest variant (64.3) is faster than the whole machine measured beside it, not 0.85x the saved one."""
+    import pandas as pd
+
+    from stnb.errors import ConfigError
+
+    saved = shared.Baseline(samples_per_second={"single 1 device (1 thread)": 39.2, "ddp defaults": 60.2,
+                                                WHOLE: 75.5}, name=WHOLE, key={"ranks": 2}, measured_at=0.0,
+                            seconds=1.0, notebook="05")
+    frame = pd.DataFrame({"variant": ["single 1 device (1 thread)", "ddp defaults", "ddp accumulate 4", WHOLE],
+                          "samples_per_second": [29.4, 45.2, 64.3, 56.6]})
+    now = saved.remeasured(frame)
+    assert now.samples_per_second == {"single 1 device (1 thread)": 29.4, "ddp defaults": 45.2, WHOLE: 56.6}
+    assert now.name == WHOLE and now.source == "measured now, beside these runs"
+    assert now.key == saved.key and now.key is not saved.key and now.seconds == 0.0
+    assert abs(now.measured_at - time.time()) < 60
+    assert now.against(64.3) == "faster than" and saved.against(64.3) == "slower than"
+    assert saved.drift(now) == (
+        "single 1 device (1 thread): 29.4 samples/s now, 0.75x notebook 05's 39.2\n"
+        "ddp defaults: 45.2 samples/s now, 0.75x notebook 05's 60.2\n"
+        f"{WHOLE}: 56.6 samples/s now, 0.75x notebook 05's 75.5\n"
+        "this machine runs 25% slower now than for notebook 05's table (other programs, another host): a ratio of a "
+        "run now to that table carries it")
+    steady = saved.remeasured(pd.DataFrame({"variant": ["ddp defaults", WHOLE], "samples_per_second": [66.0, 68.0]}))
+    assert saved.drift(steady).endswith("\nthis machine runs as it did for notebook 05's table (within 10%)")
+    faster = saved.remeasured(pd.DataFrame({"variant": ["ddp defaults", WHOLE], "samples_per_second": [67.0, 84.0]}))
+    assert "this machine runs 11% faster now than for notebook 05's table" in saved.drift(faster)
+    saved.notebook = None
+    assert saved.drift(steady) == ("ddp defaults: 66.0 samples/s now, 1.10x the saved table's 60.2\n"
+                                   f"{WHOLE}: 68.0 samples/s now, 0.90x the saved table's 75.5\n"
+                                   "this machine runs as it did for the saved table (within 10%)")
+    with pytest.raises(ConfigError, match="measured no 'single 2 threads \\(whole machine\\)' run to compare with: "
+                                          "run it with whole_machine=True"):
+        saved.remeasured(frame[frame.variant != WHOLE])
 
 
 def test_the_side_by_side_variant_is_found_by_its_name_only():

@@ -6,6 +6,7 @@ dashboard, knobs) and ``with_reference``, which rebuilds a figure from the rows 
 from __future__ import annotations
 
 import math
+import textwrap
 
 from .table import OURS, REFERENCE_SOURCE, comparison_table, esc, reference_frame
 from .traces import (dev_traces, loss_traces, note_unrunnable, peak_traces, ratio_traces, state_traces,
@@ -184,9 +185,14 @@ def knobs(summary, target: float | None = 0.95):
     fig = go.Figure(go.Bar(x=[r["variant"] for r in rows], y=[r["efficiency"] for r in rows], marker_color=colors,
                            hovertext=hover, texttemplate="%{y:.3f}", textposition="outside", name="efficiency",
                            hovertemplate="<b>%{x}</b><br>efficiency: %{y:.3f}<br>%{hovertext}<extra></extra>"))
+    # the lines' names at the left, one under its line and one over it (at the right they sat on the last bars'
+    # numbers and on each other); the variants' long names wrapped under their bars, none cut at the edge
     if target is not None:
-        fig.add_hline(y=target, line_dash="dash", annotation_text=f"target {target:g}")
-    fig.add_hline(y=1.0, line_dash="dot", annotation_text="N x 1 device (ideal)")
+        fig.add_hline(y=target, line_dash="dash", annotation_text=f"target {target:g}",
+                      annotation_position="bottom left")
+    fig.add_hline(y=1.0, line_dash="dot", annotation_text="N x 1 device (ideal)", annotation_position="top left")
+    names = [r["variant"] for r in rows]
+    fig.update_xaxes(tickangle=0, tickvals=names, ticktext=["<br>".join(textwrap.wrap(n, 18)) for n in names])
     top = max([1.0] + [r["efficiency"] for r in rows])
     fig.update_layout(title="DDP knobs: scaling efficiency",
                       yaxis_title="efficiency (samples/s ÷ N × its 1-device run)", yaxis_range=[0, top * 1.15], template="plotly_white",

@@ -120,8 +120,8 @@ def _labels(df) -> list:
     out = list(base)
     rows = [r for _, r in df.iterrows()]
     extras = (("model", lambda r: str(r["model_name"])), ("per_device_batch_size", lambda r: f"b{r['per_device_batch_size']}"),
-              *((name, lambda r, n=name, o=o: o.label.format(r.get(n))) for name, o in strategies.options().items()
-                if o.label),
+              *((name, lambda r, n=name, o=o: o.label.format(_as_set(r.get(n), o.unset)))
+                for name, o in strategies.options().items() if o.label),
               ("mixed_precision", lambda r: str(r.get("mixed_precision"))))
     for _col, fn in extras:
         groups = {}
@@ -137,6 +137,14 @@ def _labels(df) -> list:
         seen[lab] = seen.get(lab, 0) + 1
         final.append(lab if seen[lab] == 1 else f"{lab} #{seen[lab]}")
     return final
+
+
+def _as_set(value, unset: str):
+    """An option's value as a run set it: ``unset`` for None or the NaN a results frame holds where a run's config
+    did not set it; a whole number the frame's column made a float (1.0) as the int it was."""
+    if value is None or value != value:
+        return unset
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _add_ratios(df) -> None:

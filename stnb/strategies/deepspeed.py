@@ -133,7 +133,7 @@ class DeepSpeed(Strategy):
     options = {
         "stage": Option(None, "int | None", "deepspeed: the ZeRO stage, 1 (optimizer state), 2 (+ gradients) or 3 "
                         "(+ parameters); default 2, accelerate's", choices=STAGES, unset=f"default ({DEFAULT_STAGE})",
-                        lever="a lower ZeRO stage (fewer collectives)"),
+                        label="stage {}", lever="a lower ZeRO stage (fewer collectives)"),
         "deepspeed_config": Option(
             None, "dict | None", "deepspeed: a DeepSpeed config merged over stnb's (JSON on the command line, e.g. "
             '\'{"zero_optimization": {"stage": 2}}\'); a value contradicting the run is refused'),

@@ -12,6 +12,10 @@ home folder).
 
 The baseline itself (what "faster" means) is the whole machine in one process on CPU (what one would run
 without ranks) and one GPU on GPUs.
+
+A notebook that reuses the table and then measures runs of its own (08's DDP knobs) measures the baseline's
+variants again beside them (``remeasured``) and compares with those; ``drift`` says how far the machine moved
+since the saved table (on a shared machine a quarter was seen between two notebooks: every run slower alike).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ ENV = "STNB_BASELINE"
 DDP = "ddp defaults"
 #: the keys a saved baseline must match to be reused
 MATCH = ("profile", "model", "device", "steps", "batch_size", "cores")
+#: how far the variants measured again may move (their median ratio) for the machine to count as unchanged
+DRIFT = 0.10
 
 
 def baseline_path() -> Path:
@@ -107,6 +113,37 @@ class Baseline:
         if busy > NOISY:
             lines.append(f"other programs used up to {busy:.0%} of the CPUs meanwhile: a quiet machine may give "
                          "other numbers")
+        return "\n".join(lines)
+
+    def remeasured(self, frame) -> "Baseline":
+        """The same variants measured again beside a notebook's own runs: ``frame``, a bench's knobs frame
+        (``variant``, ``samples_per_second``) that has this baseline's variant (CPU: ``whole_machine=True``)."""
+        sps = {v: float(x) for v, x in zip(frame["variant"], frame["samples_per_second"])
+               if v in self.samples_per_second}
+        if self.name not in sps:
+            from stnb.errors import ConfigError
+
+            raise ConfigError(f"the bench measured no {self.name!r} run to compare with: run it with "
+                              "whole_machine=True (one process with every core)")
+        return Baseline(samples_per_second=sps, name=self.name, key=dict(self.key), measured_at=time.time(),
+                        seconds=0.0, source="measured now, beside these runs")
+
+    def drift(self, now: "Baseline") -> str:
+        """How ``now`` (``remeasured``) compares with this saved table: each variant both measured, and whether
+        the machine runs as fast as it did (the median ratio within ``DRIFT``)."""
+        import statistics
+
+        both = [v for v in self.samples_per_second if v in now.samples_per_second]
+        ratio = {v: now[v] / self[v] for v in both}
+        then = f"notebook {self.notebook}'s" if self.notebook else "the saved table's"
+        table = f"notebook {self.notebook}'s table" if self.notebook else "the saved table"
+        lines = [f"{v}: {now[v]:.1f} samples/s now, {ratio[v]:.2f}x {then} {self[v]:.1f}" for v in both]
+        m = statistics.median(ratio.values())
+        if abs(m - 1) <= DRIFT:
+            lines.append(f"this machine runs as it did for {table} (within {DRIFT:.0%})")
+        else:
+            lines.append(f"this machine runs {abs(1 - m):.0%} {'slower' if m < 1 else 'faster'} now than for "
+                         f"{table} (other programs, another host): a ratio of a run now to that table carries it")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
