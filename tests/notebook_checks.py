@@ -342,8 +342,10 @@ assert v["weights_identical_across_ranks"] is True and len(set(v["weights_checks
          """sps = base.samples_per_second                   # 05's baseline, reused (or measured here when 08 runs alone)
 assert "ddp defaults" in sps and base.name in sps and all(v > 0 for v in sps.values())
 assert base.source.startswith(("measured in notebook ", "measured now"))  # 05's, or this one's earlier run"""),
-        ('print(f"the baseline, {base.name}',
-         """assert len(ddp_rows) == len(knob_names) and best.samples_per_second == ddp_rows.samples_per_second.max()"""),
+        ('now = base.remeasured(knob_df)',
+         """assert len(ddp_rows) == len(knob_names) and best.samples_per_second == ddp_rows.samples_per_second.max()
+assert now.name == base.name and now.samples_per_second[now.name] == knob_df.set_index("variant").samples_per_second[now.name]
+assert now.source == "measured now, beside these runs" and set(now.samples_per_second) <= set(base.samples_per_second)"""),
         ('tuned = stnb.run(',
          """assert tuned.verified and tuned.config["comm_hook"] == "embedding_rows"
 assert [st for st, _ in tuned.dev_curve][0] == 0 and [st for st, _ in tuned.dev_curve][-1] == prof.steps

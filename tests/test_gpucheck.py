@@ -41,7 +41,8 @@ def test_plan_one_gpu():
     got = [c.name for c in ch]
     assert got == ["hardware", "nccl all_reduce x1", "single bf16", "single fp16", "ddp x1 nccl bf16",
                    "fsdp x1 nccl bf16", "fault: a rank raises (x1 nccl)", "fault: a rank is killed (x1 nccl)",
-                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 nccl)", "single bf16 save_to",
+                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 nccl)", "single bf16 memory budget",
+                   "single bf16 save_to",
                    "single bf16 reranker", "single bf16 sparse", "notebook 00",
                    "plain sentence-transformers vs stnb single", "bench st-docs single"]
     assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16", "fault: a peer is aborted (x2 nccl)"], \
@@ -341,6 +342,26 @@ def test_fault_check_fails_when_the_fault_goes_unnoticed(monkeypatch):
     check = gpucheck.Check("fault raise", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"}, gpus=2)
     out = checks.RUNNERS["fault"](check, Machine())
     assert out.status == "failed" and "went unnoticed" in out.error
+
+
+def _budget_row():
+    return next(c for c in planning.cpu_plan(Machine()) if c.kind == "budget")
+
+
+def test_the_memory_budget_check_on_cpu_trains_with_room_and_runs_out_under_the_tight_budget():
+    """The budget's GPU row (the allocator's fraction) with gloo ranks here (RLIMIT_DATA): trained with room, then
+    out of memory, named, under 16 MiB over what a rank's runtime held, no process left."""
+    out = checks.RUNNERS["budget"](_budget_row(), Machine())
+    assert out.status == "passed", out.error
+    assert out.metrics["processes_left"] == 0
+    assert "ran out of its memory budget" in out.detail and f"memory_budget_gib={out.metrics['budget_gib']:g}" \
+        in out.detail
+
+
+def test_the_memory_budget_check_fails_when_the_tight_run_trains(monkeypatch):
+    monkeypatch.setattr(checks, "BUDGET_OVER_RUNTIME", 8 * 2**30)  # room enough: nothing runs out
+    out = checks.RUNNERS["budget"](_budget_row(), Machine())
+    assert out.status == "failed" and "the budget was not enforced" in out.error
 
 
 def test_one_rank_fsdp_and_allreduce_checks_on_cpu():

@@ -101,6 +101,23 @@ def test_static_figures_are_about_1000_px_wide(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_facet_labels_fit_beside_their_panels(path):
+    """A facet row's label is written sideways beside its panel: longer than the panel is tall, it runs into the
+    next row's (seen in 10: "schedule=gpipe, 4 microbatches" over "schedule=1f1b, ..."). About 7 px a character at
+    plotly's 12 px font; the panels share the figure's height less its title and axis (about 160 px)."""
+    too_long = []
+    for i, cell in enumerate(_code(path)):
+        for o in cell.outputs:
+            fig = o.get("data", {}).get("application/vnd.plotly.v1+json")
+            if not fig:
+                continue
+            rows = [a for a in fig.get("layout", {}).get("annotations", []) if a.get("textangle") == 90]
+            room = ((fig["layout"].get("height") or 500) - 160) / max(1, len(rows))
+            too_long += [(i, a["text"]) for a in rows if 7 * len(a["text"]) > room]
+    assert too_long == [], f"{path.name}: (code cell, facet label longer than its panel) {too_long}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_progress_bars_end_as_a_text_line(path):
     """A cell with stnb's per-rank bars (a widget) also prints the run's last line, e.g. 'ddp: 30/30 steps,
     2 ranks, 41 s'; and each bar's saved text, what a viewer without widgets shows (GitHub, nbconvert's

@@ -22,7 +22,7 @@ from stnb.strategies import baseline_name, is_distributed
 from stnb.timesplit import problems as split_problems
 
 from ..splitbench import time_split
-from .planning import FAULT_STALL_S, FAULT_TO_ERROR_S
+from .planning import BUDGET_OVER_RUNTIME, BUDGET_OVER_STATE, BUDGET_ROOMY_GIB, FAULT_STALL_S, FAULT_TO_ERROR_S
 from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
 from .report import Outcome
 
@@ -256,6 +256,59 @@ def check_fault(check, machine) -> Outcome:
                    error="; ".join(problems))
 
 
+def _budget_records(res) -> list:
+    """Each rank's ``memory_budget`` record (a one-process run's verification is its rank's)."""
+    return [(v or {}).get("memory_budget") or {} for v in (res.verification.get("ranks") or [res.verification])]
+
+
+def check_budget(check, machine) -> Outcome:
+    """A memory budget per rank (``memory_budget_gib``, stnb.budget): with room the run trains verified, the limit
+    in every rank's record; under a budget that holds the model state but not the training a rank fails as out of
+    memory, named, and no process is left. On a GPU the allocator's fraction enforces it and the tight budget is
+    ``BUDGET_OVER_STATE`` times the model state the prediction counts (activations do not fit beside it); on CPU
+    (RLIMIT_DATA, the whole process) it is ``BUDGET_OVER_RUNTIME`` over what a rank's runtime held when its limit
+    was applied (tests/test_memory_budget.py's rule)."""
+    from stnb import memory
+    from stnb.errors import LaunchError
+    from stnb.runner import run
+
+    cuda = _dev(check) == "cuda"
+    res = run(train_config(dict(check.params, memory_budget_gib=BUDGET_ROOMY_GIB)), echo=False)
+    problems = _judge_training(res, check)
+    records = _budget_records(res)
+    if [r.get("limit_bytes") for r in records] != [int(BUDGET_ROOMY_GIB * 2**30)] * len(records):
+        problems.append(f"with room, the ranks' budget records are {records}, not the limit asked")
+    if problems:
+        return Outcome(check.name, check.kind, "failed", error="; ".join(problems))
+    if cuda:
+        shape = res.verification["model_shape"]
+        tight = BUDGET_OVER_STATE * memory.predict(
+            res.strategy, shape["param_count"], res.world_size, shape["trainable_param_count"],
+            bytes_per_param=shape["bytes_per_param"], optimizer=shape["optimizer"])["total"]
+    else:
+        tight = max(r["held_at_start"] for r in records) + BUDGET_OVER_RUNTIME
+    gib = math.ceil(tight / 2**30 * 1e4) / 1e4  # never below what was asked: under the model state it is refused
+    before = _descendants()
+    error = None
+    try:
+        run(train_config(dict(check.params, memory_budget_gib=gib)), echo=False)
+        problems.append(f"trained under memory_budget_gib={gib:g}: the budget was not enforced")
+    except LaunchError as e:
+        error = e
+        if e.kind != "out_of_memory" or "ran out of its memory budget" not in str(e):
+            problems.append(f"failed as {e.kind!r}, not as running out of its budget: {str(e)[:300]}")
+    except Exception as e:  # noqa: BLE001 - a refusal or a crash is the finding
+        problems.append(f"raised {type(e).__name__} instead of LaunchError: {str(e)[:300]}")
+    left = sorted(_descendants() - before)
+    if left:
+        problems.append(f"processes left behind: {left}")
+    first = str(error).splitlines()[0] if error is not None else ""
+    return Outcome(check.name, check.kind, "failed" if problems else "passed",
+                   metrics={"budget_gib": gib, "processes_left": len(left)},
+                   detail=f"trained under {BUDGET_ROOMY_GIB:g} GiB, the limit in every rank; under {gib:g} GiB: "
+                          f"{first[:200]}", error="; ".join(problems))
+
+
 def check_notebook(check, machine) -> Outcome:
     """Every cell of notebook 00 in a fresh Jupyter kernel (nbclient), as nbval runs it in the tests."""
     import nbformat
@@ -419,7 +472,8 @@ def check_st_docs(check, machine) -> Outcome:
 
 
 RUNNERS = {"hardware": check_hardware, "allreduce": check_allreduce, "train": check_train,
-           "train_direct": check_train_direct, "train_build": check_train_build, "fault": check_fault, "notebook": check_notebook,
+           "train_direct": check_train_direct, "train_build": check_train_build, "fault": check_fault, "budget": check_budget,
+           "notebook": check_notebook,
            "ratio": check_ratio, "st_docs": check_st_docs}
 
 

@@ -40,6 +40,10 @@ NO_MINILM_TRAIN, NO_MINILM_RATIO = "tiny", "mpnet-base-random"
 ONE_GPU_PEER_ABORT = ("NCCL puts one rank on one GPU: a peer aborted by a failing rank needs 2+ GPUs (the 1-GPU "
                       "fault rows check the launch's own error, timeout and cleanup on one NCCL rank)")
 # `gpu-check --cpu`: the same RUN functions on gloo ranks, the tiny model, a few steps (the GPU kit's CPU test)
+# the memory budget's row (issue 45): a budget with room, then one that holds the model state but not the training
+BUDGET_ROOMY_GIB = 16.0
+BUDGET_OVER_STATE = 1.05          # GPU: the allocator's budget, times the model state the prediction counts
+BUDGET_OVER_RUNTIME = 16 * 2**20  # CPU: bytes over what a rank's runtime held (RLIMIT_DATA counts it all)
 CPU_TRAIN = dict(model="tiny", per_device_batch_size=4, max_seq_length=32, steps=3, warmup_steps_excluded=1,
                  train_size=64, dev_size=16, timeout=300.0, stall_timeout=120.0, device="cpu", mixed_precision="no")
 
@@ -147,6 +151,8 @@ def plan(machine: Machine) -> list:
                 checks.append(Check(f"{s.name} x{n} {dist_mp}", "train",
                                     dict(multi, strategy=s.name, num_processes=n), gpus=n,
                                     skip=_needs(machine, s.name)))
+    # a memory budget on one GPU: the allocator's fraction, out of memory named (issue 45)
+    checks.append(Check(f"{base} {dist_mp} memory budget", "budget", dict(one, strategy=base, mixed_precision=dist_mp)))
     # what users do besides a bi-encoder: save the trained model, train a CrossEncoder / SparseEncoder
     checks.append(Check(f"{base} {dist_mp} save_to", "train", dict(one, strategy=base, mixed_precision=dist_mp,
                                                                   save_to=True)))
@@ -186,6 +192,9 @@ def cpu_plan(machine: Machine) -> list:
             rows.append(Check(f"{s.name} x2 [cpu]", "train", dict(t, strategy=s.name, num_processes=2), gpus=0))
     rows += [Check("fault: a peer is aborted (x2 gloo) [cpu]", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"},
                    gpus=0),
+             # spawned ranks: what a rank holds at its start is its own runtime, not what this process had mapped
+             Check("ddp x2 memory budget [cpu]", "budget", dict(t, strategy="ddp", num_processes=2,
+                                                                 start_method="spawn"), gpus=0),
              Check(f"plain vs stnb {base} [cpu]", "ratio",
                    {**RATIO, **t, "steps": 4, "warmup_steps_excluded": 1, "strategy": base, "goal": 0.0,
                     "repeats": 1}, gpus=0),
