@@ -157,6 +157,10 @@ def test_stnbs_recipe_refuses_a_deepspeed_config_that_contradicts_the_run():
             "in the DeepSpeed config, but the gradient_accumulation_steps is 2 (stnb.run's options); bf16.enabled=False "
             "in the DeepSpeed config, but mixed precision is 'bf16' (stnb.run's options)") in msg
     assert refused(stage=9).startswith("unknown DeepSpeed ZeRO stage 9")  # validated first
+    from stnb.strategies.deepspeed import BF16_ON_CPU
+
+    assert refused(mixed_precision="bf16", device="cpu") == (
+        "mixed_precision='bf16' with strategy='deepspeed' on CPU: " + BF16_ON_CPU)
     DS.check_recipe(TrainConfig(strategy="deepspeed", per_device_batch_size=8, stage=3,
                                 deepspeed_config={"train_micro_batch_size_per_gpu": 8}))
 

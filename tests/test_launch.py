@@ -142,6 +142,17 @@ def test_channel_files_per_rank():
     assert not os.path.exists(folder)  # removed once, and leaving the context removes nothing twice
 
 
+def test_a_launch_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """Its channel and torch elastic's per-rank folders are removed with the launch (elastic's default made a
+    torchelastic_* folder per launch and left it)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where this process's temporary folders go
+    res = cpu_launch(rankfns.info, num_processes=2, echo=False)
+    assert [r["rank"] for r in res] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_single_process_launch():
     res = cpu_launch(rankfns.info, num_processes=1, echo=False)
     assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1

@@ -71,6 +71,7 @@ def start_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, 
 
     Raises what torch's elastic launcher raises (ChildFailedError, SignalException...)."""
     from accelerate.utils import check_cuda_p2p_ib_support, patch_environment
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from torch.numa.binding import AffinityMode, NumaOptions
 
@@ -88,7 +89,10 @@ def start_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, 
             # LaunchConfig picks NUMA options itself when numa_options is None, asking
             # torch.cuda.is_available(), which starts the driver in this process; as notebook_launcher
             # does, give it a value and take it back (no NUMA binding)
-            numa_options=NumaOptions(AffinityMode.NODE))
+            numa_options=NumaOptions(AffinityMode.NODE),
+            # elastic's per-rank folders inside the launch's own, removed with it (by default each launch left a
+            # /tmp/torchelastic_* folder behind: thousands on a machine that ran the tests)
+            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ch.dir, "elastic")))
         config.numa_options = None
         elastic_launch(config=config, entrypoint=rank_main)(ch, opts)
 
