@@ -254,7 +254,7 @@ for node, command in enumerate(script.node_commands("torchrun")):
          """if job is not None:
     assert on_slurm.verified and on_slurm.launcher == "slurm" and on_slurm.world_size == here.world_size
     assert on_slurm.global_batch_size == here.global_batch_size"""),
-        ('import tempfile\n\nruns_dir = ',
+        ('import tempfile\n\nscratch = ',
          """every, end = fsdp.checkpoint_every, fsdp.steps
 assert never.verified and len(never.losses) == end
 assert [c["step"] for c in never.checkpoints] == list(range(every, end + 1, every))

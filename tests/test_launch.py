@@ -153,6 +153,18 @@ def test_a_launch_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_launch_gives_the_notebook_its_environment_back(nproc, monkeypatch):
+    """The ranks inherit STNB_LAUNCH and gloo on loopback while they start; the notebook's own environment is as
+    it was after the launch, a value the user had set included (one rank: forked here; two: torch elastic)."""
+    monkeypatch.delenv("STNB_LAUNCH", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the user's own: kept, not taken away after
+    before = dict(os.environ)
+    seen = cpu_launch(rankfns.read_env, ("STNB_LAUNCH", "GLOO_SOCKET_IFNAME"), num_processes=nproc, echo=False)
+    assert seen == [{"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": "lo"}] * nproc
+    assert dict(os.environ) == before
+
+
 def test_single_process_launch():
     res = cpu_launch(rankfns.info, num_processes=1, echo=False)
     assert len(res) == 1 and res[0]["rank"] == 0 and res[0]["world_size"] == 1

@@ -4,6 +4,8 @@ and no code cell changed since (tests/notebook_outputs.py)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -115,6 +117,114 @@ def test_facet_labels_fit_beside_their_panels(path):
             room = ((fig["layout"].get("height") or 500) - 160) / max(1, len(rows))
             too_long += [(i, a["text"]) for a in rows if 7 * len(a["text"]) > room]
     assert too_long == [], f"{path.name}: (code cell, facet label longer than its panel) {too_long}"
+
+
+def _figures(path):
+    """(code cell, plotly figure JSON) for every figure the notebook's outputs hold."""
+    for i, cell in enumerate(_code(path)):
+        for o in cell.outputs:
+            fig = o.get("data", {}).get("application/vnd.plotly.v1+json")
+            if fig:
+                yield i, fig
+
+
+def _texts(fig) -> list:
+    layout = fig.get("layout", {})
+    texts = [a.get("text") or "" for a in layout.get("annotations", [])]
+    for key, value in layout.items():
+        if key == "title" or key.startswith(("xaxis", "yaxis")):
+            title = value.get("title") if key != "title" else value
+            texts.append((title.get("text") if isinstance(title, dict) else title) or "")
+    return texts
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_text_on_a_figure_is_cut(path):
+    """A note or title cut to fit ('... (measured here: gloo al...' under 06's prediction, 'means of 6 ste)' in its
+    title) is wrapped onto more lines instead: no line of a figure's text ends cut with '...' or an ellipsis."""
+    cut = [(i, t) for i, fig in _figures(path) for t in _texts(fig)
+           if re.search(r"\w(\.\.\.|\u2026)\)?(<br>|$)", t)]
+    assert cut == [], f"{path.name}: (code cell, text cut short) {cut}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_vertical_legends_fit_beside_their_plot(path):
+    """plotly scrolls a vertical legend taller than the plot area and a PNG shows its top only (05's timeline lost
+    'other' and 'communication in flight'): entries x LEGEND_ROW_PX fit the figure's height less its margins."""
+    from stnb.plots.timesplit import LEGEND_ROW_PX
+
+    cut = []
+    for i, fig in _figures(path):
+        layout = fig.get("layout", {})
+        legend = layout.get("legend", {})
+        entries = [t for t in fig.get("data", []) if t.get("showlegend", True) and t.get("name")]
+        if layout.get("showlegend") is False or legend.get("orientation") == "h" or len(entries) < 2:
+            continue
+        margin = {"t": 100, "b": 80, **layout.get("margin", {})}
+        room = (layout.get("height") or 450) - margin["t"] - margin["b"]
+        rows = len(entries) + bool((legend.get("title") or {}).get("text"))
+        if rows * LEGEND_ROW_PX > room:
+            cut.append((i, f"{rows} entries in {room} px"))
+    assert cut == [], f"{path.name}: (code cell, legend taller than its plot) {cut}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_log_axes_carry_their_own_labels(path):
+    """A log axis over less than a few decades is labelled by plotly with each minor digit ('3 4 5 6 7 8 9 100 2 3',
+    06's prediction): stnb's log axes set their tick values and texts (stnb.plots.predict.log_ticks)."""
+    bare = [(i, key) for i, fig in _figures(path) for key, axis in fig.get("layout", {}).items()
+            if key.startswith(("xaxis", "yaxis")) and axis.get("type") == "log"
+            and not (axis.get("tickvals") and (axis.get("ticktext") or key.startswith("xaxis")))]
+    assert bare == [], f"{path.name}: (code cell, log axis without its own labels) {bare}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_lines_drawn_on_each_other_are_named(path):
+    """04's four strategies drew one line under four legend entries and nothing said why: in stnb's per-step figures
+    (and the dashboard's loss panel) every group of lines that lie on each other (stnb.plots.traces.coinciding's
+    rule) is named under the title. A notebook's own figures say it in their prose (06's resumed run)."""
+    import plotly.graph_objects as go
+
+    from stnb.plots.traces import coinciding
+
+    panels = {"loss_curves": lambda t: True, "dev_curves": lambda t: True, "dashboard": lambda t: t.xaxis == "x4"}
+    silent = []
+    for i, fig in _figures(path):
+        layout = fig.get("layout", {})
+        kind = (layout.get("meta") or {}).get("stnb_kind")
+        if kind not in panels:
+            continue
+        said = coinciding([t for t in go.Figure(fig).data if panels[kind](t)])
+        if said and said not in (layout.get("title") or {}).get("text", ""):
+            silent.append((i, said))
+    assert silent == [], f"{path.name}: (code cell, lines drawn as one and not named) {silent}"
+
+
+def test_log_ticks_follow_the_range():
+    from stnb.plots.predict import log_ticks
+
+    assert log_ticks(25, 260) == [30, 50, 100, 200]  # a short range: 1, 2, 3, 5 per decade
+    assert log_ticks(2000, 20_000) == [2000, 3000, 5000, 10_000, 20_000]
+    assert log_ticks(150, 30_000) == [200, 500, 1000, 2000, 5000, 10_000, 20_000]  # 2.3 decades: 1, 2, 5
+    assert log_ticks(2000, 1.5e6) == [3000, 10_000, 30_000, 100_000, 300_000, 1_000_000]  # 2.9 decades: 1, 3
+    assert log_ticks(1, 1e6) == [1, 10, 100, 1000, 10_000, 100_000, 1_000_000]
+    assert log_ticks(0, 10) == [] and log_ticks(10, 5) == []
+
+
+def test_the_timeline_is_tall_enough_for_its_legend():
+    """Two ranks' four lanes need less height than the eight parts' legend; the figure grows to hold it."""
+    from stnb.plots import timesplit as pt
+
+    step = {part: 0.01 for part in pt.PARTS} | {"start": 0.0, "comm_spans": [[0.02, 0.03]]}
+    r = {"strategy": "ddp", "world_size": 2, "config": {"warmup_steps_excluded": 0},
+         "time_split": [{"steps": [step]}, {"steps": [step]}]}
+    fig = pt.timeline(r, steps=1)
+    entries = [t for t in fig.data if t.showlegend is not False]
+    assert len(entries) == len(pt.PARTS) + 1  # and communication in flight
+    room = fig.layout.height - fig.layout.margin.t - fig.layout.margin.b
+    assert len(entries) * pt.LEGEND_ROW_PX <= room
+    one = pt.timeline(dict(r, world_size=1, time_split=[{"steps": [{"start": 0.0, "forward": 0.01}]}]), steps=1)
+    assert one.layout.height < fig.layout.height  # one part, one rank: no room kept for a legend it lacks
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -171,6 +171,36 @@ def test_loss_curves_one_line_per_run(df):
     assert any("not runnable here" in a.text for a in fig.layout.annotations)
 
 
+def test_lines_that_lie_on_each_other_are_named_and_dashed_apart():
+    """04's four strategies drew one green line under four legend entries: lines within COINCIDE of the y range
+    at every step get a dash each and are named under the title, with how far apart they are."""
+    frame = stnb.results_frame([
+        _run("single", 1, 100.0, losses=(0.5, 0.4, 0.3)),
+        _run("ddp", 2, 160.0, losses=(0.5, 0.4, 0.3)),
+        _run("fsdp", 2, 120.0, losses=(0.5, 0.4001, 0.3)),
+        _run("zero1", 2, 120.0, losses=(0.5, 0.4, 0.31)),  # 1.4% of the range off at one step: its own line
+        _run("ddp", 2, 50.0, model="minilm", losses=(0.9, 0.6, 0.2)),
+        _run("zero2", 2, 50.0, model="minilm", losses=(0.9, 0.6, 0.2))])
+    fig = plots.loss_curves(frame)
+    assert fig.layout.title.text == ("Training loss<br><sup>single, ddp ×2 · tiny and fsdp ×2 lie on one line (at "
+                                     "most 0.0001 apart); ddp ×2 · minilm and zero2 ×2 lie on one line (the same "
+                                     "values)</sup>")
+    assert [t.line.dash for t in fig.data] == ["solid", "dash", "dot", None, "solid", "dash"]
+    apart = plots.loss_curves(stnb.results_frame([_run("single", 1, 100.0, losses=(0.5, 0.4, 0.3)),
+                                                  _run("ddp", 2, 160.0, losses=(0.5, 0.4, 0.31))]))
+    assert apart.layout.title.text == "Training loss" and {t.line.dash for t in apart.data} == {None}
+    longer = plots.loss_curves(stnb.results_frame([_run("single", 1, 100.0, losses=(0.5, 0.4, 0.3)),
+                                                   _run("ddp", 2, 160.0, losses=(0.5, 0.4, 0.3, 0.2))]))
+    assert longer.layout.title.text == "Training loss"  # not the same steps: not one line
+
+
+def test_the_dashboard_names_loss_lines_drawn_as_one(df):
+    fig = plots.dashboard(df)  # every run of df lost 0.5, 0.4, 0.3
+    assert fig.layout.title.text == ("stnb runs<br><sup>training loss: single, ddp ×2 · tiny, fsdp ×2 and ddp ×2 · "
+                                     "minilm lie on one line (the same values)</sup>")
+    assert [t.line.dash for t in fig.select_traces(row=2, col=2)] == ["solid", "dash", "dot", "dashdot"]
+
+
 def test_dev_curves_one_line_per_run_with_a_curve():
     from dataclasses import replace
 

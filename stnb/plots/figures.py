@@ -9,8 +9,8 @@ import math
 import textwrap
 
 from .table import OURS, REFERENCE_SOURCE, comparison_table, esc, reference_frame
-from .traces import (dev_traces, loss_traces, note_unrunnable, peak_traces, ratio_traces, state_traces,
-                     throughput_traces, variant_color)
+from .traces import (dev_traces, loss_traces, note_coinciding, note_unrunnable, peak_traces, ratio_traces,
+                     state_traces, throughput_traces, variant_color)
 
 # columns of the normalised table (comparison_table) kept in a figure's layout.meta so that
 # with_reference(fig) can rebuild it
@@ -127,6 +127,7 @@ def _per_step_figure(df, name: str, traces_of, title: str, y_title):
     fig = go.Figure(traces_of(ours))
     fig.update_layout(title=title, xaxis_title="step", yaxis_title=y_title(ours), xaxis_tickformat="d")
     note_unrunnable(fig, ours)
+    note_coinciding(fig, fig.data)
     return _finish(fig, name, data)
 
 
@@ -165,6 +166,7 @@ def dashboard(df, reference: bool = False):
         fig.add_trace(t, row=2, col=2)
     fig.update_xaxes(title_text="step", tickformat="d", row=2, col=2)
     fig.update_layout(title="stnb runs", barmode="overlay", bargap=0.3, height=750)
+    note_coinciding(fig, list(fig.select_traces(row=2, col=2)), "training loss: ")
     return _finish(fig, "dashboard", data)
 
 

@@ -8,6 +8,9 @@ under it.
 
 from __future__ import annotations
 
+import math
+import textwrap
+
 from .traces import strategy_color
 
 
@@ -38,11 +41,27 @@ def figure(pred):
                            "%{customdata[4]:,.0f}; widest input: %{customdata[5]})<br>efficiency %{customdata[0]:.2f}"
                            "<br>step %{customdata[1]:.1f} ms, exposed comm %{customdata[2]:.1f} ms"
                            "<br>%{customdata[6]}<extra></extra>")))
-    notes = "<br>".join(a if len(a) < 150 else a[:147] + "..." for a in pred.assumptions[1:3])
+    notes = [line for a in pred.assumptions[1:3] for line in textwrap.wrap(a, 150, break_on_hyphens=False)]
+    ys = [single * n for n in ns] + list(t["low"].dropna()) + list(t["high"].dropna())
+    low, high = min(ys) / 1.15, max(ys) * 1.15
+    ticks = log_ticks(low, high)
+    title = textwrap.wrap(f"Predicted samples/s on {pred.fabric.link.name} (from {m.source})", 95)
     fig.update_layout(
-        title=f"Predicted samples/s on {pred.fabric.link.name} (from {m.source[:40]})",
-        xaxis={"title": "devices", "type": "log", "tickvals": ns}, yaxis={"title": "samples/s", "type": "log"},
-        margin={"b": 150}, height=480,
-        annotations=[{"text": notes, "xref": "paper", "yref": "paper", "x": 0, "y": -0.32, "showarrow": False,
-                      "align": "left", "font": {"size": 10}}])
+        title="<br>".join(title), xaxis={"title": "devices", "type": "log", "tickvals": ns},
+        yaxis={"title": "samples/s", "type": "log", "range": [math.log10(low), math.log10(high)], "tickvals": ticks,
+               "ticktext": [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in ticks]},
+        margin={"b": 110 + 14 * len(notes)}, height=480 + 14 * len(notes),
+        annotations=[{"text": "<br>".join(notes), "xref": "paper", "yref": "paper", "x": 0, "y": -0.2,
+                      "yanchor": "top", "showarrow": False, "align": "left", "font": {"size": 10}}])
     return fig
+
+
+def log_ticks(low: float, high: float) -> list:
+    """Labels for a log axis from ``low`` to ``high``: 1, 2, 3 and 5 times the powers of ten between them, fewer
+    as the range widens (plotly's own labels a short log range with each minor digit: '3 4 5 6 7 8 9 100 2 3')."""
+    if not 0 < low <= high:
+        return []
+    decades = math.log10(high / low)
+    steps = (1, 2, 3, 5) if decades <= 1.5 else (1, 2, 5) if decades <= 2.5 else (1, 3) if decades <= 4 else (1,)
+    return [m * 10.0 ** k for k in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+            for m in steps if low <= m * 10.0 ** k <= high]

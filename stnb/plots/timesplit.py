@@ -16,6 +16,7 @@ Each reads ``RunResult.time_split`` (``stnb.timesplit``); means over the steady 
 
 from __future__ import annotations
 
+LEGEND_ROW_PX = 29  # one vertical legend entry at plotly's default font
 PARTS = ("data", "forward", "backward_compute", "comm_exposed", "wait", "optimizer", "other")
 PART_COLORS = {"data": "#bab0ac", "forward": "#4c78a8", "backward_compute": "#72b7b2", "comm_exposed": "#e45756",
                "wait": "#f2cf5b", "optimizer": "#54a24b", "other": "#d3d3d3", "comm": "#e45756"}
@@ -149,9 +150,11 @@ def timeline(result, steps: int = 3):
                 t += d
             for s, e in st.get("comm_spans") or []:
                 _bar(fig, f"rank {rank} comm", s, e - s, "comm", seen)
+    lanes = 70 + 60 * len(r.get("time_split") or [])  # px: two lanes a rank
+    plot = max(lanes, LEGEND_ROW_PX * len(seen) + 10)  # plotly cuts a legend taller than the plot at its foot
     fig.update_layout(barmode="overlay", title=f"{r['strategy']} x{r['world_size']}: {steps} steps per rank",
-                      xaxis_title="seconds", height=300 + 60 * len(r.get("time_split") or []),
-                      margin={"b": 130}, annotations=[_under("<br>".join(_wrap(advice(r))), 4, y=-0.3)])
+                      xaxis_title="seconds", height=100 + plot + 130, margin={"t": 100, "b": 130},
+                      annotations=[_under("<br>".join(_wrap(advice(r))), 4, y=-60 / plot)])
     fig.update_yaxes(autorange="reversed")
     return fig
 

@@ -246,6 +246,45 @@ def note_unrunnable(fig, rows):
                        showarrow=False, align="left", font=dict(size=11, color="#666"))
 
 
+COINCIDE = 0.005  # of the figure's y range: lines closer than this draw as one at any figure size
+DASHES = ("solid", "dash", "dot", "dashdot")
+
+
+def coinciding(lines) -> str:
+    """Lines that lie on each other (the same steps, values within ``COINCIDE`` of their y range) show as one: give
+    each a dash of its own; the sentence that says which they are and how far apart ('' if none do)."""
+    lines = [t for t in lines if t.y is not None and len(t.y)]
+    ys = [v for t in lines for v in t.y if v is not None]
+    if len(lines) < 2 or not ys:
+        return ""
+    tol = COINCIDE * ((max(ys) - min(ys)) or abs(max(ys)) or 1.0)
+    groups = []
+    for t in lines:
+        same = next((g for g in groups if list(g[0].x) == list(t.x)
+                     and max(abs(a - b) for a, b in zip(g[0].y, t.y)) <= tol), None)
+        if same is None:
+            groups.append([t])
+        else:
+            same.append(t)
+    said = []
+    for g in (g for g in groups if len(g) > 1):
+        for i, t in enumerate(g):
+            t.line.dash = DASHES[i % len(DASHES)]
+        apart = max(abs(a - b) for t in g[1:] for a, b in zip(g[0].y, t.y))
+        how = "the same values" if apart == 0 else f"at most {apart:.2g} apart"
+        names = [t.name for t in g]
+        said.append(f"{', '.join(names[:-1])} and {names[-1]} lie on one line ({how})")
+    return "; ".join(said)
+
+
+def note_coinciding(fig, lines, where: str = "") -> str:
+    """``coinciding(lines)``, said under the figure's title (after ``where``, the panel's name); the sentence."""
+    sentence = coinciding(lines)
+    if sentence:
+        fig.update_layout(title_text=f"{fig.layout.title.text}<br><sup>{esc(where + sentence)}</sup>")
+    return sentence
+
+
 # ---- small helpers ----------------------------------------------------------------------------
 
 def _measured(rows, column):

@@ -81,19 +81,20 @@ def start_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, 
     if not check_cuda_p2p_ib_support():  # nvidia-smi only; consumer GPUs without P2P/IB support
         env["nccl_p2p_disable"] = "1"
         env["nccl_ib_disable"] = "1"
-    with patch_environment(**env):
-        config = LaunchConfig(
-            min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id="none",
-            rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend="static", rdzv_configs={"rank": node_rank},
-            max_restarts=0, monitor_interval=0.1, start_method=opts.start_method,
-            # LaunchConfig picks NUMA options itself when numa_options is None, asking
-            # torch.cuda.is_available(), which starts the driver in this process; as notebook_launcher
-            # does, give it a value and take it back (no NUMA binding)
-            numa_options=NumaOptions(AffinityMode.NODE),
-            # elastic's per-rank folders inside the launch's own, removed with it (by default each launch left a
-            # /tmp/torchelastic_* folder behind: thousands on a machine that ran the tests)
-            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ch.dir, "elastic")))
-        config.numa_options = None
+    config = LaunchConfig(
+        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id="none",
+        rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend="static", rdzv_configs={"rank": node_rank},
+        max_restarts=0, monitor_interval=0.1, start_method=opts.start_method,
+        # LaunchConfig picks NUMA options itself when numa_options is None, asking
+        # torch.cuda.is_available(), which starts the driver in this process; as notebook_launcher
+        # does, give it a value and take it back (no NUMA binding)
+        numa_options=NumaOptions(AffinityMode.NODE),
+        # elastic's per-rank folders inside the launch's own, removed with it (by default each launch left a
+        # /tmp/torchelastic_* folder behind: thousands on a machine that ran the tests)
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ch.dir, "elastic")))
+    config.numa_options = None
+    # elastic's launch writes TORCHELASTIC_SIGNALS_TO_HANDLE into this process's environment and leaves it there
+    with patch_environment(**env, torchelastic_signals_to_handle=config.signals_to_handle):
         elastic_launch(config=config, entrypoint=rank_main)(ch, opts)
 
 
@@ -180,25 +181,18 @@ def node_gpus(device: str, nproc: int, num_nodes: int, node_rank: int, master_ad
     return ",".join(mine)
 
 
-@contextmanager
 def rank_environment(num_nodes: int, master_addr: str, gpus: str | None = None):
-    """What the ranks inherit from this process's environment while they start: STNB_LAUNCH (a rank
-    knows it runs under stnb.launch, not an outside launcher), gloo on loopback when every rank
-    is on this machine (one node, or "nodes" on localhost) and, for such "nodes" on CUDA, this node's
-    own GPUs (``gpus``, from ``node_gpus``) as CUDA_VISIBLE_DEVICES."""
+    """What the ranks inherit from this process's environment while they start (accelerate's
+    ``patch_environment``, taken back after): STNB_LAUNCH (a rank knows it runs under stnb.launch, not an
+    outside launcher), gloo on loopback when every rank is on this machine (one node, or "nodes" on
+    localhost) and, for such "nodes" on CUDA, this node's own GPUs (``gpus``, from ``node_gpus``) as
+    CUDA_VISIBLE_DEVICES."""
+    from accelerate.utils import patch_environment
+
     local_only = num_nodes == 1 or master_addr in LOCALHOST
     env = {"STNB_LAUNCH": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo" if local_only else ""),
            "CUDA_VISIBLE_DEVICES": gpus}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if v})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return patch_environment(**{k: v for k, v in env.items() if v})
 
 
 @contextmanager

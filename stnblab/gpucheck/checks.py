@@ -268,12 +268,13 @@ def check_budget(check, machine) -> Outcome:
     ``BUDGET_OVER_STATE`` times the model state the prediction counts (activations do not fit beside it); on CPU
     (RLIMIT_DATA, the whole process) it is ``BUDGET_OVER_RUNTIME`` over what a rank's runtime held when its limit
     was applied (tests/test_memory_budget.py's rule)."""
-    from stnb import memory
+    from stnb import budget
     from stnb.errors import LaunchError
     from stnb.runner import run
 
     cuda = _dev(check) == "cuda"
-    res = run(train_config(dict(check.params, memory_budget_gib=BUDGET_ROOMY_GIB)), echo=False)
+    roomy = train_config(dict(check.params, memory_budget_gib=BUDGET_ROOMY_GIB))
+    res = run(roomy, echo=False)
     problems = _judge_training(res, check)
     records = _budget_records(res)
     if [r.get("limit_bytes") for r in records] != [int(BUDGET_ROOMY_GIB * 2**30)] * len(records):
@@ -281,10 +282,9 @@ def check_budget(check, machine) -> Outcome:
     if problems:
         return Outcome(check.name, check.kind, "failed", error="; ".join(problems))
     if cuda:
-        shape = res.verification["model_shape"]
-        tight = BUDGET_OVER_STATE * memory.predict(
-            res.strategy, shape["param_count"], res.world_size, shape["trainable_param_count"],
-            bytes_per_param=shape["bytes_per_param"], optimizer=shape["optimizer"])["total"]
+        # the refusal's own prediction (the config's options counted), so the tight budget is never refused
+        tight = BUDGET_OVER_STATE * budget.predicted(roomy, res.verification["model_shape"], roomy.strategy,
+                                                     res.world_size)["total"]
     else:
         tight = max(r["held_at_start"] for r in records) + BUDGET_OVER_RUNTIME
     gib = math.ceil(tight / 2**30 * 1e4) / 1e4  # never below what was asked: under the model state it is refused
