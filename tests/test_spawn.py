@@ -301,16 +301,19 @@ def test_fork_refused_where_missing(monkeypatch):
 def test_script_without_main_guard_is_explained(tmp_path):
     """A script that launches at top level under spawn: each rank re-imports it first and fails there
     (multiprocessing refuses a launch during its bootstrap). The error says what to change, and no
-    process of the run is left."""
+    process of the run is left. A spawned rank imports torch and stnb before it gets there: on a busy
+    machine (CI's own three workers on this 2-core host) that took longer than the 60 s a rank gets to start,
+    and the launch was stopped as 'did not start' first; the script gives its ranks 240 s."""
     import uuid
 
     import psutil
 
     script = tmp_path / "train_no_guard.py"
     script.write_text("import stnb\n\ndef work():\n    return 1\n\n"
-                      "stnb.launch(work, num_processes=2, device='cpu', start_method='spawn', timeout=120)\n")
+                      "stnb.launch(work, num_processes=2, device='cpu', start_method='spawn', timeout=240,\n"
+                      "            stall_timeout=240)\n")
     mark = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400, cwd=str(tmp_path),
                           env=dict(os.environ, STNB_TEST_MARK=mark))
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
