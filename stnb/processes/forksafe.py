@@ -25,6 +25,7 @@ import ctypes
 import gc
 import os
 from contextlib import contextmanager
+from unittest import mock
 
 from ..errors import ConfigError
 from .output import not_deepspeed_cpu_note
@@ -219,21 +220,18 @@ def import_what_every_rank_imports() -> None:
         return
     ds_logger = logging.getLogger("DeepSpeed")  # the logger deepspeed.utils configures on import
     ds_logger.addFilter(not_deepspeed_cpu_note)
-    before = dict(os.environ)
     try:
         from accelerate.utils import is_deepspeed_available
 
         if is_deepspeed_available():
-            import deepspeed  # noqa: F401
+            # its import sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for the whole process (the notebook's
+            # torch.cuda.is_available() would then ask NVML): the user's environment is given back as it was
+            with mock.patch.dict(os.environ):
+                import deepspeed  # noqa: F401
     except Exception:  # noqa: BLE001 - the rank's own import reports it
         pass
     finally:
         ds_logger.removeFilter(not_deepspeed_cpu_note)
-        # its import sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for the whole process (the notebook's
-        # torch.cuda.is_available() would then ask NVML): the user's environment is given back as it was
-        for k in set(os.environ) - set(before):
-            del os.environ[k]
-        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
 
 
 def release_openmp_threads() -> None:
