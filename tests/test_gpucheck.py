@@ -41,11 +41,14 @@ def test_plan_one_gpu():
     got = [c.name for c in ch]
     assert got == ["hardware", "nccl all_reduce x1", "single bf16", "single fp16", "ddp x1 nccl bf16",
                    "fsdp x1 nccl bf16", "fault: a rank raises (x1 nccl)", "fault: a rank is killed (x1 nccl)",
-                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 nccl)", "single bf16 memory budget",
+                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 nccl)",
+                   "2 ranks on 1 GPU: nccl, gloo on CUDA tensors", "stnb strategies x2 sharing 1 GPU",
+                   "single bf16 memory budget",
                    "single bf16 save_to",
                    "single bf16 reranker", "single bf16 sparse", "notebook 00",
                    "plain sentence-transformers vs stnb single", "bench st-docs single"]
-    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16", "fault: a peer is aborted (x2 nccl)"], \
+    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16", "fault: a peer is aborted (x2 nccl)",
+                                              "stnb strategies x2 sharing 1 GPU"], \
         "an H100 runs every other 1-GPU check"
     by = {c.name: c for c in ch}
     assert by["single fp16"].params["mixed_precision"] == "fp16" and by["single fp16"].params["strategy"] == "single"
@@ -81,7 +84,7 @@ def test_plan_gpu_without_bf16():
     assert not [c.name for c in ch if c.params.get("mixed_precision") == "no"]
     assert by["single fp16"].params["mixed_precision"] == "fp16"  # the speed-up base of those rows
     assert by["plain sentence-transformers vs stnb single"].params["mixed_precision"] == "fp16"
-    assert not any(c.skip for c in ch if "bf16" not in c.name and "x1" not in c.name)
+    assert not any(c.skip for c in ch if "bf16" not in c.name and "x1" not in c.name and c.skip != planning.SHARED_GPU)
 
 
 def _accelerate_wraps_in_ddp(num_processes: int) -> bool:
@@ -245,7 +248,7 @@ def test_a_planned_check_that_did_not_run_makes_the_verdict_failed_never_passed(
 def test_the_cpu_rows_verdict_counts_a_row_that_did_not_run_as_failed(monkeypatch, tmp_path):
     """``gpu-check --cpu`` words its verdict itself: a planned row with no outcome is one of the failed, and the
     line ends FAILED, as the exit status says (here every row but the last ran and passed; nothing starts)."""
-    def all_but_the_last(planned, machine, deadline, echo=None):
+    def all_but_the_last(planned, machine, deadline, echo=None, after=None):
         return [reporting.Outcome(c.name, c.kind, "skipped" if c.skip else "passed") for c in planned[:-1]]
 
     monkeypatch.setattr(checks, "run_all", all_but_the_last)

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from .planning import BUDGET_S, Check, Machine, cpu_plan, detect, plan
+from .planning import BUDGET_S, GPU_BOUND_BUDGET_S, Check, Machine, cpu_plan, detect, plan
 from .report import Outcome, build, exit_code, plan_table, table, write
 
 __all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_check", "plan", "plan_table", "table",
@@ -27,8 +27,17 @@ __all__ = ["Check", "Machine", "Outcome", "build", "detect", "exit_code", "gpu_c
 DEFAULT_REPORT = os.path.join("artifacts", "gpu-check", "report.json")
 
 
-def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, echo: bool = True,
-              cpu: bool = False) -> dict:
+def only(checks: list, names) -> list:
+    """The planned checks whose name contains one of ``names`` (case-insensitive), and the hardware row;
+    every check when ``names`` is empty."""
+    if not names:
+        return checks
+    want = [n.lower() for n in names]
+    return [c for c in checks if c.kind == "hardware" or any(n in c.name.lower() for n in want)]
+
+
+def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float | None = None, echo: bool = True,
+              cpu: bool = False, rows=(), gpu_bound: bool = False) -> dict:
     """PLAN, RUN, REPORT; returns the report (also written to ``report_path``). ``cpu``: the CPU rows
     (``planning.cpu_plan``: gloo ranks, the tiny model) instead of the GPU plan; they say nothing about a GPU."""
     import torch  # noqa: F401  (imported first, so stnb notes whichever call starts CUDA in this process:
@@ -39,7 +48,11 @@ def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, ech
     say = print if echo else None
     started = time.time()
     machine = detect()
-    checks = cpu_plan(machine) if cpu else plan(machine)
+    checks = only(cpu_plan(machine) if cpu else plan(machine, gpu_bound), rows)
+    if budget_s is None:
+        budget_s = BUDGET_S + (GPU_BOUND_BUDGET_S if gpu_bound else 0.0)
+    if say and rows:
+        say(f"stnb gpu-check --only {' '.join(rows)}: {len(checks)} row(s)", flush=True)
     if say and cpu:
         say(f"stnb gpu-check --cpu: {len(checks)} CPU rows (gloo ranks, tiny model), no GPU used", flush=True)
     if say and machine.gpus:
@@ -50,7 +63,8 @@ def gpu_check(report_path: str = DEFAULT_REPORT, budget_s: float = BUDGET_S, ech
         from .checks import run_all
 
         outcomes = run_all(checks, machine, deadline=started + budget_s,
-                           echo=(lambda line: print(line, flush=True)) if say else None)
+                           echo=(lambda line: print(line, flush=True)) if say else None,
+                           after=lambda done: write(build(machine, checks, done, started, time.time()), report_path))
     rep = build(machine, checks, outcomes, started, time.time())
     if cpu:
         c = rep["counts"]
@@ -65,21 +79,27 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("gpu-check", help="run every GPU code path the visible GPUs allow; JSON report + table",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--report", default=DEFAULT_REPORT, help=f"JSON report path (default {DEFAULT_REPORT})")
-    p.add_argument("--budget", type=float, default=BUDGET_S,
-                   help="seconds after which no further check starts (those fail as not started)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds after which no further check starts (those fail as not started); default "
+                        f"{BUDGET_S:g}, {BUDGET_S + GPU_BOUND_BUDGET_S:g} with --gpu-bound")
+    p.add_argument("--gpu-bound", action="store_true",
+                   help="add the GPU-bound rows: plain sentence-transformers vs stnb on mpnet-base's shape at seq 256 "
+                        "(5 interleaved runs each), and the MFU of what the stack offers (about 10 minutes on an H200)")
     p.add_argument("--plan", action="store_true", help="print the rows this machine would run (and why any would "
                    "not), run nothing")
     p.add_argument("--cpu", action="store_true", help="run the CPU rows instead (gloo ranks, the tiny model, a few "
                    "steps): the same checks' code in this environment, e.g. after installing the GPU kit")
+    p.add_argument("--only", nargs="+", default=(), metavar="TEXT",
+                   help="run only the rows whose name contains one of these (and the hardware row)")
     p.set_defaults(func=cmd_gpu_check)
 
 
 def cmd_gpu_check(a) -> int:
     if a.plan:
         machine = detect()
-        print(plan_table(machine, cpu_plan(machine) if a.cpu else plan(machine)))
+        print(plan_table(machine, only(cpu_plan(machine) if a.cpu else plan(machine, a.gpu_bound), a.only)))
         return 0
-    rep = gpu_check(a.report, a.budget, cpu=a.cpu)
+    rep = gpu_check(a.report, a.budget, cpu=a.cpu, rows=a.only, gpu_bound=a.gpu_bound)
     print(table(rep))
     print(f"report: {rep['report_path']}")
     sys.stdout.flush()

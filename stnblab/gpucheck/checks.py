@@ -22,6 +22,7 @@ from stnb.strategies import baseline_name, is_distributed
 from stnb.timesplit import problems as split_problems
 
 from ..splitbench import time_split
+from .gpubound import check_mfu, check_shared
 from .planning import BUDGET_OVER_RUNTIME, BUDGET_OVER_STATE, BUDGET_ROOMY_GIB, FAULT_STALL_S, FAULT_TO_ERROR_S
 from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
 from .report import Outcome
@@ -75,7 +76,7 @@ def train_config(params: dict):
     """The TrainConfig a training row runs (device cuda unless the row says otherwise)."""
     from stnb.config import TrainConfig
 
-    keep = {k: v for k, v in params.items() if k not in ("goal", "repeats", "build")}
+    keep = {k: v for k, v in params.items() if k not in ("goal", "repeats", "build", "long_words")}
     keep.setdefault("device", "cuda")
     return TrainConfig(**keep)
 
@@ -343,7 +344,8 @@ def _plain_run(p: dict, model_path: str) -> dict:
 
     device = p.get("device", "cuda")
     env = plain_env(device)
-    cmd = [sys.executable, "-m", "stnblab.gpucheck.plain", "--model", model_path, "--batch-size",
+    cmd = [sys.executable, "-m", "stnblab.gpucheck.plain", "--model", model_path, "--data", p.get("data", "synthetic"),
+           "--batch-size",
            str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
            "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
@@ -363,7 +365,19 @@ def check_ratio(check, machine) -> Outcome:
     and logging (every step, as stnb's recipe logs), interleaved (plain, stnb, stnb without its time split,
     then the reverse order). The ratio is that of the median step times, pooled over the measured steps of
     every repeat (a median is not moved by the odd slow step: a collection, a first-time kernel). The third
-    arm (``STNB_TIME_SPLIT=off``) says how much of a gap the time split's marks and hooks make."""
+    arm (``STNB_TIME_SPLIT=off``) says how much of a gap the time split's marks and hooks make.
+    ``long_words``: every arm trains on texts of that many words (``gpubound.long_pairs_file``), so each
+    sequence fills max_seq_length: the GPU-bound row; each arm's MFU is reported (the median of its runs)."""
+    with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-ratio-") as tmp:
+        if check.params.get("long_words"):
+            from .gpubound import long_pairs_file
+
+            data = long_pairs_file(tmp, check.params["train_size"] + check.params["dev_size"], check.params["long_words"])
+            check = dict_check(check, data=data)
+        return _ratio(check)
+
+
+def _ratio(check) -> Outcome:
     from stnb.models import resolve_model
     from stnb.runner import run
 
@@ -372,7 +386,8 @@ def check_ratio(check, machine) -> Outcome:
     model_path = resolve_model(cfg.model)
     warm = p["warmup_steps_excluded"]
     runs, steps, logged = ({k: [] for k in RATIO_ARMS} for _ in range(3))
-    last, methods, levels = None, {}, {k: [] for k in RATIO_ARMS}
+    last, methods, levels, mfus = None, {}, {k: [] for k in RATIO_ARMS}, {k: [] for k in RATIO_ARMS}
+    tokens = {}  # padded tokens a sample, per arm (the long texts fill max_seq_length in every arm)
     for i in range(p["repeats"]):
         for who in (RATIO_ARMS if i % 2 == 0 else RATIO_ARMS[::-1]):
             if who == "plain":
@@ -381,6 +396,8 @@ def check_ratio(check, machine) -> Outcome:
                 steps[who] += data["step_times"]
                 logged[who].append(data["logged_steps"])
                 levels[who].append(statistics.median(data["step_times"]))
+                mfus[who].append(data.get("mfu"))
+                tokens[who] = data.get("tokens_per_sample")
                 continue
             with time_split(who == "stnb"):
                 result = run(cfg, echo=False)
@@ -393,7 +410,10 @@ def check_ratio(check, machine) -> Outcome:
             steps[who] += result.step_times[warm:]
             levels[who].append(statistics.median(result.step_times[warm:]))
             logged[who].append(len(result.losses))
+            mfus[who].append((result.mfu or {}).get("mfu"))
+            tokens[who] = (result.mfu or {}).get("tokens_per_sample")
     batch = p["per_device_batch_size"]
+    arm_mfu = {k: statistics.median(v) if v and None not in v else None for k, v in mfus.items()}
     sps = {k: batch / statistics.median(v) for k, v in steps.items()}
     ratio = sps["stnb"] / sps["plain"]
     metrics = dict(_result_metrics(last, 1), samples_per_second=sps["stnb"], ratio=ratio,
@@ -401,13 +421,20 @@ def check_ratio(check, machine) -> Outcome:
                    split_off_ratio=sps["stnb_split_off"] / sps["plain"], stnb_runs=runs["stnb"],
                    plain_runs=runs["plain"], split_off_runs=runs["stnb_split_off"],
                    measured_steps={k: len(v) for k, v in steps.items()}, logged_steps=logged,
-                   time_split_methods=methods, run_median_steps=levels, noise=ratio_noise(levels))
-    status, error = ratio_verdict(ratio, metrics["noise"], p["goal"])
+                   time_split_methods=methods, run_median_steps=levels, noise=ratio_noise(levels),
+                   arm_mfu=arm_mfu, run_mfu=mfus, arm_tokens_per_sample=tokens, pair_ratios=pair_ratios(levels),
+                   split_off_pair_ratios=pair_ratios(levels, "stnb_split_off"))
+    status, error = ratio_verdict(ratio, metrics["noise"], p["goal"], metrics["pair_ratios"])
     noise = "unknown (one run per arm)" if metrics["noise"] is None else f"{metrics['noise']:.1%}"
+    if len(metrics["pair_ratios"]) >= PAIRED_MIN:
+        noise += (f"; {len(metrics['pair_ratios'])} interleaved pairs: "
+                  f"{min(metrics['pair_ratios']):.3f}-{max(metrics['pair_ratios']):.3f}")
     return Outcome(check.name, check.kind, status, metrics=metrics,
                    detail=f"stnb / plain = {ratio:.3f} (goal >= {p['goal']}; median step of {len(steps['stnb'])} / "
                           f"{len(steps['plain'])} measured steps: {sps['stnb']:.1f} vs {sps['plain']:.1f} samples/s; "
-                          f"time split off: {metrics['split_off_ratio']:.3f}; run-to-run noise {noise})",
+                          f"time split off: {metrics['split_off_ratio']:.3f}; run-to-run noise {noise}"
+                          + (f"; MFU plain {arm_mfu['plain']:.1%}, stnb {arm_mfu['stnb']:.1%}, split off "
+                             f"{arm_mfu['stnb_split_off']:.1%}" if None not in arm_mfu.values() else "") + ")",
                    error=error)
 
 
@@ -419,13 +446,24 @@ def ratio_noise(levels: dict) -> float | None:
     return max(max(v) / min(v) - 1 for v in levels.values())
 
 
-def ratio_verdict(ratio: float, noise: float | None, goal: float) -> tuple:
-    """(status, error) of a speed ratio measured with ``noise`` (``ratio_noise``): passed when even a
-    ratio ``noise`` lower meets the goal, failed when even one ``noise`` higher misses it, else
-    inconclusive (fail closed: a ratio inside the noise is not a pass). Unknown noise decides only a
-    goal of 0."""
+def ratio_verdict(ratio: float, noise: float | None, goal: float, pairs: list | None = None) -> tuple:
+    """(status, error) of a speed ratio. With ``PAIRED_MIN`` or more interleaved pairs (``pair_ratios``:
+    each repeat's stnb / plain, run next to each other), the pairs decide: passed when the slowest pair
+    meets the goal, failed when even the fastest misses it, else inconclusive ([min, max] of 5 pairs holds
+    the median pair's ratio with 1 - 2 / 2**5 = 94 % confidence, whatever their distribution). With fewer
+    pairs, ``noise`` (``ratio_noise``) decides: passed when even a ratio ``noise`` lower meets the goal,
+    failed when even one ``noise`` higher misses it, else inconclusive (fail closed: a ratio inside the
+    noise is not a pass). Unknown noise decides only a goal of 0."""
     if goal <= 0:
         return "passed", ""
+    if pairs and len(pairs) >= PAIRED_MIN:
+        low, high = min(pairs), max(pairs)
+        if low >= goal:
+            return "passed", ""
+        if high < goal:
+            return "failed", f"stnb / plain = {ratio:.3f} < {goal}: all {len(pairs)} interleaved pairs missed it (best {high:.3f})"
+        return "inconclusive", (f"stnb / plain = {ratio:.3f}, but its {len(pairs)} interleaved pairs range over "
+                                f"{low:.3f}-{high:.3f}, across the goal ({goal}); rerun on an idle machine")
     if noise is None:
         return "inconclusive", f"stnb / plain = {ratio:.3f}: one run per arm, so its noise is unknown"
     if ratio / (1 + noise) >= goal:
@@ -434,6 +472,16 @@ def ratio_verdict(ratio: float, noise: float | None, goal: float) -> tuple:
         return "failed", f"stnb / plain = {ratio:.3f} < {goal} (beyond the runs' noise of {noise:.1%})"
     return "inconclusive", (f"stnb / plain = {ratio:.3f}, but identical runs differed by {noise:.1%}: the goal "
                             f"({goal}) is inside the noise; rerun on an idle machine")
+
+
+def pair_ratios(levels: dict, arm: str = "stnb") -> list:
+    """Each repeat's speed ratio ``arm`` / plain from the runs' median step times (``levels``: the runs
+    of repeat i of every arm ran next to each other, interleaved): plain's step over the arm's."""
+    return [p / s for p, s in zip(levels.get("plain", []), levels.get(arm, []))]
+
+
+#: interleaved pairs from which the pairs alone decide the ratio row (``ratio_verdict``)
+PAIRED_MIN = 5
 
 
 #: the ratio row's arms: plain sentence-transformers, stnb, stnb with its time split off (STNB_TIME_SPLIT=off)
@@ -471,14 +519,16 @@ def check_st_docs(check, machine) -> Outcome:
                           "(not MultiNLI / SNLI / STSB)", error="; ".join(problems))
 
 
-RUNNERS = {"hardware": check_hardware, "allreduce": check_allreduce, "train": check_train,
+RUNNERS = {"mfu": check_mfu, "shared": check_shared, "hardware": check_hardware, "allreduce": check_allreduce, "train": check_train,
            "train_direct": check_train_direct, "train_build": check_train_build, "fault": check_fault, "budget": check_budget,
            "notebook": check_notebook,
            "ratio": check_ratio, "st_docs": check_st_docs}
 
 
-def run_all(checks: list, machine, deadline: float, echo=print) -> list:
-    """Run the planned checks in order; a check not started before ``deadline`` fails as not started."""
+def run_all(checks: list, machine, deadline: float, echo=print, after=None) -> list:
+    """Run the planned checks in order; a check not started before ``deadline`` fails as not started.
+    ``after(outcomes)``: called after each check (gpu-check writes the report so far: a run stopped from
+    outside keeps the rows it finished)."""
     outcomes = []
     for i, check in enumerate(checks, 1):
         t0 = time.time()
@@ -497,6 +547,8 @@ def run_all(checks: list, machine, deadline: float, echo=print) -> list:
                               detail=traceback.format_exc()[-3000:])
         out.seconds = round(time.time() - t0, 1)
         outcomes.append(out)
+        if after:
+            after(outcomes)
         if echo:
             echo(f"[{i}/{len(checks)}] {check.name:<46} {out.status.upper():<8} {out.seconds:6.1f} s  "
                  f"{(out.error or out.detail).splitlines()[0][:90] if (out.error or out.detail) else ''}")

@@ -9,7 +9,12 @@ on). ``--logging-steps`` (the trainer's default: 500) is given stnb's own (``rec
 every step) by the gpu-check, so both pay the same per-step loss read and logging path. Each step is
 timed like stnb's RunResult (from the end of the step before to the end of this one); samples/s is
 batch x measured steps over the time from the end of the last warm-up step to the end of the last
-step. Prints one JSON line: samples_per_second, step_times (the measured steps), logged_steps.
+step. Prints one JSON line: samples_per_second, step_times (the measured steps), logged_steps, and
+on a GPU the MFU of the measured steps (``stnb.mfu``'s FLOP count of every forward, the chip's peak).
+
+What the stack offers beyond the defaults (the GPU-bound MFU row tries them): ``--data`` a pairs file
+(long texts), ``--attn`` the attention kernel (``eager``, ``sdpa``: transformers' ``attn_implementation``),
+``--compile`` the transformer under ``torch.compile`` (the module stnb counts FLOPs on stays eager).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--logging-steps", type=int, default=500, help="the trainer's default unless given")
+    p.add_argument("--data", default="synthetic", help="stnb.data.load_pairs' spec: 'synthetic' or a pairs file")
+    p.add_argument("--attn", default=None, help="attention kernel (attn_implementation); default: the model's")
+    p.add_argument("--compile", action="store_true", help="torch.compile the Hugging Face transformer")
     a = p.parse_args(argv)
 
     import torch
@@ -43,18 +51,27 @@ def main(argv=None) -> int:
     from transformers import TrainerCallback
 
     from stnb.data import load_pairs
+    from stnb.mfu import FlopMeter, device_peak
 
     ends = []
 
     class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            meter.start_step()
+
         def on_step_end(self, args, state, control, **kw):
+            meter.end_step()
             ends.append(time.perf_counter())
 
     torch.manual_seed(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = SentenceTransformer(a.model, device=device)
+    kwargs = {"model_kwargs": {"attn_implementation": a.attn}} if a.attn else {}
+    model = SentenceTransformer(a.model, device=device, **kwargs)
     model.max_seq_length = a.max_seq_length
-    train, _ = load_pairs("synthetic", a.train_size, max(1, a.dev_size), a.seed)  # stnb.run's train pairs
+    meter = FlopMeter(model)  # on model[0], outside what --compile compiles
+    if a.compile:
+        model[0].auto_model.compile()
+    train, _ = load_pairs(a.data, a.train_size, max(1, a.dev_size), a.seed)  # stnb.run's train pairs
     args = SentenceTransformerTrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="stnb-plain-"), per_device_train_batch_size=a.batch_size,
         max_steps=a.steps, learning_rate=a.lr, seed=a.seed, report_to="none", save_strategy="no",
@@ -66,10 +83,19 @@ def main(argv=None) -> int:
     measured = len(ends) - a.warmup
     span = ends[-1] - ends[a.warmup - 1] if measured > 0 and a.warmup >= 1 else None
     step_times = [b - e for e, b in zip(ends[a.warmup - 1:], ends[a.warmup:])] if a.warmup >= 1 else []
-    logged = sum(1 for entry in trainer.state.log_history if "loss" in entry)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    logged = len(losses)
+    flops = sum(meter.per_step[a.warmup:]) if span else 0.0
+    peak = device_peak(device, a.mixed_precision)
     print(json.dumps({"samples_per_second": a.batch_size * measured / span if span else None, "steps": len(ends),
                       "step_times": step_times, "logged_steps": logged, "logging_steps": args.logging_steps,
-                      "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}))
+                      "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+                      "achieved_tflops": flops / span / 1e12 if span else None,
+                      "mfu": flops / span / peak["flops_per_s"] if span and peak else None,
+                      "peak_tflops": peak["flops_per_s"] / 1e12 if peak else None,
+                      "tokens_per_sample": sum(meter.tokens[a.warmup:]) / (a.batch_size * measured) if span else None,
+                      "attn": model[0].auto_model.config._attn_implementation, "compiled": a.compile,
+                      "final_loss": losses[-1] if losses else None}))
     return 0
 
 

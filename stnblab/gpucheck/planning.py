@@ -16,6 +16,8 @@ from stnb.hardware import BF16_MIN_CAPABILITY, arch_supported, torch_arch_list
 from stnb.hardware import gpus as hardware_gpus
 from stnb import strategies
 
+from .gpubound import GPU_BOUND
+
 
 # one training configuration for every check that trains: the bundled MiniLM, 32 per device
 TRAIN = dict(model="minilm", per_device_batch_size=32, max_seq_length=128, steps=30, warmup_steps_excluded=5,
@@ -25,6 +27,12 @@ TRAIN = dict(model="minilm", per_device_batch_size=32, max_seq_length=128, steps
 RATIO = dict(TRAIN, steps=300, warmup_steps_excluded=20, evaluate=False)
 RATIO_GOAL = 0.98
 RATIO_REPEATS = 2
+GPU_BOUND_REPEATS = 5  # the GPU-bound ratio: 5 interleaved runs per arm (issue 47)
+GPU_BOUND_BUDGET_S = 660.0  # what --gpu-bound adds to the budget (the H200 of 2026-11-30: 419 s + 146 s)
+#: why stnb's own strategies do not run two ranks on one GPU yet (the H200 of 2026-11-30, gpu-check's 'shared' probe)
+SHARED_GPU = ("stnb puts rank i on cuda:i and NCCL refuses two ranks on one device ('Duplicate GPU detected'); "
+              "gloo ranks sharing one GPU work in plain torch (the row above), but stnb does not start them yet "
+              "(issue 47): on one GPU, compare strategies on CPU ranks")
 FAULT_STALL_S = 5.0    # stall_timeout of the stall check
 FAULT_TO_ERROR_S = 10.0  # the project's limit: a clear error within 10 s of the fault (or of the limit)
 #: why no 1-rank ddp row runs: accelerate (Accelerator.prepare_model) wraps in DDP only when
@@ -89,8 +97,20 @@ def unsupported(machine: Machine) -> list:
             and not arch_supported(tuple(_cc(g)), machine.arch_list)]
 
 
-def plan(machine: Machine) -> list:
-    """The checks, in the order they run. Empty without a GPU (the report says why)."""
+def gpu_bound_rows(base: str, precision: str) -> list:
+    """``gpu-check --gpu-bound`` (issue 47): mpnet-base's shape on long texts, plain sentence-transformers
+    against stnb (5 interleaved runs per arm), then what the stack offers (MFU of each variant)."""
+    bound = dict(GPU_BOUND, strategy=base, mixed_precision=precision)
+    shape = f"{bound['model'].replace('-random', '')}, seq {bound['max_seq_length']}, batch {bound['per_device_batch_size']}"
+    return [Check(f"GPU-bound: plain vs stnb {base} ({shape}, {precision})", "ratio",
+                  dict(bound, goal=RATIO_GOAL, repeats=GPU_BOUND_REPEATS)),
+            Check(f"GPU-bound: MFU of what the stack offers ({shape}, {precision})", "mfu",
+                  dict(bound, steps=30, echo=True))]
+
+
+def plan(machine: Machine, gpu_bound: bool = False) -> list:
+    """The checks, in the order they run. Empty without a GPU (the report says why). ``gpu_bound``: add
+    ``gpu_bound_rows`` at the end (about 10 minutes more on an H200)."""
     n = len(machine.gpus)
     if n == 0:
         return []
@@ -151,6 +171,9 @@ def plan(machine: Machine) -> list:
                 checks.append(Check(f"{s.name} x{n} {dist_mp}", "train",
                                     dict(multi, strategy=s.name, num_processes=n), gpus=n,
                                     skip=_needs(machine, s.name)))
+    # issue 47: two ranks on one GPU: NCCL's answer and gloo on CUDA tensors; stnb's own strategies there not yet
+    checks.append(Check("2 ranks on 1 GPU: nccl, gloo on CUDA tensors", "shared", {"timeout": 240}))
+    checks.append(Check("stnb strategies x2 sharing 1 GPU", "shared", {"stnb": True}, skip=SHARED_GPU))
     # a memory budget on one GPU: the allocator's fraction, out of memory named (issue 45)
     checks.append(Check(f"{base} {dist_mp} memory budget", "budget", dict(one, strategy=base, mixed_precision=dist_mp)))
     # what users do besides a bi-encoder: save the trained model, train a CrossEncoder / SparseEncoder
@@ -167,6 +190,8 @@ def plan(machine: Machine) -> list:
                              model="minilm" if machine.minilm else NO_MINILM_RATIO,
                              goal=RATIO_GOAL, repeats=RATIO_REPEATS)))
     checks.append(Check(f"bench st-docs {base}", "st_docs", {"steps": 30, "warmup": 5}))
+    if gpu_bound:
+        checks += gpu_bound_rows(base, dist_mp)
     return checks
 
 
@@ -190,7 +215,8 @@ def cpu_plan(machine: Machine) -> list:
                               gpus=0, skip=_needs(machine, s.name)))
         else:
             rows.append(Check(f"{s.name} x2 [cpu]", "train", dict(t, strategy=s.name, num_processes=2), gpus=0))
-    rows += [Check("fault: a peer is aborted (x2 gloo) [cpu]", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"},
+    rows += [Check("2 ranks on gloo [cpu]", "shared", {"device": "cpu", "timeout": 240}, gpus=0),
+             Check("fault: a peer is aborted (x2 gloo) [cpu]", "fault", {"fault": "raise", "nproc": 2, "device": "cpu"},
                    gpus=0),
              # spawned ranks: what a rank holds at its start is its own runtime, not what this process had mapped
              Check("ddp x2 memory budget [cpu]", "budget", dict(t, strategy="ddp", num_processes=2,

@@ -129,9 +129,10 @@ def plan_table(machine, checks: list) -> str:
     lines = [f"stnb gpu-check plan: GPUs: {gpus} (torch CUDA {machine.torch_cuda or 'none: CPU-only build'})"]
     if not checks:
         lines.append(f"nothing to run: {machine.no_gpu_reason or 'no GPU'}")
+    width = max([46] + [len(c.name) + 1 for c in checks])
     for c in checks:
         precision = c.params.get("mixed_precision", "")
-        lines.append(f"{c.name[:45]:<46}{'not run' if c.skip else 'runs':<9}{c.gpus:>2} GPU  {precision:<5}"
+        lines.append(f"{c.name:<{width}}{'not run' if c.skip else 'runs':<9}{c.gpus:>2} GPU  {precision:<5}"
                      + (f"  {c.skip}" if c.skip else ""))
     run = sum(1 for c in checks if not c.skip)
     lines.append(f"{run} row(s) will run, {len(checks) - run} will not (each with its reason)")
