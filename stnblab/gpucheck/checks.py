@@ -338,8 +338,13 @@ def plain_env(device: str) -> dict:
     return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
 
 
-def _plain_run(p: dict, model_path: str) -> dict:
-    """One run of the plain script (logging as often as stnb's recipe); its JSON line."""
+#: the source checkout the plain script and the sharing probe run in (python -m finds stnblab there)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plain_run(p: dict, model_path: str, logging_steps: int | None = None, extra=()) -> dict:
+    """One run of the plain script with the row's params ``p`` (logging as often as stnb's recipe unless
+    ``logging_steps`` says otherwise; ``extra``: more of its arguments); its JSON line."""
     from stnb.recipe import LOGGING_STEPS
 
     device = p.get("device", "cuda")
@@ -349,9 +354,8 @@ def _plain_run(p: dict, model_path: str) -> dict:
            str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
            "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
-           "--logging-steps", str(LOGGING_STEPS)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+           "--logging-steps", str(logging_steps or LOGGING_STEPS), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"the plain script exited {out.returncode}: {out.stderr[-1500:]}")
     data = json.loads(out.stdout.strip().splitlines()[-1])
@@ -391,7 +395,7 @@ def _ratio(check) -> Outcome:
     for i in range(p["repeats"]):
         for who in (RATIO_ARMS if i % 2 == 0 else RATIO_ARMS[::-1]):
             if who == "plain":
-                data = _plain_run(p, model_path)
+                data = plain_run(p, model_path)
                 runs[who].append(data["samples_per_second"])
                 steps[who] += data["step_times"]
                 logged[who].append(data["logged_steps"])

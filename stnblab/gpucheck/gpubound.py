@@ -91,15 +91,6 @@ def model_path(name: str, folder: str) -> str:
     return target
 
 
-def mfu_arguments(p: dict, model: str, data: str, extra: list) -> list:
-    """The plain script's arguments for one MFU variant of the row's params ``p``."""
-    return ["--model", model, "--data", data, "--batch-size", str(p["per_device_batch_size"]),
-            "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
-            "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
-            "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
-            "--logging-steps", str(MFU_LOGGING_STEPS)] + list(extra)
-
-
 def mfu_verdict(rows: list) -> tuple:
     """(status, error) of the MFU row: passed when every variant trained to a finite loss and measured an
     MFU on the GPU (an MFU above 1 is a counting error, never a pass)."""
@@ -116,23 +107,17 @@ def mfu_verdict(rows: list) -> tuple:
 
 def check_mfu(check, machine) -> Outcome:
     """The plain script once per ``MFU_VARIANTS`` entry on the same long texts; MFU and samples/s of each."""
-    from .checks import _dev, plain_env
+    from .checks import plain_run
 
-    p = check.params
     rows = []
     with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-mfu-") as tmp:
-        data = long_pairs_file(tmp, p["train_size"] + p["dev_size"], p["long_words"])
+        p = dict(check.params, data=long_pairs_file(tmp, check.params["train_size"] + check.params["dev_size"],
+                                                    check.params["long_words"]))
         for name, model, extra in p.get("variants", MFU_VARIANTS):
-            cmd = [sys.executable, "-m", "stnblab.gpucheck.plain"] + mfu_arguments(p, model_path(model, tmp), data,
-                                                                                    extra)
             try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"],
-                                     env=plain_env(_dev(check)), cwd=_root())
-                if out.returncode != 0:
-                    raise RuntimeError(f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1][:300]}")
-                rows.append(dict(json.loads(out.stdout.strip().splitlines()[-1]), variant=name))
+                rows.append(dict(plain_run(p, model_path(model, tmp), MFU_LOGGING_STEPS, extra), variant=name))
             except Exception as e:  # noqa: BLE001 - a variant that fails is a row of the table, not a crash
-                rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:400]})
+                rows.append({"variant": name, "error": f"{type(e).__name__}: {e}".strip()[-400:]})
             if p.get("echo"):  # each variant as it ends (a run stopped from outside keeps them)
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "step_times"}), flush=True)
     status, error = mfu_verdict(rows)
@@ -147,12 +132,12 @@ def check_mfu(check, machine) -> Outcome:
 
 def check_shared(check, machine) -> Outcome:
     """Two ranks on one GPU, asked of NCCL and of gloo on CUDA tensors (``shared.main``), in a child process."""
-    from .checks import plain_env
+    from .checks import ROOT, plain_env
 
     cmd = [sys.executable, "-m", "stnblab.gpucheck.shared", "--device", check.params.get("device", "cuda")]
     cmd += ["--stnb"] if check.params.get("stnb") else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=check.params.get("timeout", 240),
-                         env=plain_env(check.params.get("device", "cuda")), cwd=_root())
+                         env=plain_env(check.params.get("device", "cuda")), cwd=ROOT)
     try:
         found = json.loads(out.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
@@ -174,7 +159,3 @@ def shared_verdict(found: dict) -> tuple:
     if not d.get("ok"):
         bad.append(f"DDP over gloo on one GPU: {d.get('summary') or d}")
     return ("failed", "; ".join(bad)) if bad else ("passed", "")
-
-
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
