@@ -377,12 +377,11 @@ def case_two_launches(tmp: str) -> Outcome:
     return out
 
 
-def case_timeout(tmp: str) -> Outcome:
+def case_timeout(tmp: str, limit: float = TIMEOUT_LIMIT) -> Outcome:
     mark = _mark_path(tmp, "timeout")
-    return measure(f"11. overall timeout={TIMEOUT_LIMIT:g} s",
-                   lambda: cpu_launch(rankfns.sleep_silent, 120.0, mark, num_processes=2, echo=False,
-                                       timeout=TIMEOUT_LIMIT),
-                   after_limit=TIMEOUT_LIMIT, pid_mark=mark)
+    return measure(f"11. overall timeout={limit:g} s",
+                   lambda: cpu_launch(rankfns.sleep_silent, 120.0, mark, num_processes=2, echo=False, timeout=limit),
+                   after_limit=limit, pid_mark=mark)
 
 
 CASES = [case_raise, case_sigkill, case_sigkill_in_collective, case_sigkill_with_children, case_stall, case_stall_single, case_keyboard_interrupt,

@@ -792,9 +792,20 @@ def test_interrupted_says_all_ranks_were_stopped(ch):
 
 
 def test_timed_out_word_for_word(ch):
-    err = told(ch, wd_of(ch, reason="timeout", timeout=2.5))
+    ch.check_in(0)
+    wd = wd_of(ch, reason="timeout", timeout=2.5, stacks={0: "S0"})
+    err = told(ch, wd)
+    assert said(err) == ("launch timed out after 2.5 s; all 2 ranks were stopped. Rank(s) 1 had not even started: "
+                         "creating the processes took longer than the timeout (a busy machine, a slow import). Raise "
+                         "timeout=... or make the run shorter.")
+    assert err.rank_traceback == ("--- stack of rank 0 ---\nS0\n--- stack of rank 1 ---\n(had not started: the "
+                                  "process was still being created, no stack to ask for)")
+    ch.check_in(1)
+    wd.stacks[1] = ""
+    err = told(ch, wd)
     assert said(err) == "launch timed out after 2.5 s; all 2 ranks were stopped. Raise timeout=... or make the " \
                         "run shorter."
+    assert err.rank_traceback == "--- stack of rank 0 ---\nS0\n--- stack of rank 1 ---\n(no stack captured)"
 
 
 def test_not_started_word_for_word_with_the_stacks(ch):
@@ -805,7 +816,8 @@ def test_not_started_word_for_word_with_the_stacks(ch):
         f"rank(s) 3 did not start within {MIN_START_S:g} s after the launch began (fork); all ranks were stopped. "
         "This usually means the process forked while another thread held a lock; run the launch again, and "
         "report it if it repeats.")
-    assert err.rank_traceback == "--- stack of rank 2 ---\nS0"
+    assert err.rank_traceback == ("--- stack of rank 2 ---\nS0\n--- stack of rank 3 ---\n(had not started: the process "
+                                  "was still being created, no stack to ask for)")
     err = told(ch, wd, start_method="spawn")
     assert said(err).endswith(
         "after the launch began (spawn); all ranks were stopped. Spawned ranks import torch and the training "

@@ -9,7 +9,9 @@ measured numbers are what fault_matrix.py prints.
 
 from __future__ import annotations
 
+import glob
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -230,16 +232,52 @@ def test_10_two_launches_at_once(tmp):
 
 
 def test_11_overall_timeout(tmp):
-    out = fc.case_timeout(tmp)
+    """Every rank's stack at the time of the timeout. On a loaded machine creating the ranks can take longer than
+    the 4 s limit (a loaded run of the slow tiers saw it): then no rank runs the function when the limit comes,
+    which the next test covers. So the limit grows until both ranks had started the function before it came;
+    what is asserted is the same at every limit."""
+    for limit in (fc.TIMEOUT_LIMIT, 4 * fc.TIMEOUT_LIMIT, 16 * fc.TIMEOUT_LIMIT):
+        folder = os.path.join(tmp, f"limit-{limit:g}")
+        os.makedirs(folder)
+        began = time.time()
+        out = fc.case_timeout(folder, limit)
+        mark = fc._mark_path(folder, "timeout")
+        ran = [os.path.getmtime(p) for p in glob.glob(f"{glob.escape(mark)}.pid*")]
+        if len(ran) == 2 and max(ran) < began + limit:  # the watchdog's clock starts after `began`
+            break
+    else:
+        pytest.fail(f"the ranks never started within a {limit:g} s timeout")
     e = out.error
     assert isinstance(e, LaunchError), repr(e)
     assert e.kind == "timeout" and e.ranks == [0, 1]
-    assert f"timed out after {fc.TIMEOUT_LIMIT:g} s" in str(e) and "timeout=" in str(e)
-    # every rank's stack at the time of the timeout
+    assert f"timed out after {limit:g} s" in str(e) and "timeout=" in str(e) and "not even started" not in str(e)
     for r in (0, 1):
         assert f"--- stack of rank {r} ---" in e.rank_traceback
     assert e.rank_traceback.count("in sleep_silent") >= 2
     _common(out)
+
+
+@pytest.mark.timeout(180)  # what the fix ended: this launch waited for its ranks forever
+def test_a_timeout_before_the_ranks_started_says_so(tmp, monkeypatch):
+    """Ranks that had not checked in when the timeout came (a busy machine creating them, a slow import) are named
+    as not started, in the message and in place of their stack, and nothing is left behind."""
+    from stnb.processes.channel import Channel
+
+    check_in = Channel.check_in
+
+    def late_check_in(self, rank):
+        time.sleep(3600)  # the forked ranks inherit it: they never check in
+        check_in(self, rank)
+
+    monkeypatch.setattr(Channel, "check_in", late_check_in)
+    before = fc.descendants()
+    with pytest.raises(LaunchError) as info:
+        fc.cpu_launch(rankfns.rank_value, 1, num_processes=2, echo=False, timeout=3.0, start_method="fork")
+    e = info.value
+    assert e.kind == "timeout" and e.ranks == [0, 1]
+    assert "Rank(s) 0, 1 had not even started" in str(e), str(e)
+    assert e.rank_traceback.count("(had not started") == 2, e.rank_traceback
+    assert fc.new_descendants(before) == []
 
 
 def _slow_setup(monkeypatch, seconds: float | None):

@@ -129,6 +129,11 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     global _CTX
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", str(local_rank)))
+    # the watchdog asks a checked-in rank for its stack (SIGUSR1, whose default action ends the process): the
+    # handler is in place before the rank checks in
+    stack_file = open(ch.path("stack", local_rank), "w")
+    if hasattr(faulthandler, "register"):  # POSIX: the watchdog asks for every thread's stack
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     ch.check_in(local_rank)
     # a forked rank inherits torch elastic's Python SIGTERM handler (installed in the launching process
     # before it forks); a rank blocked in a CUDA / NCCL wait never returns to Python to run it, so when a
@@ -137,9 +142,6 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     os.environ.update({**device_env(opts.device, opts.threads), **opts.env})  # the launcher's over the device's
     redirect_output(ch.path("log", local_rank))
     quiet_known_harmless()
-    stack_file = open(ch.path("stack", local_rank), "w")
-    if hasattr(faulthandler, "register"):  # POSIX: the watchdog asks for every thread's stack
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     detach_from_kernel()
     import torch
 

@@ -21,12 +21,14 @@ import traceback
 
 from .channel import RUNNING, SETTING_UP, Channel
 from .output import OutputRelay
-from .supervise import kill_tree, process_ended
+from .supervise import children_now, kill_new_children, kill_tree, process_ended
 
 #: seconds a silently ended rank may take to be noticed by torch elastic before the launch is stopped
 EXIT_GRACE_S = 2.0
 #: ranks get at least this long to start after the fork (a stall limit shorter than that is not used)
 MIN_START_S = 60.0
+#: seconds the ranks get to write their stacks when asked (a loaded machine schedules them late)
+STACK_WAIT_S = 3.0
 
 
 class Watchdog(threading.Thread):
@@ -55,6 +57,7 @@ class Watchdog(threading.Thread):
         # ranks whose process ended while the launch ran: {local_rank: (time seen, exit code or None)}
         self.ended: dict = {}
         self.returned_at: float | None = None  # set when the launcher call returned
+        self._children_before = children_now()  # this process's children before any rank was created
 
     @property
     def logs(self) -> dict:
@@ -78,11 +81,26 @@ class Watchdog(threading.Thread):
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-        time.sleep(0.5)
+        # each rank's faulthandler writes its stack from the signal handler; on a busy machine that can take
+        # more than a moment, so wait (up to STACK_WAIT_S) until every signalled rank's stack is there
+        deadline = time.time() + STACK_WAIT_S
+        stacks = {}
+        while True:
+            time.sleep(0.1)
+            stacks = {r: self.ch.read_stack(r) for r in pids}
+            if all(stacks.values()) or time.time() > deadline:
+                break
+        time.sleep(0.1)  # a stack being written as it was read: its end
         return {r: self.ch.read_stack(r) for r in pids}
 
     def kill_ranks(self) -> None:
-        kill_tree(list(self.ch.pids().values()))
+        """Every rank's process tree. A rank that has not checked in has no pid in the channel yet (torch elastic
+        is still creating it, or it hangs before its first line): then every process started since the launch
+        began goes too, or the launch would wait for that rank forever."""
+        pids = self.ch.pids()
+        kill_tree(list(pids.values()))
+        if len(pids) < self.nproc:
+            kill_new_children(self._children_before, reap=False)
 
     def _halt(self, reason: str, stalled=()) -> None:
         self.reason = reason
