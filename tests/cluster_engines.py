@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -155,9 +156,11 @@ def wait_for(check, what: str, seconds: float = 180, poll: float = 0.2):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def kill_rank_when_training(folder_of, rank: int, seconds: float = 240) -> int:
+def kill_rank_when_training(folder_of, rank: int, seconds: float = 540) -> int:
     """SIGKILL ``rank``'s process once it has reported a training step (its pid from the run folder's
-    arrived file; ``folder_of()`` gives the folder once it exists). Returns the pid killed."""
+    arrived file; ``folder_of()`` gives the folder once it exists). Returns the pid killed. ``seconds``: as long
+    as the test may run (pytest's 600 s): under load Ray's workers took more than 240 s to train a first step, and
+    the run then trained to its end unkilled."""
     import json
     import signal
 
@@ -179,4 +182,20 @@ def kill_rank_when_training(folder_of, rank: int, seconds: float = 240) -> int:
     return pid
 
 
-__all__ = ["slurm_cluster", "ray_cluster", "wait_for", "kill_rank_when_training"]
+def in_thread(fn) -> tuple:
+    """``fn()`` started in a daemon thread; returns (thread, errors): what ``fn`` raised (a killer that timed out
+    waiting) is in ``errors``, for the test to report instead of a run that was never stopped."""
+    errors = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - pytest.fail's Failed is a BaseException
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+__all__ = ["slurm_cluster", "ray_cluster", "wait_for", "kill_rank_when_training", "in_thread"]

@@ -11,12 +11,11 @@ import json
 import os
 import socket
 import sys
-import threading
 
 import pytest
 
 import stnb
-from cluster_engines import kill_rank_when_training, wait_for
+from cluster_engines import in_thread, kill_rank_when_training, wait_for
 from stnb.errors import ConfigError, LaunchError
 
 pytestmark = pytest.mark.cluster
@@ -72,13 +71,16 @@ def test_a_killed_worker_is_named(ray_cluster, tmp_path):
         found = glob.glob(os.path.join(str(tmp_path), "stnb-*", "stnb"))
         return found[0] if found else None
 
-    killer = threading.Thread(target=lambda: kill_rank_when_training(folder, 1), daemon=True)
-    killer.start()
-    with pytest.raises(LaunchError) as info:
+    killer, failed = in_thread(lambda: kill_rank_when_training(folder, 1))
+    try:
         stnb.run(clusterfns.build_long, strategy="ddp", cluster=stnb.Ray(num_workers=2, storage_path=str(tmp_path)),
                  echo=False)
+    except LaunchError as raised:
+        e = raised
+    else:
+        pytest.fail(f"the run was not stopped: the killer {failed or 'did not kill rank 1'}")
     killer.join(timeout=10)
-    e = info.value
+    assert not failed, failed
     assert e.rank == 1 and e.kind == "killed", str(e)
     assert f"rank 1 on {socket.gethostname()} ended without a result or an error" in str(e)
 
@@ -122,12 +124,11 @@ def test_a_killed_worker_with_max_failures_continues_from_the_checkpoint_reporte
         wait_for(registered, "Ray Train to hold a reported checkpoint", 240)
         kill_rank_when_training(lambda: glob.glob(os.path.join(str(storage), "stnb-*", "stnb"))[0], 1)
 
-    killer = threading.Thread(target=reported_then_kill, daemon=True)
-    killer.start()
+    killer, failed = in_thread(reported_then_kill)
     res = stnb.run(**run, checkpoint_dir=str(tmp_path / "checkpoints"), echo=False,
                    cluster=stnb.Ray(num_workers=2, storage_path=str(storage), max_failures=1))
     killer.join(timeout=10)
-    assert not killer.is_alive()
+    assert not killer.is_alive() and not failed, failed
     assert res.verified, res.reason
     step = res.resumed_from["step"]
     assert step >= 10 and step % 10 == 0 and res.resumed_from["started_at_step"] == step, res.resumed_from

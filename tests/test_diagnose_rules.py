@@ -800,7 +800,10 @@ def test_timed_out_word_for_word(ch):
                          "timeout=... or make the run shorter.")
     assert err.rank_traceback == ("--- stack of rank 0 ---\nS0\n--- stack of rank 1 ---\n(had not started: the "
                                   "process was still being created, no stack to ask for)")
-    ch.check_in(1)
+    ch.check_in(1)  # checked in after the watchdog asked for the stacks: started, no stack, not named as late
+    err = told(ch, wd)
+    assert said(err).endswith("ranks were stopped. Raise timeout=... or make the run shorter.")
+    assert err.rank_traceback == "--- stack of rank 0 ---\nS0"
     wd.stacks[1] = ""
     err = told(ch, wd)
     assert said(err) == "launch timed out after 2.5 s; all 2 ranks were stopped. Raise timeout=... or make the " \
