@@ -218,6 +218,15 @@ def test_train_rank_compares_the_requested_world_with_its_process_group():
         stnb.launch(train_rank, cfg, RecipeBuild(tiny_path()), None, 2, num_processes=1, device="cpu", timeout=180, echo=False)
 
 
+def test_merge_compares_the_device_each_rank_trained_on_with_the_one_asked():
+    """In-process (the 2-rank test below does it on real ranks): merge hands the device it was asked to the check."""
+    reports = [_rank_result(r, verification={"device_seen": ["cpu"]}) for r in range(2)]
+    assert merge(_cfg(), reports, device="cpu").verified
+    asked_cuda = merge(_cfg(), reports, device="cuda")
+    assert not asked_cuda.verified and "rank 1: device 'cuda' was requested, its model trained on cpu" in \
+        asked_cuda.reason
+
+
 def test_merge_counts_the_ranks_against_the_requested_world():
     res = merge(_cfg(), [_rank_result(0)], device="cpu")
     assert not res.verified and "2 ranks were requested, 1 returned a result" in res.reason
