@@ -794,6 +794,8 @@ def test_interrupted_says_all_ranks_were_stopped(ch):
 def test_timed_out_word_for_word(ch):
     err = told(ch, wd_of(ch, reason="timeout", timeout=2.5))  # before any rank started
     assert "all 2 ranks were stopped. Rank(s) 0, 1 had not even started: creating" in said(err)
+    err = told(ch, wd_of(ch, reason="timeout", timeout=2.5), node_rank=1)  # the second node's: global ranks
+    assert "Rank(s) 2, 3 had not even started" in said(err) and "--- stack of rank 3 ---\n(had not" in err.rank_traceback
     ch.check_in(0)
     wd = wd_of(ch, reason="timeout", timeout=2.5, stacks={0: "S0"})
     err = told(ch, wd)

@@ -42,16 +42,13 @@ class Evidence:
         return "\n".join(self.logs.get(r, "").splitlines()[-lines:])
 
     def unstarted(self) -> list:
-        """The node's ranks that had not checked in when the watchdog stopped the launch (no stack to ask for)."""
-        return [self.base + r for r in self._unstarted()]
-
-    def _unstarted(self) -> list:
+        """The local ranks that had not checked in when the watchdog stopped the launch (no stack to ask for)."""
         return [r for r in range(self.nproc) if r not in self.watchdog.stacks and not self.ch.started(r)]
 
     def stacks(self) -> str:
         """The stack of every rank the watchdog asked when it stopped the launch, and a line for each rank that had
         not started then."""
-        found = {**self.watchdog.stacks, **dict.fromkeys(self._unstarted())}
+        found = {**self.watchdog.stacks, **dict.fromkeys(self.unstarted())}
         return "\n".join(f"--- stack of rank {self.base + r} ---\n"
                          + ("(had not started: the process was still being created, no stack to ask for)" if s is None
                             else s.strip() or "(no stack captured)") for r, s in sorted(found.items()))
@@ -85,7 +82,7 @@ def interrupted(ev: Evidence):
 def timed_out(ev: Evidence):
     wd = ev.watchdog
     if wd.reason == "timeout":
-        late = ev.unstarted()
+        late = [ev.base + r for r in ev.unstarted()]
         why = (f" Rank(s) {', '.join(map(str, late))} had not even started: creating the processes took longer than "
                "the timeout (a busy machine, a slow import)." if late else "")
         return ev.error(f"launch timed out after {wd.timeout:g} s; all {ev.nproc} ranks were stopped.{why} "

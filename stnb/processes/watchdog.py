@@ -84,12 +84,8 @@ class Watchdog(threading.Thread):
         # each rank's faulthandler writes its stack from the signal handler; on a busy machine that can take
         # more than a moment, so wait (up to STACK_WAIT_S) until every signalled rank's stack is there
         deadline = time.time() + STACK_WAIT_S
-        stacks = {}
-        while True:
+        while time.time() < deadline and not all(self.ch.read_stack(r) for r in pids):
             time.sleep(0.1)
-            stacks = {r: self.ch.read_stack(r) for r in pids}
-            if all(stacks.values()) or time.time() > deadline:
-                break
         time.sleep(0.1)  # a stack being written as it was read: its end
         return {r: self.ch.read_stack(r) for r in pids}
 
