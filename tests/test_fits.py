@@ -140,9 +140,10 @@ def build_long():
     data = Dataset.from_dict({"sentence1": [text(i, 3) for i in range(1024)],
                               "sentence2": [text(i, 5) for i in range(1024)],
                               "score": [(i % 5) / 4 for i in range(1024)]})
-    args = SentenceTransformerTrainingArguments(output_dir=tempfile.mkdtemp(prefix="stnb-fits-"), max_steps=3,
-                                                per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                                                save_strategy="no")  # each trial saved 25 MB that no one read
+    # each trial saved 25 MB that no one read, then left an empty folder: nothing is saved, in one folder
+    args = SentenceTransformerTrainingArguments(output_dir=os.path.join(tempfile.gettempdir(), "stnb-fits"),
+                                                max_steps=3, per_device_train_batch_size=4, report_to=[],
+                                                use_cpu=True, save_strategy="no")
     return SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
                                       loss=losses.CosineSimilarityLoss(model))
 

@@ -28,6 +28,7 @@ import importlib
 import faultcases as fc
 import rankfns
 import stnb
+from stnb import examples
 from stnb.errors import ConfigError, LaunchError
 from stnb.hardware import cpu_cores
 
@@ -150,6 +151,19 @@ def test_a_launch_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where this process's temporary folders go
     res = cpu_launch(rankfns.info, num_processes=2, echo=False)
     assert [r["rank"] for r in res] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_failed_launch_leaves_nothing_in_the_temporary_folder(nproc, tmp_path, monkeypatch):
+    """A rank that raises leaves nothing either: torch.multiprocessing pickled its traceback into a
+    pytorch-errorfile-* in /tmp that nothing removed (one per failed rank; stnb's error record holds it)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(LaunchError) as e:
+        cpu_launch(examples.fail_on, 0, num_processes=nproc, echo=False)
+    assert (e.value.kind, e.value.rank) == ("raised", 0) and "ValueError: rank 0 was asked to fail" in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

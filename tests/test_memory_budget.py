@@ -204,8 +204,10 @@ def build_tiny():
     data = Dataset.from_dict({"sentence1": [f"a sentence {i}" for i in range(64)],
                               "sentence2": [f"another sentence {i}" for i in range(64)],
                               "score": [(i % 5) / 4 for i in range(64)]})
-    args = SentenceTransformerTrainingArguments(output_dir=tempfile.mkdtemp(prefix="stnb-budget-"), max_steps=4,
-                                                per_device_train_batch_size=16, report_to=[], use_cpu=True)
+    # nothing is saved (each run left a 12 MB checkpoint in /tmp): the folder is one, shared by every run
+    args = SentenceTransformerTrainingArguments(output_dir=os.path.join(tempfile.gettempdir(), "stnb-budget"),
+                                                max_steps=4, per_device_train_batch_size=16, report_to=[],
+                                                use_cpu=True, save_strategy="no")
     return SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
                                       loss=losses.CosineSimilarityLoss(model))
 

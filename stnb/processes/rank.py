@@ -186,6 +186,10 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
         print(f"[stnb] rank {rank} stopped by {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        if isinstance(e, Exception):
+            # ends the rank with exit code 1 all the same; an exception raised on would have torch.multiprocessing
+            # pickle its traceback into a /tmp/pytorch-errorfile-* that nothing removes
+            sys.exit(1)
         raise
     finally:
         stop.set()
