@@ -1,5 +1,7 @@
 """nbval runs each notebook's checks (tests/notebook_checks.py) in the notebook's kernel, right after the
-cell each one checks: the notebooks themselves hold no assert (GitHub's viewer would show them)."""
+cell each one checks: the notebooks themselves hold no assert (GitHub's viewer would show them). After a
+notebook's last cell, its kernel removes its temporary folders, as a kernel stopped from Jupyter does
+(``STOPPED``): nbval kills the kernel, and every run left notebook 06's checkpoints (about 114 MB) in /tmp."""
 
 from __future__ import annotations
 
@@ -15,6 +17,14 @@ def _checks():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+#: what a kernel stopped from Jupyter runs at its exit for the notebook's ``tempfile.TemporaryDirectory`` folders
+#: (their finalizers); nbval's kernel is killed instead, so the item after a notebook's last cell runs it
+STOPPED = """import tempfile as _tempfile
+
+for _folder in [v for v in globals().values() if isinstance(v, _tempfile.TemporaryDirectory)]:
+    _folder.cleanup()"""
 
 
 @pytest.hookimpl(tryfirst=True)  # after tests/conftest.py marks the cells (slow, their xdist group), before xdist
@@ -37,11 +47,18 @@ def pytest_collection_modifyitems(session, config, items):
             after = next((it for it in file_items if it.cell_num == index), None)
             if after is None:  # that cell was deselected: its check cannot run without it
                 continue
-            import nbformat
+            items.insert(items.index(after) + 1, _kernel_item(parent, after, f"Cell {index} checks", check))
+        last = max(i for i, it in enumerate(items) if isinstance(it, IPyNbCell) and it.parent is parent)  # checks too
+        items.insert(last + 1, _kernel_item(parent, items[last], "kernel stopped", STOPPED))
 
-            item = IPyNbCell.from_parent(parent, name=f"Cell {index} checks", cell_num=index,
-                                         cell=nbformat.v4.new_code_cell(check),
-                                         options=collections.defaultdict(bool, check=False))
-            for mark in after.own_markers:  # slow, and the xdist group: the check runs in its cell's kernel
-                item.add_marker(getattr(pytest.mark, mark.name)(*mark.args, **mark.kwargs))
-            items.insert(items.index(after) + 1, item)
+
+def _kernel_item(parent, after, name: str, source: str):
+    """An item that runs ``source`` in the notebook's kernel right after the cell item ``after``."""
+    import nbformat
+    from nbval.plugin import IPyNbCell
+
+    item = IPyNbCell.from_parent(parent, name=name, cell_num=after.cell_num, cell=nbformat.v4.new_code_cell(source),
+                                 options=collections.defaultdict(bool, check=False))
+    for mark in after.own_markers:  # slow, and the xdist group: it runs in its cell's kernel
+        item.add_marker(getattr(pytest.mark, mark.name)(*mark.args, **mark.kwargs))
+    return item

@@ -258,6 +258,26 @@ def test_a_check_whose_cell_is_gone_is_an_error():
         notebook_checks.anchored(path.name, [s for s in sources if not s.startswith(anchor)])
 
 
+def test_a_notebooks_temporary_folders_go_when_nbval_stops_its_kernel(tmp_path):
+    """nbval kills a notebook's kernel, so the kernel's exit never removes its ``TemporaryDirectory`` folders (each
+    run of notebook 06 left 114 MB in /tmp); the item the repository's conftest.py runs after the last cell removes
+    them, as a kernel stopped from Jupyter does. A notebook of one cell, run by nbval with that conftest."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    cell = f"import tempfile\n\nkept = tempfile.TemporaryDirectory(dir={str(scratch)!r})\nopen(kept.name + '/a', 'w').close()"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), tmp_path / "one.ipynb")
+    out = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "one.ipynb",
+                          "-p", "conftest", "-p", "no:cacheprovider", "-v"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0 and "one.ipynb::kernel stopped PASSED" in out.stdout, out.stdout + out.stderr
+    assert list(scratch.iterdir()) == []
+
+
 def _parity_rows(text: str) -> dict:
     """{strategy: (verified, overall, passed)} from a printed ``Parity.table``'s columns (strategy,
     verified, parameters, over_tolerance, overall, passed)."""
