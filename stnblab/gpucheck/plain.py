@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
                                          loss=CosineSimilarityLoss(model), callbacks=[StepClock()])
     trainer.train()
+    shutil.rmtree(args.output_dir, ignore_errors=True)  # nothing saved in it (save_strategy='no'): scratch
     measured = len(ends) - a.warmup
     span = ends[-1] - ends[a.warmup - 1] if measured > 0 and a.warmup >= 1 else None
     step_times = [b - e for e, b in zip(ends[a.warmup - 1:], ends[a.warmup:])] if a.warmup >= 1 else []
