@@ -172,7 +172,10 @@ for name in stages:          # every stage: DDP's learning, step by step
         ('from sentence_transformers import SentenceTransformer',
          """saved = fsdp.verification["saved_model"]
 assert saved["ok"] and saved["equals_trained"] and saved["differs_from_initial"]
-assert sum(p.numel() for p in model.parameters()) == fsdp.total_param_count   # all of it, unsharded"""),
+assert sum(p.numel() for p in model.parameters()) == fsdp.total_param_count   # all of it, unsharded
+import os
+
+assert not os.path.exists(scratch.name)          # the saved model's folder is removed once it is read"""),
         ('probe = stnb.run(',
          """assert probe.verified and 0 <= runtime < budget
 assert all(r["memory_budget"]["limit_bytes"] == 64 * 2**30 for r in probe.verification["ranks"])"""),
@@ -351,6 +354,10 @@ assert now.source == "measured now, beside these runs" and set(now.samples_per_s
 assert [st for st, _ in tuned.dev_curve][0] == 0 and [st for st, _ in tuned.dev_curve][-1] == prof.steps
 assert 3 <= len(tuned.dev_curve) <= 5 and (tuned.dev_curve[0][1], tuned.dev_curve[-1][1]) == (tuned.spearman_before,
                                                                                        tuned.spearman_after)"""),
+        ('knob_names = [',
+         """import os
+
+assert not os.path.exists(scratch)               # the bench's results files are removed once it returned"""),
         ('ddp_rows = knob_df[knob_df.variant.str.startswith("ddp ")]',
          """assert knob_report.failed == 0
 assert ddp_rows.verified.all()                     # DDP weights identical across ranks in every variant
