@@ -20,10 +20,13 @@ def _checks():
 
 
 #: what a kernel stopped from Jupyter runs at its exit for the notebook's ``tempfile.TemporaryDirectory`` folders
-#: (their finalizers); nbval's kernel is killed instead, so the item after a notebook's last cell runs it
-STOPPED = """import tempfile as _tempfile
+#: (their finalizers): every live one, whether a variable, a list or an object holds it; nbval's kernel is killed
+#: instead, so the item after a notebook's last cell runs it
+STOPPED = """import gc as _gc
+import tempfile as _tempfile
 
-for _folder in [v for v in globals().values() if isinstance(v, _tempfile.TemporaryDirectory)]:
+# type(), not isinstance(): isinstance asks a weak proxy whose object is gone for its class, and raises
+for _folder in [o for o in _gc.get_objects() if issubclass(type(o), _tempfile.TemporaryDirectory)]:
     _folder.cleanup()"""
 
 

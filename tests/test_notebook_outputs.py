@@ -269,7 +269,9 @@ def test_a_notebooks_temporary_folders_go_when_nbval_stops_its_kernel(tmp_path):
     root = Path(__file__).resolve().parent.parent
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    cell = f"import tempfile\n\nkept = tempfile.TemporaryDirectory(dir={str(scratch)!r})\nopen(kept.name + '/a', 'w').close()"
+    folder = f"tempfile.TemporaryDirectory(dir={str(scratch)!r})"
+    cell = (f"import tempfile\n\nkept = {folder}\nopen(kept.name + '/a', 'w').close()\n"
+            f"held = {{'inside': [{folder}]}}")  # one a variable holds, one inside other objects
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), tmp_path / "one.ipynb")
     out = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "one.ipynb",
                           "-p", "conftest", "-p", "no:cacheprovider", "-v"], cwd=tmp_path, capture_output=True,
