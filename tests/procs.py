@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import psutil
 
 
@@ -23,4 +25,22 @@ def children() -> list:
                 out.append(p)
         except psutil.Error:
             pass
+    return out
+
+
+def oversubscribed_ranks() -> set:
+    """Pids of torchrun's ranks (stnblab.parallel.oversubscribe) that this pytest process started, alive or not yet
+    reaped: they run in sessions of their own (not children once torchrun is gone), so they are found by command
+    line, and told from another xdist worker's (whose torchrun runs at the same time) by the worker name their
+    inherited environment carries."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    out = set()
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if (p.info["status"] != psutil.STATUS_ZOMBIE
+                    and "stnblab.parallel.oversubscribe" in " ".join(p.info["cmdline"] or [])
+                    and p.environ().get("PYTEST_XDIST_WORKER") == worker):
+                out.add(p.pid)
+        except psutil.Error:
+            continue
     return out

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 
-import psutil
 import pytest
 
 import exercise_solutions as sol
+import procs
 from stnblab import exercises
 
 pytestmark = pytest.mark.slow
@@ -71,18 +71,8 @@ def test_an_attempt_that_raises_is_reported_with_its_rank_and_error():
 
 def _stray_ranks() -> set:
     """Rank processes of either way of starting them still alive: children of this process (stnb.launch) or
-    torchrun's workers (their own sessions: not children once torchrun is gone)."""
-    me = psutil.Process()
-    out = set()
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if "stnblab.parallel.oversubscribe" in " ".join(p.info["cmdline"] or []):
-                out.add(p.pid)
-        except psutil.Error:
-            continue
-    return out | {c.pid for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+    torchrun's workers started from this process."""
+    return procs.oversubscribed_ranks() | {c.pid for c in procs.children()}
 
 
 # the attempts below wait for a partner forever: each rank gives up after QUICK_LIMIT_S seconds here (a student's

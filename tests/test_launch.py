@@ -268,6 +268,38 @@ def test_busy_port_29500_does_not_matter():
     assert res[0]["master_port"] == res[1]["master_port"] == str(stnb.last_launch().port)
 
 
+def test_a_picked_port_another_program_takes_before_the_store_binds_it_is_picked_again(monkeypatch):
+    # free_port only finds a port free for a moment: here the first one it returns is taken (held by
+    # this test) before elastic's rendezvous store binds it, as another process's connection took one
+    # in CI ("EADDRINUSE" from the launcher, no rank started). stnb picks another and starts again.
+    taken = stnb_launch.free_port()
+    real, picked = stnb_launch.launcher.free_port, []
+
+    def first_one_taken(host="127.0.0.1"):
+        picked.append(taken if not picked else real(host))
+        return picked[-1]
+
+    monkeypatch.setattr(stnb_launch.launcher, "free_port", first_one_taken)
+    with fc.busy_port(taken) as held:
+        assert held, f"could not hold port {taken}"
+        res = cpu_launch(rankfns.info, num_processes=2, echo=False)
+    assert [r["rank"] for r in res] == [0, 1] and all(r["all_reduce"] == 3.0 for r in res)
+    assert len(picked) == 2 and picked[0] == taken
+    assert res[0]["master_port"] == res[1]["master_port"] == str(stnb.last_launch().port) == str(picked[1])
+
+
+def test_a_one_process_world_needs_no_picked_port(monkeypatch):
+    # a world of one process binds its store on any free port (0) as it starts: no moment in which a
+    # port free_port found could be taken by another program
+    def every_port_taken(host="127.0.0.1"):
+        raise AssertionError("a one-process launch asked for a port")
+
+    monkeypatch.setattr(stnb_launch.launcher, "free_port", every_port_taken)
+    res = cpu_launch(rankfns.info, num_processes=1, echo=False)
+    assert res[0]["initialized"] and res[0]["world_size"] == 1 and res[0]["all_reduce"] == 1.0
+    assert stnb.last_launch().port == 0 and res[0]["master_port"] == "0"
+
+
 def test_explicit_busy_master_port_is_refused_before_starting():
     port = stnb_launch.free_port()
     before = _descendants()

@@ -176,19 +176,12 @@ def test_oversubscribed_ranks_that_hang_are_stopped_with_their_torchrun(monkeypa
     import os
     from pathlib import Path
 
-    import psutil
-
     import rankfns
     from stnb.errors import LaunchError
     from stnblab.parallel.oversubscribe import launch_oversubscribed
 
-    def ranks_alive():
-        return [p.pid for p in psutil.process_iter(["cmdline", "status"])
-                if p.info["status"] != psutil.STATUS_ZOMBIE
-                and "stnblab.parallel.oversubscribe" in " ".join(p.info["cmdline"] or [])]
-
-    before = set(ranks_alive())
+    before = procs.oversubscribed_ranks()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     with pytest.raises(LaunchError, match=r"3 oversubscribed ranks did not finish in 20 s"):
         launch_oversubscribed(rankfns.sleep_silent, 600.0, num_processes=3, timeout=20)
-    assert set(ranks_alive()) - before == set()
+    assert procs.oversubscribed_ranks() - before == set()

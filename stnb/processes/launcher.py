@@ -21,7 +21,7 @@ from .channel import Channel
 from .diagnose import diagnose
 from .forksafe import check_fork_safe, fork_ready
 from .rank import RankOptions, launcher_token
-from .start import LOCALHOST, keep_spawn_helper, node_gpus, run_ranks
+from .start import LOCALHOST, Outcome, keep_spawn_helper, node_gpus, run_ranks
 from .supervise import tracked_children
 from .watchdog import Watchdog
 
@@ -34,7 +34,7 @@ class LaunchInfo:
     """Details of the last launch in this process: ``stnb.last_launch()``."""
 
     num_processes: int
-    port: int
+    port: int  # the rendezvous port; 0 for a world of one process, whose store binds any free port
     device: str
     backend: str
     logs: dict = field(default_factory=dict)
@@ -87,7 +87,8 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
         call = dict(fn=None, args=(), kwargs={}, packed=pack(fn, args, kwargs))
         keep_spawn_helper()
     nproc, world_size = num_processes, num_processes * num_nodes
-    port = master_port or free_port(master_addr)
+    # a world of one process needs no agreed port: its store binds whichever is free (0) as it starts
+    port = master_port or (free_port(master_addr) if world_size > 1 else 0)
     with _one_launch_at_a_time(), Channel(nproc) as ch:
         opts = RankOptions(**call, device=device, backend=backend_for(device),
                            threads=threads_per_rank or max(1, cpu_cores() // nproc), nproc=nproc,
@@ -98,8 +99,9 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
                                   start_time=opts.launch_time, start_method=method))
         watchdog = Watchdog(ch, nproc, timeout, stall_timeout, on_progress, echo, rank_offset=node_rank * nproc)
         with watchdog, tracked_children(), (fork_ready() if method == "fork" else nullcontext()):
-            outcome = run_ranks(ch, opts, master_addr=master_addr, port=port, node_rank=node_rank,
-                                num_nodes=num_nodes, mixed_precision=mixed_precision, echo=echo)
+            outcome = _run_on_a_free_port(ch, opts, info, picked=master_port is None, master_addr=master_addr,
+                                          node_rank=node_rank, num_nodes=num_nodes,
+                                          mixed_precision=mixed_precision, echo=echo)
             watchdog.launcher_returned()
         info.logs, info.wall_time_s = dict(watchdog.logs), time.time() - opts.launch_time
         error = diagnose(ch, watchdog, outcome, nproc, node_rank, method)
@@ -107,6 +109,22 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
             info.error = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error)
             raise error
         return collect_results(ch, nproc, node_rank, info.logs)
+
+
+PORT_TRIES = 3
+
+
+def _run_on_a_free_port(ch: Channel, opts: RankOptions, info: LaunchInfo, picked: bool, **where) -> Outcome:
+    """``run_ranks`` on ``info.port``. A port stnb picked was only free when ``free_port`` looked:
+    the OS hands the same ports to every process's connections, and another one can take it before
+    the launcher's rendezvous store binds it. No rank has started then, so stnb picks another and
+    starts again (a port the caller gave is never changed)."""
+    for _ in range(PORT_TRIES):
+        outcome = run_ranks(ch, opts, port=info.port, **where)
+        if not (picked and outcome.port_taken):
+            break
+        info.port = free_port(where["master_addr"])
+    return outcome
 
 
 def collect_results(ch: Channel, nproc: int, node_rank: int, logs: dict) -> list:

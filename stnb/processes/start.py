@@ -35,6 +35,8 @@ class Outcome:
     failure: BaseException | None = None
     interrupted: bool = False
     exit_codes: dict = field(default_factory=dict)  # {local rank: exit code} of the failed launch
+    # the launcher's rendezvous store could not bind its port (another program holds it): no rank started
+    port_taken: bool = False
 
 
 def run_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, node_rank: int, num_nodes: int,
@@ -59,8 +61,14 @@ def run_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, no
     except Exception as e:  # ChildFailedError, SignalException, RuntimeError from the launcher...
         if getattr(e, "sigval", None) in (signal.SIGINT, int(signal.SIGINT)):  # elastic's SignalException
             return Outcome(interrupted=True)
-        return Outcome(failure=e, exit_codes=exit_codes(e))
+        return Outcome(failure=e, exit_codes=exit_codes(e), port_taken=store_port_taken(e))
     return Outcome()
+
+
+def store_port_taken(e: BaseException) -> bool:
+    """True for the error elastic's agent raises, in this process and before it starts any rank, when
+    its rendezvous store cannot bind the port (ranks that fail are reported as ChildFailedError)."""
+    return type(e).__name__ == "DistNetworkError" and ("EADDRINUSE" in str(e) or "address already in use" in str(e))
 
 
 def start_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, node_rank: int = 0,

@@ -27,13 +27,13 @@ TAIL = 4000  # characters of a failed run's output in the error
 def launch_oversubscribed(fn, *args, num_processes: int, timeout: float = 600, **_ignored) -> list:
     """``fn(*args)`` in ``num_processes`` CPU gloo ranks whatever the core count; their results by rank.
     (Keyword arguments of ``stnb.launch`` such as ``device`` or ``echo`` are accepted and have no effect.)"""
-    from stnb.processes import free_port
-
     with tempfile.TemporaryDirectory(prefix="stnb-oversubscribed-") as work:
         with open(os.path.join(work, "call.pkl"), "wb") as f:
             pickle.dump((fn, args), f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_processes}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port('127.0.0.1')}", "-m", __name__, work]
+        # --standalone: torchrun's rendezvous store binds a port the OS picks as it binds (localhost:0), so
+        # no other process can take it first, as one could a port found free a moment before
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_processes}",
+               "-m", __name__, work]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
