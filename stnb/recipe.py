@@ -11,9 +11,9 @@ exactly as to the trainer a user's own build function returns.
 from __future__ import annotations
 
 import functools
-import tempfile
 
 from .config import TrainConfig
+from .processes import scratch_folder
 
 #: the trainer logs every step: RunResult.losses holds each step's loss (one .item() per step). A
 #: baseline that stnb's speed is held to logs as often (gpucheck's plain script is given this)
@@ -72,7 +72,7 @@ def output_dir(config: TrainConfig) -> str:
 
     if config.checkpoint_dir:
         return os.path.abspath(os.path.expanduser(config.checkpoint_dir))
-    return tempfile.mkdtemp(prefix="stnb-trainer-")
+    return scratch_folder("stnb-trainer-")
 
 
 def evaluated_after():

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
 from . import checkpoints, checks, prepare, strategies
 from .config import TrainConfig
-from .processes import rank_context, wait_for_all
+from .processes import rank_context, scratch_folder, wait_for_all
 from .model_types import load_like
 from .rankreport import RankReport
 from .saving import save_checked
@@ -167,7 +166,7 @@ class Outcome:
         if outcome.evaluator is not None and here.rank == 0:
             outcome.metric, outcome.before = _dev_metric(outcome.evaluator, trainer.model)
         if initial_path is None and here.rank == 0 and (strategy.shards_params(config) or config.save_to):
-            outcome.scratch = outcome.initial_path = tempfile.mkdtemp(prefix="stnb-initial-")
+            outcome.scratch = outcome.initial_path = scratch_folder("stnb-initial-")
             trainer.model.save(outcome.scratch)
         if here.distributed:
             wait_for_all()  # rank 0 evaluated (and saved the initial model)

@@ -25,7 +25,8 @@ def build(steps: int = 3):
     from stnb.models import tiny_path
 
     model = SentenceTransformer(tiny_path(), device="cpu")
-    out = tempfile.mkdtemp(prefix="stnb-cluster-build-")
+    # nothing is saved (save_strategy="no"): one shared folder, not a new one left behind by every rank of every run
+    out = os.path.join(tempfile.gettempdir(), "stnb-cluster-build")
     return SentenceTransformerTrainer(model=model, args=st_args(out, max_steps=steps), train_dataset=_pairs(),
                                       loss=losses.MultipleNegativesRankingLoss(model))
 

@@ -102,6 +102,32 @@ def test_a_run_killed_mid_step_resumes_to_the_weights_and_losses_of_the_run_that
     assert last.keys() == trained.keys() and all((last[k] == trained[k]).all() for k in trained)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["build-fsdp", "recipe-ddp"])
+def test_a_run_whose_rank_0_is_killed_leaves_nothing_in_the_temporary_folder(what, monkeypatch, tmp_path):
+    """Rank 0's scratch folders: a user's model as built, saved under a sharding strategy to make the trained one
+    whole from its shards at the end (8 MB for the tiny BERT, the model's size for a real one; stnb's recipe has
+    its own saved copy), and the recipe's trainer folder when it keeps no checkpoints. A killed rank runs no
+    clean-up (SIGKILL, as the out-of-memory killer sends): they were left in /tmp. They live in the launch's
+    own folder, which the launcher removes however the ranks end."""
+    import functools
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # the forked ranks' temporary folder too
+    _kill(monkeypatch, "training_step", lambda t: t.state.global_step == 3, rank=0)
+    with pytest.raises(stnb.LaunchError) as stopped:
+        if what == "build-fsdp":
+            stnb.run(functools.partial(build_with_dropout, str(tmp_path / "stopped")), strategy="fsdp",
+                     num_processes=2, device="cpu", threads_per_rank=1, timeout=300, echo=False)
+        else:
+            stnb.run(stnb.TrainConfig(**{**RUN, "checkpoint_every": 0, "strategy": "ddp"}), echo=False)
+    assert stopped.value.kind == "killed", str(stopped.value)
+    # torch's compiler cache (torchinductor_<user>) is shared by every run and kept, as torch means it to be
+    assert sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")) == []
+
+
 def _tiny_with_dropout():
     """The tiny BERT with dropout 0.1: its training steps draw from the RNG, so a resume must restore every rank's."""
     from sentence_transformers import SentenceTransformer

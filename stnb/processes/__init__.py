@@ -29,7 +29,7 @@ The package, along the way one launch goes:
     channel    the result channel: per-rank files + shared progress numbers; RankState
     watchdog   the parent's thread: output relay, progress, timeout / stall / silent-exit limits
     start      starting the ranks (torch elastic, or one process of its own) and waiting for them
-    rank       what runs in each rank: rank_context(), heartbeat(), report_progress(); how it started
+    rank       what runs in each rank: rank_context(), heartbeat(), report_progress(), scratch_folder(); how it started
     output     per-rank output capture (rank side) and the [rank N] relay (parent side)
     detach     a forked rank leaves the Jupyter kernel's sockets alone (a spawned one never had them)
     supervise  process-tree cleanup: child_subreaper, kill_tree, children_now
@@ -46,8 +46,8 @@ from .channel import RankState
 from .forksafe import check_fork_safe
 from .launcher import LaunchInfo, free_port, last_launch, launch
 from .peerfail import wait_for_all
-from .rank import RankContext, heartbeat, rank_context, report_progress
+from .rank import RankContext, heartbeat, rank_context, report_progress, scratch_folder
 from .supervise import child_subreaper
 
-__all__ = ["launch", "wait_for_all", "heartbeat", "report_progress", "rank_context", "last_launch", "free_port",
-           "check_fork_safe", "child_subreaper", "LaunchInfo", "RankContext", "RankState"]
+__all__ = ["launch", "wait_for_all", "heartbeat", "report_progress", "rank_context", "scratch_folder", "last_launch",
+           "free_port", "check_fork_safe", "child_subreaper", "LaunchInfo", "RankContext", "RankState"]

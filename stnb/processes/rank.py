@@ -60,6 +60,15 @@ def rank_context() -> RankContext | None:
     return _CTX
 
 
+def scratch_folder(prefix: str) -> str:
+    """A new folder for files a rank needs during its run: inside an stnb launch, in the launch's own folder,
+    which the launcher removes however the rank ends (a killed rank runs no clean-up of its own); elsewhere
+    (SLURM, Ray, torchrun, the kernel) in the system's temporary folder, removed by whoever made it."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=prefix, dir=_CTX.channel.dir if _CTX is not None else None)
+
+
 def heartbeat() -> None:
     """Tell the stall watchdog this rank is making progress (cheap; no-op outside a launch)."""
     ctx = _CTX
