@@ -560,6 +560,13 @@ def test_a_questionnaire_out_of_shape_is_found():
     assert question_problems(nb) == ["0 '## Questions' cells (one after the exercises)"]
 
 
+def cell_ast(source: str):
+    """A code cell's source parsed by ast, IPython's line magics (%pip) read as the comments they are to Python."""
+    import ast
+
+    return ast.parse("\n".join("#" + ln if ln.lstrip().startswith("%") else ln for ln in source.split("\n")))
+
+
 def _reader_problems(nb: dict) -> list:
     """Cells that put the notebook's checks in the reader's way, read as GitHub's viewer reads the JSON:
     every code cell's source is shown (it ignores ``source_hidden`` and the ``hide-input`` tag), so any
@@ -579,9 +586,7 @@ def _reader_problems(nb: dict) -> list:
         if source.lstrip().startswith("# NBVAL_"):
             found.append(f"cell {i} starts with an nbval marker: use the cell tag "
                          f"{source.split()[1].lower().replace('_', '-')!r} instead")
-        # IPython's line magics (%pip) are not Python: read them as the comment they are to ast
-        python = "\n".join("#" + ln if ln.lstrip().startswith("%") else ln for ln in source.split("\n"))
-        asserts = [n.lineno for n in ast.walk(ast.parse(python)) if isinstance(n, ast.Assert)]
+        asserts = [n.lineno for n in ast.walk(cell_ast(source)) if isinstance(n, ast.Assert)]
         if asserts:
             found.append(f"cell {i} shows an assert (line {asserts[0]}) on GitHub, hidden or not: move the check "
                          "to tests/notebook_checks.py (nbval runs it right after this cell)")
@@ -616,6 +621,38 @@ def test_an_assert_cell_hidden_or_not_and_an_nbval_marker_are_found():
     assert any("'nbval-check-output'" in f for f in found), found
 
 
+def leftover_folders(nb: dict) -> list:
+    """Code cells that make a folder nothing removes (``tempfile.mkdtemp``): every run of the notebook would leave
+    it in /tmp (13 a run of 07 did). A notebook's files go in a ``tempfile.TemporaryDirectory``, removed when the
+    kernel stops (under nbval: the ``kernel stopped`` item, docs/testing.md)."""
+    import ast
+
+    found = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        calls = [n for n in ast.walk(cell_ast("".join(cell["source"]))) if isinstance(n, ast.Call)]
+        if any(getattr(c.func, "attr", getattr(c.func, "id", None)) == "mkdtemp" for c in calls):
+            found.append(f"cell {i} calls mkdtemp: a folder every run leaves behind; use a "
+                         "tempfile.TemporaryDirectory the notebook keeps (removed when the kernel stops)")
+    return found
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_a_notebook_leaves_no_folder_behind(name):
+    import json
+
+    assert leftover_folders(json.loads((ROOT / "notebooks" / name).read_text())) == []
+
+
+def test_a_cell_that_makes_a_folder_nothing_removes_is_found():
+    nb = {"cells": [{"cell_type": "code", "source": ["import tempfile\nkept = tempfile.TemporaryDirectory()"]},
+                    {"cell_type": "markdown", "source": ["not code: tempfile.mkdtemp()"]},
+                    {"cell_type": "code", "source": ["%pip list\nout = Path(tempfile.mkdtemp(prefix='x')) / 'r.jsonl'"]},
+                    {"cell_type": "code", "source": ["from tempfile import mkdtemp\nf(output_dir=mkdtemp())"]}]}
+    assert [f.split(" calls")[0] for f in leftover_folders(nb)] == ["cell 2", "cell 3"]
+
+
 def by_hand_problems(nb: dict) -> list:
     """Sections whose heading says "by hand" but whose first code cell calls into stnb (CONVENTIONS.md: "No stnb
     helper hides the mechanism a cell shows"): a name from ``stnb`` / ``stnblab`` (``stnb.x``, or a name the
@@ -625,8 +662,7 @@ def by_hand_problems(nb: dict) -> list:
     imported = {"stnb", "stnblab", "prof"}  # prof = stnb.setup(), the first cell's
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
-            python = "\n".join("#" + ln if ln.lstrip().startswith("%") else ln for ln in "".join(cell["source"]).split("\n"))
-            for node in ast.walk(ast.parse(python)):
+            for node in ast.walk(cell_ast("".join(cell["source"]))):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("stnb", "stnblab"):
                     imported |= {a.asname or a.name for a in node.names}
     found, heading = [], None
