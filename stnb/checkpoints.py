@@ -20,6 +20,9 @@ shard); this module makes it safe to stop at any moment:
 - **resumed means resumed.** ``find`` refuses, before any rank starts where it can, a path with no checkpoint,
   a half-written one, or one written by a strategy or a world size this run cannot load; in the ranks
   ``Checkpoints`` checks that training really began at the checkpoint's step (``RunResult.resumed_from``).
+- **one folder.** Every rank writes its part into the trainer's ``output_dir`` and looks there for ``latest``:
+  ``one_folder`` refuses, before training, ranks whose ``output_dir`` differ (``tempfile.mkdtemp()`` inside a build
+  function makes one per rank), which would leave every sharded checkpoint without the other ranks' parts.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import json
 import os
 import re
 
-from .errors import CheckpointError, ConfigError
+from .errors import BuildError, CheckpointError, ConfigError
 from .files import MANIFEST, manifest
 
 PARTIAL = ".stnb-partial"
@@ -60,6 +63,28 @@ def partial(folder) -> list:
     """Paths of the half-written checkpoints in ``folder`` (a stop while every rank was writing)."""
     root = os.path.join(os.fspath(folder), PARTIAL)
     return sorted(os.path.join(root, n) for n in os.listdir(root)) if os.path.isdir(root) else []
+
+
+def one_folder(output_dir, uses: bool, distributed: bool) -> str | None:
+    """The trainer's ``output_dir`` (absolute), checked, when the run ``uses`` it (saves checkpoints, or resumes from
+    the latest one there), to be the same folder on every rank (a collective: every rank calls it): each rank writes
+    its part of every checkpoint there (its shard, its RNG state), and rank 0 completes it. BuildError on every rank,
+    naming each rank's folder, when they differ."""
+    folder = os.path.abspath(os.path.expanduser(os.fspath(output_dir))) if output_dir else None
+    if not distributed:
+        return folder
+    import torch.distributed as dist
+
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (folder, uses))
+    if any(u for _, u in seen) and len({f for f, _ in seen}) > 1:
+        where = ", ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(seen))
+        raise BuildError(f"your trainer's output_dir is a different folder on each rank ({where}), and this run "
+                         "saves checkpoints or resumes from the latest one there: each rank would write its part of "
+                         "every checkpoint into its own folder, and none would be whole. Give output_dir one path "
+                         "every rank shares (a fixed path, or a plain value made once in the notebook: "
+                         "tempfile.mkdtemp() inside the build function makes a new folder in every rank)")
+    return folder
 
 
 def resume_point(resume, folder, restarted: bool = False) -> str | None:

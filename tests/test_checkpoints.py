@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -169,6 +170,34 @@ def _user_run(folder, best=False, keep=None, **kw):
 
     return stnb.run(functools.partial(build_with_dropout, str(folder), keep, best), strategy="ddp", num_processes=2,
                     device="cpu", threads_per_rank=1, timeout=300, **kw)
+
+
+def build_in_a_folder_per_rank(parent: str):
+    """A user's checkpointing trainer whose output_dir is ``tempfile.mkdtemp()`` made inside the build function, as
+    examples often write it: a new folder in every rank."""
+    import tempfile
+
+    return build_with_dropout(tempfile.mkdtemp(prefix="rank-", dir=parent))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_whose_output_dirs_differ_are_refused_before_training(tmp_path, strategy):
+    """Each rank writes its part of a checkpoint into its own output_dir: under fsdp, rank 0's checkpoint-N looked
+    whole (the run verified, every save listed) while rank 1's shards and RNG state stayed in its own .stnb-partial,
+    so no checkpoint could be resumed; under ddp 'latest' is looked up in a different folder on each rank. Refused
+    on every rank before the first step, naming each rank's folder; nothing written."""
+    import functools
+    from pathlib import Path
+
+    with pytest.raises(stnb.LaunchError) as e:
+        stnb.run(functools.partial(build_in_a_folder_per_rank, str(tmp_path)), strategy=strategy, num_processes=2,
+                 device="cpu", threads_per_rank=1, timeout=300, echo=False)
+    message, folders = str(e.value).splitlines()[0], sorted(str(p) for p in tmp_path.iterdir())
+    assert len(folders) == 2 and "raised BuildError: your trainer's output_dir is a different folder on each rank" \
+        in message and "one path every rank shares" in message, message
+    assert sorted(re.findall(r"rank [01]: (\S+?)[,)]", message)) == folders, message
+    assert [p for f in folders for p in Path(f).rglob("*")] == []  # refused before the first step: nothing written
 
 
 def _user_stopped_then_resumed(monkeypatch, tmp_path, broken=None):
