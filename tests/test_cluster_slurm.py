@@ -260,6 +260,24 @@ def test_a_multi_node_log_folder_under_tmp_is_refused(tmp_path):
         stnb.run(strategy="ddp", **RECIPE, cluster=stnb.Slurm(nodes=2, tasks_per_node=1, folder="/tmp/stnb-x"))
 
 
+def test_a_multi_node_checkpoint_dir_under_tmp_is_refused(slurm_cluster, tmp_path):
+    """Each node's ranks would write their parts of every checkpoint to their own machine's /tmp: none whole, and a
+    requeued job would find none. Refused before submitting; one node keeps its /tmp."""
+    shared = tempfile.mkdtemp(prefix=".stnb-test-", dir=os.path.expanduser("~"))  # the log folder passes
+    try:
+        with pytest.raises(ConfigError, match=r"checkpoint_dir '/tmp/stnb-ck' is on this machine's own disk \(under "
+                                              r"/tmp\): the ranks on the other nodes could not write their parts of "
+                                              r"each checkpoint there"):
+            stnb.run(strategy="ddp", **RECIPE, checkpoint_every=2, checkpoint_dir="/tmp/stnb-ck",
+                     cluster=stnb.Slurm(nodes=2, tasks_per_node=1, folder=shared, requeue=True))
+        with pytest.raises(ConfigError, match=r"nodes=2 is more than partition 'debug' has 1 node"):  # past it
+            stnb.run(strategy="ddp", **RECIPE, checkpoint_every=2, checkpoint_dir=os.path.join(shared, "ck"),
+                     cluster=stnb.Slurm(nodes=2, tasks_per_node=1, folder=shared, requeue=True))
+    finally:
+        shutil.rmtree(shared)
+    assert not os.path.exists("/tmp/stnb-ck")
+
+
 def test_a_strategy_that_cannot_span_tasks_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"strategy 'dp' trains in one process, so SLURM cannot spread it"):
         stnb.run(strategy="dp", **RECIPE, cluster=_slurm(tmp_path))

@@ -254,17 +254,22 @@ def train_in_rank(rundir: RunDir, rank: int, world: int, config, build, t0: floa
 
 #: folders each machine has its own of: a multi-node job's ranks could not all write there
 LOCAL_ONLY = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+#: what a checkpoint_dir holds, said when a multi-node job's would be on one machine's own disk
+CHECKPOINT_PARTS = ("their parts of each checkpoint there: none would be whole, and a requeued or restarted job "
+                    "would find none")
 
 
-def check_shared_folder(path: str, what: str, multi_node: bool, create: bool = True) -> str:
+def check_shared_folder(path: str, what: str, multi_node: bool, create: bool = True,
+                        holds: str = "their logs, progress and results there") -> str:
     """``path`` made absolute and (``create``) created; ConfigError when a multi-node job would put it where
-    only one machine sees it, or it cannot be written."""
+    only one machine sees it (the ranks on the other nodes could not write what it ``holds``), or it cannot be
+    written."""
     from ..errors import ConfigError
 
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if multi_node and any(path == p or path.startswith(p + "/") for p in LOCAL_ONLY):
         raise ConfigError(f"{what} {path!r} is on this machine's own disk (under {next(p for p in LOCAL_ONLY if path.startswith(p))}): "
-                          "the ranks on the other nodes could not write their logs, progress and results there. "
+                          f"the ranks on the other nodes could not write {holds}. "
                           "Use a folder on the cluster's shared filesystem (your home or project directory)")
     if not create:
         return path
