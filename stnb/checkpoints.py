@@ -65,15 +65,19 @@ def partial(folder) -> list:
     return sorted(os.path.join(root, n) for n in os.listdir(root)) if os.path.isdir(root) else []
 
 
-def one_folder(output_dir, uses: bool, distributed: bool) -> str | None:
-    """The trainer's ``output_dir`` (absolute), checked, when the run ``uses`` it (saves checkpoints, or resumes from
-    the latest one there), to be the same folder on every rank (a collective: every rank calls it): each rank writes
-    its part of every checkpoint there (its shard, its RNG state), and rank 0 completes it. BuildError on every rank,
-    naming each rank's folder, when they differ."""
-    folder = os.path.abspath(os.path.expanduser(os.fspath(output_dir))) if output_dir else None
+def one_folder(args, resume, distributed: bool) -> str | None:
+    """The trainer's ``output_dir`` (``args``: its training arguments) made absolute, checked, when the run uses it
+    (the trainer saves checkpoints, or ``resume`` looks for the latest one there), to be the same folder on every
+    rank (a collective: every rank calls it): each rank writes its part of every checkpoint there (its shard, its RNG
+    state), and rank 0 completes it. BuildError on every rank, naming each rank's folder, when they differ."""
+    folder = os.path.abspath(os.path.expanduser(os.fspath(args.output_dir))) if args.output_dir else None
     if not distributed:
         return folder
     import torch.distributed as dist
+
+    from .strategies import save_strategy
+
+    uses = save_strategy(args) != "no" or resume in (LATEST, AUTO)
 
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (folder, uses))

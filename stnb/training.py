@@ -66,8 +66,7 @@ def _train(rank, restarted: bool) -> RankReport:
     overridden.update(prepared["overridden"])
     rank.overridden, rank.loss_sync = overridden, strategies.LossParameterSync(trainer)
     trainer.add_callback(rank.loss_sync.callback())
-    uses = strategies.save_strategy(trainer.args) != "no" or config.resume in (checkpoints.LATEST, checkpoints.AUTO)
-    folder = checkpoints.one_folder(trainer.args.output_dir, uses, here.distributed)  # a collective
+    folder = checkpoints.one_folder(trainer.args, config.resume, here.distributed)  # a collective
     rank.resume = checkpoints.resume_point(config.resume, folder, restarted)
     ins.reach("prepared", rank)  # the resume point checked against this run
     attached = ins.attach(trainer, rank.made.values())

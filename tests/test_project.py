@@ -672,7 +672,7 @@ def by_hand_problems(nb: dict) -> list:
             headings = re.findall(r"^#+ (.*)$", source, re.M)
             heading = headings[-1] if headings else heading
         elif heading and "by hand" in heading.lower():
-            names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+            names = {n.id for n in ast.walk(cell_ast(source)) if isinstance(n, ast.Name)}
             if names & imported:
                 found.append(f"cell {i}, the first under '{heading}', calls {sorted(names & imported)}: show the "
                              "mechanism in plain torch there, or do not call the section by hand")

@@ -34,8 +34,8 @@ import uuid
 
 from ..errors import ConfigError, LaunchError
 from .base import Launcher, Plan, finish, rank_env
-from .rundir import (CHECKPOINT_PARTS, ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder,
-                     failure)
+from .rundir import (ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_checkpoints,
+                     check_shared_folder, failure)
 
 INSTALL = 'pip install "stnb[ray]"'
 #: the file of the checkpoint rank 0 reports to Ray Train: where stnb's checkpoint is, and its step
@@ -84,9 +84,7 @@ class Ray(Launcher):
             here = _node_ip()
             multi = any(n["NodeManagerAddress"] != here for n in nodes)  # a node that is another machine
             self.storage = check_shared_folder(self.storage_path or "~/stnb-ray", "Ray(storage_path=...)", multi)
-            if plan.config.checkpoint_dir:
-                check_shared_folder(plan.config.checkpoint_dir, "checkpoint_dir", multi, create=False,
-                                    holds=CHECKPOINT_PARTS)
+            check_shared_checkpoints(plan.config, multi)
         except BaseException:
             self._disconnect()
             raise

@@ -254,9 +254,6 @@ def train_in_rank(rundir: RunDir, rank: int, world: int, config, build, t0: floa
 
 #: folders each machine has its own of: a multi-node job's ranks could not all write there
 LOCAL_ONLY = ("/tmp", "/var/tmp", "/dev/shm", "/run")
-#: what a checkpoint_dir holds, said when a multi-node job's would be on one machine's own disk
-CHECKPOINT_PARTS = ("their parts of each checkpoint there: none would be whole, and a requeued or restarted job "
-                    "would find none")
 
 
 def check_shared_folder(path: str, what: str, multi_node: bool, create: bool = True,
@@ -283,6 +280,15 @@ def check_shared_folder(path: str, what: str, multi_node: bool, create: bool = T
         raise ConfigError(f"{what} {path!r} cannot be written ({e}); choose a folder you can write on the "
                           "cluster's shared filesystem") from None
     return path
+
+
+def check_shared_checkpoints(config, multi_node: bool) -> None:
+    """ConfigError when a multi-node job's ``checkpoint_dir`` (stnb's recipe) is on one machine's own disk: every
+    node's ranks write their parts of each checkpoint there."""
+    if config.checkpoint_dir:
+        check_shared_folder(config.checkpoint_dir, "checkpoint_dir", multi_node, create=False,
+                            holds="their parts of each checkpoint there: none would be whole, and a requeued or "
+                                  "restarted job would find none")
 
 
 def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, cpus_per_rank: int) -> None:

@@ -33,8 +33,8 @@ import uuid
 from ..errors import ConfigError, LaunchError
 from ..files import shown
 from .base import Launcher, Plan, finish, rank_env
-from .rundir import (CHECKPOINT_PARTS, ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_folder,
-                     failure)
+from .rundir import (ProgressFeed, RunDir, check_cluster_plan, check_int, check_shared_checkpoints,
+                     check_shared_folder, failure)
 
 INSTALL = 'pip install "stnb[slurm]"'
 COMMANDS = ("sbatch", "sinfo", "squeue", "scontrol", "scancel")
@@ -114,9 +114,7 @@ class Slurm(Launcher):
                               "task is one rank driving one GPU; set them equal")
         check_cluster_plan(plan, "SLURM", self.world, device, "nodes * tasks_per_node", self.cpus_per_task)
         root = check_shared_folder(self.folder, "Slurm(folder=...)", self.nodes > 1, create=False)
-        if plan.config.checkpoint_dir:  # stnb's recipe: every node's ranks write their parts of each checkpoint there
-            check_shared_folder(plan.config.checkpoint_dir, "checkpoint_dir", self.nodes > 1, create=False,
-                                holds=CHECKPOINT_PARTS)
+        check_shared_checkpoints(plan.config, self.nodes > 1)
         self.partition = self._check_partition()
         self.root = check_shared_folder(root, "Slurm(folder=...)", self.nodes > 1)  # created once the cluster answered
         self._executor(self.root)  # submitit's own check of the parameters, before submitting
