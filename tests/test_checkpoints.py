@@ -530,6 +530,7 @@ LAYOUTS = [  # (writer, its ranks, per device) -> (reader, its ranks, per device
     ("fsdp", 2, 4, "zero1", 2, 4),
     ("zero1", 2, 4, "zero2", 2, 4),
     ("fsdp", 2, 6, "fsdp", 3, 4),       # DCP's own resharding (3 ranks on this 2-core machine)
+    ("deepspeed", 2, 4, "deepspeed", 1, 8),  # DeepSpeed's universal checkpoint (ZeRO stage 2)
 ]
 
 
@@ -539,15 +540,15 @@ def _layout_run(strategy, ranks, per_device, folder, size, **kw):
                                         "checkpoint_dir": str(folder), **kw}), echo=False)
 
 
-def _written_then_resumed(monkeypatch, tmp_path, writer, w_ranks, w_batch, reader, r_ranks, r_batch):
+def _written_then_resumed(monkeypatch, tmp_path, writer, w_ranks, w_batch, reader, r_ranks, r_batch, **options):
     """(the run that wrote checkpoint-2 and went on to step 6, the run that resumed it on the other layout, the
-    two trained models' weights)."""
+    two trained models' weights); ``options``: both runs' strategy options (stage=...)."""
     if max(w_ranks, r_ranks) > 2:
         monkeypatch.setattr(stnb.hardware, "cpu_cores", lambda: max(w_ranks, r_ranks))  # oversubscribed, forked
     size = w_ranks * w_batch * RUN["steps"]  # one epoch: no partial batch on either layout
-    written = _layout_run(writer, w_ranks, w_batch, tmp_path / "w", size, save_to=str(tmp_path / "wm"))
+    written = _layout_run(writer, w_ranks, w_batch, tmp_path / "w", size, save_to=str(tmp_path / "wm"), **options)
     resumed = _layout_run(reader, r_ranks, r_batch, tmp_path / "r", size, resume=str(tmp_path / "w" / "checkpoint-2"),
-                          save_to=str(tmp_path / "rm"))
+                          save_to=str(tmp_path / "rm"), **options)
     return written, resumed, _weights(tmp_path / "wm"), _weights(tmp_path / "rm")
 
 
@@ -576,6 +577,94 @@ def test_a_checkpoint_resumes_on_another_layout_its_tensors_checked_and_training
     far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
     assert not far, f"{len(far)} tensor(s) further apart than float rounding, e.g. {far[:3]}"
     assert [c["step"] for c in resumed.checkpoints] == [4, 6]
+
+
+DEEPSPEED_RANKS = [  # (ZeRO stage, writer's ranks, per device, reader's ranks, per device); stage 2: LAYOUTS
+    (1, 2, 4, 1, 8),
+    (3, 2, 4, 1, 8),  # DeepSpeed's ZeRO-3 universal loading shares one step counter (deepspeed_resume)
+    (3, 1, 8, 2, 4),  # each rank's piece of every parameter (ds_tensor) checked, at its own offset
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,w_ranks,w_batch,r_ranks,r_batch", DEEPSPEED_RANKS,
+                         ids=[f"stage{s}-{n}-to-{m}" for s, n, _, m, _ in DEEPSPEED_RANKS])
+def test_a_deepspeed_checkpoint_resumes_on_another_number_of_ranks_through_the_universal_checkpoint(
+        monkeypatch, tmp_path, stage, w_ranks, w_batch, r_ranks, r_batch):
+    """The engine's checkpoint holds each rank's flat ZeRO partition; rank 0 converts it once into DeepSpeed's
+    universal checkpoint (by parameter name, inside the checkpoint), every engine loads its own partition of it,
+    and every rank compares the fp32 copy, exp_avg and exp_avg_sq of each parameter, and its piece of the
+    module's weights, with the converted files. Training then goes on as the run that never stopped did."""
+    written, resumed, wa, wb = _written_then_resumed(monkeypatch, tmp_path, "deepspeed", w_ranks, w_batch,
+                                                     "deepspeed", r_ranks, r_batch, stage=stage)
+    assert written.verified and resumed.verified, (written.reason, resumed.reason)
+    r = resumed.resumed_from
+    assert (r["written_by"], r["read_by"], r["step"], r["started_at_step"]) == (w_ranks, r_ranks, 2, 2)
+    assert "universal checkpoint" in r["loaded"]["how"], r["loaded"]
+    assert r["loaded"]["model_tensors_checked"] > 30, r["loaded"]
+    assert r["loaded"]["optimizer_tensors_checked"] == 3 * r["loaded"]["model_tensors_checked"], r["loaded"]
+    assert r["loaded"]["rng"].startswith("not restored")
+    assert os.path.isfile(tmp_path / "w" / "checkpoint-2" / ".stnb-universal" / "latest_universal")
+    assert resumed.losses == pytest.approx(written.losses[2:], rel=1e-5)
+    far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    assert wa.keys() == wb.keys() and not far, f"{len(far)} tensor(s) further apart than float rounding: {far[:3]}"
+    assert [c["step"] for c in resumed.checkpoints] == [4, 6]
+
+
+def build_with_weight_decay(out: str, per_device: int):
+    """A user's checkpointing trainer with weight decay: the trainer makes two parameter groups, the biases and
+    LayerNorm weights kept out of the decay."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+
+    from stnb import models
+    from trainfns import st_args, words
+
+    model = SentenceTransformer(models.tiny_path(), device="cpu")
+    n = 48
+    train = Dataset.from_dict({"sentence1": [words(i) for i in range(n)], "sentence2": [words(i + 1) for i in range(n)],
+                               "score": [float(i % 3) / 2 for i in range(n)]})
+    args = st_args(out, max_steps=6, save_strategy="steps", save_steps=2, weight_decay=0.1,
+                   per_device_train_batch_size=per_device)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
+                                      loss=losses.CosineSimilarityLoss(model))
+
+
+@pytest.mark.slow
+def test_a_users_deepspeed_stage3_checkpoint_resumes_on_one_rank_with_each_groups_own_weight_decay(tmp_path):
+    """A user's trainer (weight_decay=0.1: two parameter groups) checkpointed by 2 ZeRO-3 ranks, resumed by 1.
+    DeepSpeed's ZeRO-3 universal loading gives every group the first group's hyperparameters (the decay-free group
+    then decayed): stnb puts each group's back, and the check compares every group's with the checkpoint's."""
+    import functools
+
+    def run(folder, ranks, per_device, **kw):
+        return stnb.run(functools.partial(build_with_weight_decay, str(tmp_path / folder), per_device),
+                        strategy="deepspeed", stage=3, num_processes=ranks, device="cpu", threads_per_rank=1,
+                        timeout=300, echo=False, **kw)
+
+    written = run("w", 2, 4)
+    resumed = run("r", 1, 8, resume=str(tmp_path / "w" / "checkpoint-2"))
+    assert written.verified and resumed.verified, (written.reason, resumed.reason)
+    assert "universal checkpoint" in resumed.resumed_from["loaded"]["how"], resumed.resumed_from
+    assert resumed.losses == pytest.approx(written.losses[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_wrong_deepspeed_load_on_another_number_of_ranks_is_caught(monkeypatch, tmp_path):
+    """Not true by construction: an optimizer state the engine put in place wrong (one exp_avg doubled after
+    DeepSpeed's own universal loading) stops the run at the check, before its first step."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    loading = DeepSpeedZeroOptimizer._load_universal_checkpoint
+
+    def wrong(self, *a, **kw):
+        out = loading(self, *a, **kw)
+        next(iter(self.optimizer.state.values()))["exp_avg"].mul_(2)
+        return out
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_load_universal_checkpoint", wrong)
+    with pytest.raises(stnb.LaunchError, match=r"the state DeepSpeed loaded differs from the checkpoint's: .*exp_avg"):
+        _written_then_resumed(monkeypatch, tmp_path, "deepspeed", 2, 4, "deepspeed", 1, 8)
 
 
 def torch_allclose(a, b) -> bool:
@@ -684,7 +773,8 @@ def _written(folder, strategy, fmt, ranks, per_device, names=True, **extra):
 
 def test_each_strategy_declares_the_layouts_it_resumes_and_the_rest_is_refused_with_the_fix(tmp_path):
     """Before any process starts (``check_serves``): a checkpoint readable by parameter name resumes on any number
-    of ranks and strategy; DeepSpeed's only on its own; a numbered one (no names) only on its own layout."""
+    of ranks and strategy; DeepSpeed's under DeepSpeed only, on any number; a numbered one (no names) only on its
+    own layout."""
     from stnb import strategies
 
     def serves(path, strategy, ranks, per_device):
@@ -706,9 +796,9 @@ def test_each_strategy_declares_the_layouts_it_resumes_and_the_rest_is_refused_w
     with pytest.raises(CheckpointError, match="optimizer-params.json"):
         serves(numbered, "single", 1, 8)
     ds = _written(tmp_path / "ds", "deepspeed", "deepspeed", 2, 4)
-    with pytest.raises(CheckpointError, match="num_processes=2.*ds_to_universal"):
-        serves(ds, "deepspeed", 1, 8)
-    with pytest.raises(CheckpointError, match="ds_to_universal"):
+    assert serves(ds, "deepspeed", 1, 8)["world_size"] == 2  # through DeepSpeed's universal checkpoint
+    with pytest.raises(CheckpointError, match="only its engine loads; resume it with strategy='deepspeed' at the same "
+                                              "stage \\(stage=2\\) on any number of ranks"):
         serves(ds, "single", 1, 8)
     with pytest.raises(CheckpointError, match="DeepSpeed's engine loads only its own"):
         serves(ddp, "deepspeed", 2, 4)

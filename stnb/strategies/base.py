@@ -96,9 +96,12 @@ class Strategy(abc.ABC):
     #: how its checkpoints hold the training state (``stnb.checkpoints``): 'trainer' (the trainer's own files:
     #: whole model, optimizer, scheduler, each rank's RNG) or another format a strategy writes itself (``saving``)
     checkpoint_format: ClassVar[str] = "trainer"
-    #: its own loading reads its format on another number of ranks (DCP's resharding); otherwise a checkpoint
-    #: of another layout is loaded through the whole state by name (``stnb.strategies.layouts``)
+    #: its own loading reads its format on another number of ranks (DCP's resharding, DeepSpeed's universal
+    #: checkpoint); otherwise a checkpoint of another layout is loaded through the whole state by name
+    #: (``stnb.strategies.layouts``), and checked there against it
     reshards: ClassVar[bool] = False
+    #: ... and checks what it loaded itself (DeepSpeed: its engine's partitions, which layouts cannot read)
+    checks_own_resharding: ClassVar[bool] = False
 
     baseline: ClassVar[bool] = False   # the one every other strategy is compared with (single)
     order: ClassVar[int] = 1000        # place in the registry's order (the Panel's list, tables); built-ins 10..70

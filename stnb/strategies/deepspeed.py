@@ -140,6 +140,7 @@ class DeepSpeed(Strategy):
     }
     owns_deepspeed = True
     checkpoint_format = "deepspeed"  # the engine's own: each rank writes its ZeRO partition (global_step<N>/)
+    reshards = checks_own_resharding = True  # on another number of ranks: the universal checkpoint (deepspeed_resume)
     master_weights = True  # ZeRO keeps an fp32 copy of this rank's parameter partition for the optimizer
     order = 70
 
@@ -213,30 +214,27 @@ class DeepSpeed(Strategy):
         return {"zero_stage": stage_of(config)}
 
     def loads(self, path, written, world, writer, config=None):
-        """DeepSpeed's engine loads its own checkpoint only, on the number of ranks and at the ZeRO stage that
-        wrote it."""
-        fmt, n = written.get("format", "trainer"), written.get("world_size")
+        """DeepSpeed's engine loads its own checkpoints only, at the ZeRO stage that wrote them; on another number
+        of ranks through DeepSpeed's universal checkpoint (``deepspeed_resume``)."""
+        fmt = written.get("format", "trainer")
         had = written.get("zero_stage")  # None: written before stnb recorded it
-        if fmt == self.checkpoint_format and n == world and None not in (had, config) and had != stage_of(config):
+        if fmt == self.checkpoint_format and None not in (had, config) and had != stage_of(config):
             return (f"it holds ZeRO stage {had}'s partitions, and this run asks stage {stage_of(config)}: DeepSpeed's "
                     "engine reads a checkpoint at the stage that wrote it (stage 3 partitions the parameters too, "
                     f"stages 1 and 2 keep the whole model); resume it with stage={had}, or start a new run from the "
                     "model it holds (stnb.checkpoints.to_model(<checkpoint>) opens it)")
         if fmt == self.checkpoint_format:
-            return "" if n == world else self.unreadable(path, written)
+            return ""
         return (f"DeepSpeed's engine loads only its own checkpoints (global_step<N>/), and this one is in the "
                 f"{fmt!r} format; resume it with strategy={written.get('strategy')!r}, or start a new run from the "
                 "model it holds (stnb.checkpoints.to_model(<checkpoint>) opens it)")
 
     def unreadable(self, path, written):
-        n = written.get("world_size")
-        return (f"DeepSpeed's checkpoint holds the ZeRO partitions of {n} rank(s) (global_step<N>/), which its "
-                f"engine loads only on {n} rank(s) and stnb does not read by parameter name; resume it with "
-                f"strategy='deepspeed' and num_processes={n}. DeepSpeed's universal checkpoint re-partitions it: "
-                "python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/global_step<N> "
-                "--output_folder <new folder>, then deepspeed_config={'checkpoint': {'load_universal': True}} "
-                "(not run or tested by stnb); or start a new run from the model it holds "
-                "(model=<the checkpoint's path>)")
+        return (f"DeepSpeed's checkpoint holds the ZeRO partitions of {written.get('world_size')} rank(s) "
+                "(global_step<N>/), which only its engine loads; resume it with strategy='deepspeed' at the same "
+                f"stage (stage={written.get('zero_stage') or DEFAULT_STAGE}) on any number of ranks (another number: "
+                "through DeepSpeed's universal checkpoint, which stnb makes), or start a new run from the model it "
+                "holds (model=<the checkpoint's path>)")
 
     def saving(self, trainer):
         """The engine writes its own checkpoint (``global_step<N>/``, each rank its ZeRO partitions), the trainer
@@ -264,6 +262,27 @@ class DeepSpeed(Strategy):
 
         trainer._save = save_gathered
         super().saving(trainer)
+        self._resuming_on_any_number_of_ranks(trainer)
+
+    @staticmethod
+    def _resuming_on_any_number_of_ranks(trainer):
+        """The engine the trainer prepares loads a checkpoint of another number of ranks through DeepSpeed's
+        universal checkpoint (``deepspeed_resume``); the trainer calls its ``load_checkpoint`` itself."""
+        from deepspeed import DeepSpeedEngine
+
+        from .deepspeed_resume import universal_loading
+
+        accelerator, loaded = trainer.accelerator, trainer.stnb_loaded
+        prepare = accelerator.prepare
+
+        def prepared(*args, **kwargs):
+            out = prepare(*args, **kwargs)
+            for engine in out if isinstance(out, tuple) else (out,):
+                if isinstance(engine, DeepSpeedEngine):
+                    universal_loading(engine, trainer.args.world_size, loaded)
+            return out
+
+        accelerator.prepare = prepared
 
     def trainer_arguments(self, config, device):
         return {"deepspeed": ds_config(config), "use_cpu": False}

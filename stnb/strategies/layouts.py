@@ -140,7 +140,7 @@ def install(trainer, strategy) -> None:
 
     def load_optimizer(checkpoint):
         written = other(checkpoint)
-        if written is None:
+        if written is None or (resharded_by_own_loading(written) and strategy.checks_own_resharding):
             return own_optimizer(checkpoint)
         whole = trainer.stnb_checkpoint_writer.read_optimizer(checkpoint)
         mine = strategy.local_optimizer(trainer)
