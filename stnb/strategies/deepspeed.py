@@ -230,11 +230,17 @@ class DeepSpeed(Strategy):
                 "model it holds (stnb.checkpoints.to_model(<checkpoint>) opens it)")
 
     def unreadable(self, path, written):
-        return (f"DeepSpeed's checkpoint holds the ZeRO partitions of {written.get('world_size')} rank(s) "
-                "(global_step<N>/), which only its engine loads; resume it with strategy='deepspeed' at the same "
-                f"stage (stage={written.get('zero_stage') or DEFAULT_STAGE}) on any number of ranks (another number: "
-                "through DeepSpeed's universal checkpoint, which stnb makes), or start a new run from the model it "
-                "holds (model=<the checkpoint's path>)")
+        return ""  # by parameter name, on any layout: through DeepSpeed's universal checkpoint (deepspeed_resume)
+
+    def read_model(self, checkpoint, like):
+        from .deepspeed_resume import read_model
+
+        return read_model(checkpoint, like)
+
+    def read_optimizer(self, checkpoint):
+        from .deepspeed_resume import read_optimizer
+
+        return read_optimizer(checkpoint)
 
     def saving(self, trainer):
         """The engine writes its own checkpoint (``global_step<N>/``, each rank its ZeRO partitions), the trainer

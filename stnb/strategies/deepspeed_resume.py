@@ -1,4 +1,5 @@
-"""A DeepSpeed checkpoint resumed on another number of ranks: through DeepSpeed's universal checkpoint.
+"""A DeepSpeed checkpoint resumed on another number of ranks or by another strategy: through DeepSpeed's
+universal checkpoint.
 
 The engine's own checkpoint (``global_step<N>/``) holds each rank's flat ZeRO partition, which only the same
 number of ranks can load. DeepSpeed's ``ds_to_universal`` rewrites it by parameter name (``zero/<name>/fp32.pt``,
@@ -9,9 +10,13 @@ resumes reuse it), every rank waits for it, and each engine loads it with the fl
 
 Checked, not assumed: after the load, every parameter the optimizer trains, its fp32 master copy and its
 ``exp_avg`` / ``exp_avg_sq`` (DeepSpeed's ``safe_get_full_*``: the values gathered from every rank's partition,
-a collective) are compared with the converted files, and the module's own weights with the fp32 copy; a
-difference stops the run before its first step. The RNG states of the writing ranks are not carried (every rank
-continues from the run's seed), as on any other layout (``stnb.strategies.layouts``).
+a collective) are compared with the converted files, the module's own weights (at stage 3 this rank's piece)
+with the fp32 copy, and each parameter group's hyperparameters with the checkpoint's; a difference stops the run
+before its first step. The RNG states of the writing ranks are not carried (every rank continues from the run's
+seed), as on any other layout (``stnb.strategies.layouts``).
+
+Another strategy reads the same universal form whole, by parameter name (``read_model``, ``read_optimizer``: the
+form ``stnb.strategies.layouts`` puts in place and checks for every strategy).
 """
 
 from __future__ import annotations
@@ -202,4 +207,59 @@ def own_piece(p, whole):
     rank = dist.get_rank() if dist.is_initialized() else 0
     padded = torch.cat([whole, whole.new_zeros(max(0, n * (rank + 1) - whole.numel()))])
     return padded[n * rank:n * (rank + 1)]
+
+
+# ---- read whole, by parameter name, by another strategy -------------------------------------------
+def _universal_files(checkpoint: str) -> tuple[str, list, dict]:
+    """(the universal checkpoint's ``zero/`` folder, the writing engine's parameter groups as {name: shape} in
+    its order, its optimizer's state dict of hyperparameters and global state)."""
+    import torch
+
+    folder = universal_folder(checkpoint)
+    with open(os.path.join(folder, "latest_universal")) as f:
+        tag = os.path.join(folder, f.read().strip())
+    states = sorted(glob.glob(os.path.join(tag, "*model_states.pt")))[0]  # stage 3: one per rank, the same shapes
+    shapes = torch.load(states, map_location="cpu", weights_only=False)["param_shapes"]
+    saved = torch.load(os.path.join(tag, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    return os.path.join(tag, "zero"), shapes, saved.get("optimizer_state_dict", saved)
+
+
+def _tensor(zero: str, name: str, key: str, shape):
+    import torch
+
+    value = torch.load(os.path.join(zero, name, f"{key}.pt"), map_location="cpu", weights_only=False)
+    return (value["param"] if isinstance(value, dict) else value).reshape(shape)
+
+
+def read_model(checkpoint: str, like) -> dict:
+    """The model a DeepSpeed checkpoint holds, whole, by name: the saved model's tensors (its buffers, what was not
+    trained) with every trained parameter's fp32 copy from the universal checkpoint (under bf16 / fp16 the saved
+    model holds its rounding)."""
+    from .layouts import read_saved_model
+
+    whole = read_saved_model(checkpoint, like)
+    zero, shapes, _ = _universal_files(checkpoint)
+    for group in shapes:
+        for name, shape in group.items():
+            whole[name] = _tensor(zero, name, "fp32", shape).to(whole[name].dtype if name in whole else None)
+    return whole
+
+
+def read_optimizer(checkpoint: str) -> dict:
+    """The optimizer state a DeepSpeed checkpoint holds, whole, by parameter name (the full optimizer state dict
+    of ``torch.distributed.checkpoint.state_dict``): each parameter's AdamW moments and step from the universal
+    checkpoint, its groups' hyperparameters and members as the writing engine kept them."""
+    import torch
+
+    zero, shapes, saved = _universal_files(checkpoint)
+    shared_step = (saved.get("state") or {}).get(0, {}).get("step")  # stage 3: one step for all; 1 / 2: per file
+    state, groups = {}, []
+    for group, members in zip(saved["param_groups"], shapes):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(members)})
+        for name, shape in members.items():
+            step = (shared_step if shared_step is not None else
+                    torch.load(os.path.join(zero, name, "step.pt"), map_location="cpu", weights_only=False))
+            state[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                           **{key: _tensor(zero, name, key, shape) for key in STATES}}
+    return {"state": state, "param_groups": groups}
 
