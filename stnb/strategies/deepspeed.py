@@ -268,27 +268,9 @@ class DeepSpeed(Strategy):
 
         trainer._save = save_gathered
         super().saving(trainer)
-        self._resuming_on_any_number_of_ranks(trainer)
+        from .deepspeed_resume import install
 
-    @staticmethod
-    def _resuming_on_any_number_of_ranks(trainer):
-        """The engine the trainer prepares loads a checkpoint of another number of ranks through DeepSpeed's
-        universal checkpoint (``deepspeed_resume``); the trainer calls its ``load_checkpoint`` itself."""
-        from deepspeed import DeepSpeedEngine
-
-        from .deepspeed_resume import universal_loading
-
-        accelerator, loaded = trainer.accelerator, trainer.stnb_loaded
-        prepare = accelerator.prepare
-
-        def prepared(*args, **kwargs):
-            out = prepare(*args, **kwargs)
-            for engine in out if isinstance(out, tuple) else (out,):
-                if isinstance(engine, DeepSpeedEngine):
-                    universal_loading(engine, trainer.args.world_size, loaded)
-            return out
-
-        accelerator.prepare = prepared
+        install(trainer)  # on another number of ranks: its universal checkpoint
 
     def trainer_arguments(self, config, device):
         return {"deepspeed": ds_config(config), "use_cpu": False}

@@ -75,6 +75,24 @@ def convert(checkpoint: str, target: str) -> None:
     os.replace(staging, target)
 
 
+def install(trainer) -> None:
+    """The engine the trainer prepares loads a checkpoint of another number of ranks from its universal form
+    (``universal_loading``): the trainer calls the engine's ``load_checkpoint`` itself, inside ``train()``."""
+    from deepspeed import DeepSpeedEngine
+
+    accelerator, loaded = trainer.accelerator, trainer.stnb_loaded
+    prepare = accelerator.prepare
+
+    def prepared(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        for engine in out if isinstance(out, tuple) else (out,):
+            if isinstance(engine, DeepSpeedEngine):
+                universal_loading(engine, trainer.args.world_size, loaded)
+        return out
+
+    accelerator.prepare = prepared
+
+
 def universal_loading(engine, world: int, loaded: dict):
     """``engine.load_checkpoint``, wrapped: a checkpoint stnb wrote with DeepSpeed on another number of ranks is
     loaded from its universal form and checked (``loaded``: how, and the tensors checked); one written on
@@ -93,11 +111,13 @@ def universal_loading(engine, world: int, loaded: dict):
             out = own(folder, *args, **kwargs)
         finally:
             engine._config.load_universal_checkpoint = False
+        tag = _tag(folder)
+        saved = group_settings(_saved_optimizer(tag))
         own_step_counters(engine.optimizer)
-        own_group_settings(engine.optimizer, folder)
+        own_group_settings(engine.optimizer, saved)
         loaded["how"] = (f"deepspeed of {written.get('world_size')} rank(s) -> deepspeed on {world}: DeepSpeed's "
                          f"universal checkpoint ({UNIVERSAL} in the checkpoint), each rank cutting its partition")
-        count, problems = compare(engine, folder)
+        count, problems = compare(engine, os.path.join(tag, "zero"), saved)
         loaded["model_tensors_checked"], loaded["optimizer_tensors_checked"] = count
         if problems:
             from ..errors import VerificationError
@@ -125,36 +145,26 @@ def own_step_counters(zero_optimizer) -> None:
             seen.add(id(state["step"]))
 
 
-def saved_groups(folder: str) -> list:
-    """The hyperparameters of each of the writing run's parameter groups (``params`` left out), as the universal
-    checkpoint keeps them (``zero/optimizer_state.pt``: at stage 3 inside the optimizer's own state dict)."""
-    import torch
-
-    with open(os.path.join(folder, "latest_universal")) as f:
-        saved = torch.load(os.path.join(folder, f.read().strip(), "zero", "optimizer_state.pt"), weights_only=False)
-    groups = saved.get("optimizer_state_dict", saved)["param_groups"]
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
-
-
-def own_group_settings(zero_optimizer, folder: str) -> None:
-    """Give each parameter group its own hyperparameters back. DeepSpeed 0.19's ZeRO-3 universal loading sets every
-    group's from the first group's ("Generally, the hyperparameters of each parameter should be the same"): the
-    trainer's second group, the biases and LayerNorm weights it keeps out of weight decay, was decayed."""
-    groups, saved = zero_optimizer.optimizer.param_groups, saved_groups(folder)
+def own_group_settings(zero_optimizer, saved: list) -> None:
+    """Give each parameter group its own hyperparameters back (``saved``: ``group_settings``). DeepSpeed 0.19's
+    ZeRO-3 universal loading sets every group's from the first group's ("Generally, the hyperparameters of each
+    parameter should be the same"): the trainer's second group, the biases and LayerNorm weights it keeps out of
+    weight decay, was decayed."""
+    groups = zero_optimizer.optimizer.param_groups
     if len(groups) == len(saved):
         for group, want in zip(groups, saved):
             group.update(want)
 
 
-def compare(engine, folder: str) -> tuple[tuple[int, int], list]:
+def compare(engine, zero: str, saved: list) -> tuple[tuple[int, int], list]:
     """((model tensors, optimizer tensors) compared, problems): what every trained parameter holds after the load
     (gathered from every rank's partition: a collective, in the module's order on every rank) against the universal
-    checkpoint's files."""
+    checkpoint's files in ``zero``, and each parameter group's hyperparameters against ``saved``."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    with open(os.path.join(folder, "latest_universal")) as f:
-        zero = os.path.join(folder, f.read().strip(), "zero")
+    from .layouts import plain
+
     problems, model, optimizer = [], 0, 0
     module = engine.module.state_dict()  # stage 3: placeholders; each parameter's piece is its ds_tensor
     for name, p in engine.module.named_parameters():
@@ -162,9 +172,7 @@ def compare(engine, folder: str) -> tuple[tuple[int, int], list]:
             continue
         held = {"fp32": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k) for k in STATES}}
         for key, value in held.items():
-            want = torch.load(os.path.join(zero, name, f"{key}.pt"), map_location="cpu", weights_only=False)
-            # stages 1 / 2: {"param": the tensor}; stage 3: the tensor flattened
-            want = (want["param"] if isinstance(want, dict) else want).flatten().float()
+            want = _load(zero, name, key).flatten().float()
             optimizer += 1
             if value is None or not torch.equal(value.detach().float().cpu().flatten(), want):
                 problems.append(f"{name}[{key}]")
@@ -173,19 +181,14 @@ def compare(engine, folder: str) -> tuple[tuple[int, int], list]:
                 if not torch.equal(module_piece(p, module.get(name)), own_piece(p, want).to(p.dtype).float()):
                     problems.append(f"{name} (the module's weights)")
     problems = [f"{len(problems)} tensor(s) differ, e.g. {problems[:3]}"] if problems else []
-    groups, saved = engine.optimizer.optimizer.param_groups, saved_groups(folder)
-    settings = [[(k, g.get(k), want[k]) for k in sorted(want) if _plain(g.get(k)) != _plain(want[k])]
+    groups = engine.optimizer.optimizer.param_groups
+    settings = [[(k, g.get(k), want[k]) for k in sorted(want) if plain(g.get(k)) != plain(want[k])]
                 for g, want in zip(groups, saved)]
     if len(groups) != len(saved) or any(settings):
         problems.append(f"the optimizer's {len(groups)} parameter group(s) against the checkpoint's {len(saved)}: "
                         + "; ".join(f"group {i}: " + ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in off)
                                     for i, off in enumerate(settings) if off))
     return (model, optimizer), problems
-
-
-def _plain(value):
-    """A hyperparameter as a checkpoint holds it (betas read back may be a list or a tuple)."""
-    return list(value) if isinstance(value, tuple) else value
 
 
 def module_piece(p, weights):
@@ -209,28 +212,45 @@ def own_piece(p, whole):
     return padded[n * rank:n * (rank + 1)]
 
 
-# ---- read whole, by parameter name, by another strategy -------------------------------------------
-def _universal_files(checkpoint: str) -> tuple[str, list, dict]:
-    """(the universal checkpoint's ``zero/`` folder, the writing engine's parameter groups as {name: shape} in
-    its order, its optimizer's state dict of hyperparameters and global state)."""
-    import torch
-
-    folder = universal_folder(checkpoint)
+# ---- the universal checkpoint's files ----------------------------------------------------------------
+def _tag(folder: str) -> str:
+    """The universal checkpoint's own folder (``global_step<N>_universal``), which ``latest_universal`` names."""
     with open(os.path.join(folder, "latest_universal")) as f:
-        tag = os.path.join(folder, f.read().strip())
-    states = sorted(glob.glob(os.path.join(tag, "*model_states.pt")))[0]  # stage 3: one per rank, the same shapes
-    shapes = torch.load(states, map_location="cpu", weights_only=False)["param_shapes"]
-    saved = torch.load(os.path.join(tag, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
-    return os.path.join(tag, "zero"), shapes, saved.get("optimizer_state_dict", saved)
+        return os.path.join(folder, f.read().strip())
 
 
-def _tensor(zero: str, name: str, key: str, shape):
+def _load(zero: str, name: str, key: str):
+    """One tensor of parameter ``name`` (``fp32``, ``exp_avg``, ...): stages 1 / 2 keep {"param": the tensor},
+    stage 3 the tensor flattened."""
     import torch
 
     value = torch.load(os.path.join(zero, name, f"{key}.pt"), map_location="cpu", weights_only=False)
-    return (value["param"] if isinstance(value, dict) else value).reshape(shape)
+    return value["param"] if isinstance(value, dict) else value
 
 
+def _saved_optimizer(tag: str) -> dict:
+    """The writing optimizer's state dict of hyperparameters (and at stage 3 its step), from
+    ``zero/optimizer_state.pt`` (at stage 3 inside the optimizer's own state dict)."""
+    import torch
+
+    saved = torch.load(os.path.join(tag, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    return saved.get("optimizer_state_dict", saved)
+
+
+def group_settings(saved: dict) -> list:
+    """Each of the writing run's parameter groups' hyperparameters (``params`` left out)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+
+
+def _shapes(tag: str) -> list:
+    """The writing engine's parameter groups as {name: shape}, in its order (stage 3: a file per rank, the same)."""
+    import torch
+
+    states = sorted(glob.glob(os.path.join(tag, "*model_states.pt")))[0]
+    return torch.load(states, map_location="cpu", weights_only=False)["param_shapes"]
+
+
+# ---- read whole, by parameter name, by another strategy -------------------------------------------
 def read_model(checkpoint: str, like) -> dict:
     """The model a DeepSpeed checkpoint holds, whole, by name: the saved model's tensors (its buffers, what was not
     trained) with every trained parameter's fp32 copy from the universal checkpoint (under bf16 / fp16 the saved
@@ -238,10 +258,11 @@ def read_model(checkpoint: str, like) -> dict:
     from .layouts import read_saved_model
 
     whole = read_saved_model(checkpoint, like)
-    zero, shapes, _ = _universal_files(checkpoint)
-    for group in shapes:
+    tag = _tag(universal_folder(checkpoint))
+    for group in _shapes(tag):
         for name, shape in group.items():
-            whole[name] = _tensor(zero, name, "fp32", shape).to(whole[name].dtype if name in whole else None)
+            fp32 = _load(os.path.join(tag, "zero"), name, "fp32").reshape(shape)
+            whole[name] = fp32.to(whole[name].dtype if name in whole else None)
     return whole
 
 
@@ -251,15 +272,14 @@ def read_optimizer(checkpoint: str) -> dict:
     checkpoint, its groups' hyperparameters and members as the writing engine kept them."""
     import torch
 
-    zero, shapes, saved = _universal_files(checkpoint)
+    tag = _tag(universal_folder(checkpoint))
+    zero, saved = os.path.join(tag, "zero"), _saved_optimizer(tag)
     shared_step = (saved.get("state") or {}).get(0, {}).get("step")  # stage 3: one step for all; 1 / 2: per file
     state, groups = {}, []
-    for group, members in zip(saved["param_groups"], shapes):
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(members)})
+    for settings, members in zip(group_settings(saved), _shapes(tag)):
+        groups.append({**settings, "params": list(members)})
         for name, shape in members.items():
-            step = (shared_step if shared_step is not None else
-                    torch.load(os.path.join(zero, name, "step.pt"), map_location="cpu", weights_only=False))
+            step = shared_step if shared_step is not None else _load(zero, name, "step")
             state[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
-                           **{key: _tensor(zero, name, key, shape) for key in STATES}}
+                           **{key: _load(zero, name, key).reshape(shape) for key in STATES}}
     return {"state": state, "param_groups": groups}
-

@@ -242,12 +242,12 @@ def same(held, whole) -> bool:
     import torch
 
     if not isinstance(held, torch.Tensor):
-        return _plain(held) == _plain(whole)
+        return plain(held) == plain(whole)
     mine, theirs = piece(held, whole)
     return mine.shape == theirs.shape and torch.equal(mine.detach().cpu(), theirs.cpu())
 
 
-def _plain(value):
+def plain(value):
     """A hyperparameter as JSON would hold it (a tuple read back from a checkpoint may be a list)."""
     return list(value) if isinstance(value, tuple) else value
 
@@ -292,7 +292,7 @@ def compare_optimizer(model, mine, optimizer, whole: dict) -> tuple[int, list]:
     for group in optimizer.param_groups:
         for p in group["params"]:
             want = group_of.get(names.get(id(p)))
-            off = want and [k for k in want if k != "params" and k in group and _plain(group[k]) != _plain(want[k])]
+            off = want and [k for k in want if k != "params" and k in group and plain(group[k]) != plain(want[k])]
             if off:
                 problems.append(f"{names[id(p)]}: hyperparameter(s) {off} differ ({[group[k] for k in off]} vs "
                                 f"{[want[k] for k in off]})")
