@@ -80,6 +80,48 @@ def test_deepspeed_trains_what_one_device_trains(tmp_path):
     assert p.table.set_index("strategy").loc["deepspeed", "parameters"] > 30
 
 
+def build_weight_decay(out: str):
+    """CosineSimilarityLoss with weight_decay=0.1: mean pooling never uses the BERT pooler, so it gets no
+    gradient, and one device (torch's AdamW skips a parameter without one) leaves it where it was."""
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import CosineSimilarityLoss
+
+    model = _with_dropout(SentenceTransformer(tiny_path(), device="cpu"))
+    args = st_args(out, max_steps=6, learning_rate=5e-2, weight_decay=0.1)
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=_sts(), loss=CosineSimilarityLoss(model))
+
+
+POOLER = ["0.model.pooler.dense.bias", "0.model.pooler.dense.weight"]
+WHOLE_ON_EVERY_RANK = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # every ZeRO-3 parameter
+# partitioned (the tiny pooler is otherwise under the threshold: kept whole, gathered again after each step)
+
+
+@pytest.mark.parametrize("stage, extra, kept", [(1, {}, True), (2, {}, True), (3, {}, True),
+                                                (3, {"deepspeed_config": WHOLE_ON_EVERY_RANK}, True),
+                                                (2, {}, False)],
+                         ids=["stage1", "stage2", "stage3", "stage3-partitioned", "stage2-not-kept"])
+def test_deepspeed_leaves_a_parameter_without_gradient_where_one_device_does(tmp_path, monkeypatch, stage, extra,
+                                                                              kept):
+    """DeepSpeed's flat partitions hold zeros for the pooler's gradient and its AdamW decays it; stnb puts back
+    what the step wrote for a parameter no rank gave a gradient. The break: the step left as DeepSpeed's."""
+    from stnb.strategies.deepspeed_nograd import KeepWithoutGradient
+
+    if not kept:
+        monkeypatch.setattr(KeepWithoutGradient, "step", lambda self, original, *a, **kw: original(*a, **kw))
+    p = stnb.parity(functools.partial(build_weight_decay, str(tmp_path)), strategies=["deepspeed"], stage=stage,
+                    **extra, **OPTIONS)
+    row = p.table.set_index("strategy").loc["deepspeed"]
+    assert row["verified"], row["reason"]  # the ranks agree with each other either way
+    if not kept:
+        assert not p.passed and set(p.failures()["parameter"]) == {"pooler.dense.weight"}, repr(p)
+        return
+    assert p.passed, repr(p)
+    pooler = p.parameters.set_index(["strategy", "parameter"]).loc[("deepspeed", "pooler.dense.weight")]
+    assert pooler["moved"] == 0 and pooler["apart"] == 0  # exactly where one device left it
+    for rank in p.results["deepspeed"].verification["ranks"]:  # said, with the steps it was kept in
+        assert rank["without_gradient"] == {"steps": 6, "kept": dict.fromkeys(POOLER, 6)}
+
+
 def test_dropout_kept_is_measured_not_hidden(tmp_path):
     """With dropout on, each rank draws other masks than one device: parity says so, naming tensors."""
     p = stnb.parity(functools.partial(build_softmax, str(tmp_path)), strategies=["ddp"], dropout="keep", **OPTIONS)

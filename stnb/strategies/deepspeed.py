@@ -34,6 +34,7 @@ import json
 
 from .base import Option, Strategy, mixed_precision
 from .deepspeed_engine import held_bytes, held_gradients, optimizer_partition, stage3_partitions
+from .deepspeed_nograd import KeepWithoutGradient
 
 STAGES = (1, 2, 3)
 DEFAULT_STAGE = 2  # accelerate's default (ACCELERATE_DEEPSPEED_ZERO_STAGE)
@@ -321,11 +322,13 @@ class DeepSpeed(Strategy):
 
     def on_first_step(self, trainer, config, world, timed=None):
         """Before the engine's first optimizer step, note the gradients this rank holds (the engine's
-        step frees them before any trainer callback runs)."""
+        step frees them before any trainer callback runs); and from the first step on, keep a parameter that
+        got no gradient as torch's optimizers keep it (``deepspeed_nograd``)."""
         engine = trainer.model_wrapped
         opt = getattr(engine, "optimizer", None)
         if opt is None or not hasattr(opt, "step"):
             return {}
+        kept = KeepWithoutGradient(engine)  # every step: a parameter no rank gave a gradient is left as it was
         seen = trainer.stnb_ds_grads = {}
         original = opt.step
 
@@ -335,7 +338,7 @@ class DeepSpeed(Strategy):
             return original(*a, **kw)
 
         opt.step = step
-        return {}
+        return {"without_gradient": kept}
 
     def check_prepared(self, trainer, world_size):
         try:
