@@ -46,6 +46,7 @@ HELP = {
     "dev_points": "dev evaluations during training besides before and after (the dev curve; default 0)",
     "save_to": "folder for the trained model (must not exist)",
     "device": "auto, cpu or cuda",
+    "share_gpus": "let more ranks than GPUs run, sharing them over gloo (rank i on GPU i %% GPUs; to learn and test)",
     "start_method": "auto, fork (Linux) or spawn (fresh processes; the macOS / Windows default)",
     "mixed_precision": "no, bf16 or fp16",
     "reuse_freed_memory": "CPU: keep glibc's default allocator in the training processes",

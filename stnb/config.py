@@ -163,6 +163,7 @@ class RunOptions:
     num_processes: int | None = run_option(None)
     save_to: str | None = run_option(None)
     device: str = run_option("auto")
+    share_gpus: bool = run_option(False)  # several gloo ranks on each GPU (hardware.rank_gpu)
     start_method: str = run_option("auto")
     threads_per_rank: int | None = run_option(None)
     reuse_freed_memory: bool = run_option(True)  # CPU: glibc reuses freed large blocks (stnb.cpualloc)
@@ -195,8 +196,8 @@ class TrainConfig:
         needs >= 2 GPUs), 'ddp' (DistributedDataParallel, one process per device), 'zero1' (DDP with the
         optimizer state sharded), 'zero2' (gradients and optimizer state sharded), 'fsdp' (FSDP2
         fully_shard, ZeRO stage 3: everything sharded) or 'deepspeed' (DeepSpeed ZeRO, ``stage``).
-    num_processes: ranks of a distributed strategy (default 2 on CPU, all GPUs on CUDA); always 1 for
-        single/dp.
+    num_processes: ranks of a distributed strategy (default 2 on CPU, all GPUs on CUDA, at least 2 with
+        share_gpus); always 1 for single/dp.
     model: 'minilm' (bundled all-MiniLM-L6-v2), 'tiny' (random BERT for tests), a hub id or a local path.
     data: 'synthetic' (built-in STS-style pairs), a .csv/.jsonl/.json/.parquet path, or a hub dataset name
         (loss='softmax+cosine': 'synthetic', 'hub' or 'nli_file+sts_file', see stnb.seed_recipe).
@@ -221,6 +222,11 @@ class TrainConfig:
         (fresh interpreters, the default on macOS / Windows: a build function defined in a cell is
         sent by value) or 'auto' ($STNB_START_METHOD, else the platform's). RunResult.start_method
         records the one the ranks observed.
+    share_gpus: on GPUs, let more ranks than GPUs run (stnb's own launcher): rank i on GPU i % GPUs, the ranks
+        talking over gloo (NCCL refuses two ranks on one device). For learning and testing several ranks on one
+        GPU (a workshop's Colab, a laptop): slower than one rank per GPU, and the ranks share its memory. With
+        no more ranks than GPUs it changes nothing (NCCL, a GPU each); on CPU it does nothing. Refused by the
+        torchrun, SLURM and Ray launchers, which give each rank its own GPU.
     threads_per_rank: torch threads in each process (CPU default: cores / processes).
     reuse_freed_memory: CPU runs: glibc keeps freed large blocks for reuse instead of page-faulting a
         fresh mapping for every embedding gradient (stnb.cpualloc); processes keep their peak memory. Not
@@ -265,6 +271,7 @@ class TrainConfig:
     dev_points: int = part(Recipe, "dev_points")
     save_to: str | None = part(RunOptions, "save_to")
     device: str = part(RunOptions, "device")
+    share_gpus: bool = part(RunOptions, "share_gpus")
     start_method: str = part(RunOptions, "start_method")
     mixed_precision: str = part(Recipe, "mixed_precision")
     threads_per_rank: int | None = part(RunOptions, "threads_per_rank")
@@ -313,7 +320,9 @@ class TrainConfig:
             return self.num_processes
         from .hardware import gpu_count
 
-        return gpu_count() if self.resolved_device() == "cuda" else 2
+        if self.resolved_device() != "cuda":
+            return 2
+        return max(gpu_count(), 2) if self.share_gpus else gpu_count()
 
     def devices_per_process(self) -> int:
         """Devices one process drives (dp: every visible GPU)."""

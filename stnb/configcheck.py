@@ -118,11 +118,11 @@ def check_hardware(config) -> None:
         if problems:
             raise ConfigError("; ".join(problems))
     config.check_device(device)
-    avail = strategy_availability(device)[config.strategy]
+    avail = strategy_availability(device, config.share_gpus)[config.strategy]
     if not avail["runnable"]:
         raise StrategyUnavailable(config.strategy, avail["reason"])
     ws = config.world_size()
-    problem = capacity_problem(device, ws)
+    problem = capacity_problem(device, ws, share_gpus=config.share_gpus)
     if problem:
         raise ConfigError(problem)
     need = config.strategy_object().min_ranks

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import socket
 
+from .hardware import rank_gpu
+
 __all__ = ["hello", "allreduce_check", "batch_shards", "inbatch_negatives", "fail_on"]
 
 
@@ -25,7 +27,7 @@ def _rank_world_device():
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = ctx.local_rank if ctx is not None else int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = ctx is not None and ctx.device == "cuda" and torch.cuda.is_available()
-    return rank, world, torch.device(f"cuda:{local}" if on_gpu else "cpu")
+    return rank, world, torch.device(f"cuda:{rank_gpu(local)}" if on_gpu else "cpu")
 
 
 def hello() -> dict:

@@ -135,7 +135,7 @@ def _runnable(config, overrides) -> list:
 
     recipe = config is None or isinstance(config, TrainConfig)
     asked = (config or TrainConfig()).replace(**overrides) if recipe else TrainConfig.for_build(**overrides)
-    runnable = strategy_availability(asked.resolved_device())
+    runnable = strategy_availability(asked.resolved_device(), asked.share_gpus)
     return [name for name in strategies.names() if strategies.get(name).distributed and runnable[name]["runnable"]]
 
 

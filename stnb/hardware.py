@@ -242,23 +242,46 @@ def device_for_ranks(n: int = 2) -> str:
     return device if max_processes(device) >= n else "cpu"
 
 
-def capacity_problem(device: str, processes: int, option: str = "num_processes") -> str | None:
+def capacity_problem(device: str, processes: int, option: str = "num_processes",
+                     share_gpus: bool | None = None) -> str | None:
     """Why ``processes`` ranks cannot run on this machine's ``device`` (NCCL: one GPU per rank; gloo:
     one CPU core per rank), with the fix naming ``option`` (how the caller set the number); None when
-    they can. The one capacity check: TrainConfig, stnb.launch, torchrun ranks and the Panel ask it."""
+    they can. ``share_gpus``: True lets several gloo ranks use each GPU (``max_processes``); False: not
+    asked, and the fix offers it; None: the caller cannot share GPUs (the fix does not offer it). The one
+    capacity check: TrainConfig, stnb.launch, torchrun ranks and the Panel ask it."""
     if device == "cuda" and gpu_count() == 0:
         return "device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'"
-    most = max_processes(device)
+    most = max_processes(device, share_gpus=bool(share_gpus))
     if processes <= most:
         return None
+    if device == "cuda" and share_gpus:
+        return (f"{option}={processes} is more than this machine supports with share_gpus=True ({gpu_count()} "
+                f"GPU(s), {cpu_cores()} CPU cores: at most one gloo rank per core); use {option} <= {most}")
     unit = "GPU(s)" if device == "cuda" else "CPU cores"
-    fix = f"use {option} <= {most}" + (", or device='cpu' to run gloo ranks on CPU cores" if device == "cuda" else "")
+    fix = f"use {option} <= {most}"
+    if device == "cuda":
+        fix += (", share_gpus=True to run several gloo ranks on each GPU (to learn and to test: slower than one "
+                "rank per GPU)" if share_gpus is False else "") + ", or device='cpu' to run gloo ranks on CPU cores"
     return (f"{option}={processes} is more than this machine supports for {device} ({most} {unit}; "
             f"{backend_for(device)} needs one per rank); {fix}")
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
+def backend_for(device: str, processes: int = 1) -> str:
+    """The process group's backend for ``processes`` ranks on this node's ``device``: NCCL on GPUs, one rank
+    per GPU; gloo on CPU, and on GPUs shared by several ranks (``share_gpus``: NCCL refuses two ranks on one
+    device, gloo moves CUDA tensors through host memory)."""
+    return "nccl" if device == "cuda" and processes <= max(gpu_count(), 1) else "gloo"
+
+
+def rank_gpu(local_rank: int, gpus: int | None = None) -> int:
+    """The GPU index a rank uses: its local rank modulo the GPUs it sees (``gpus``: torch's count, asked in the
+    rank), accelerate's rule. One rank per GPU: GPU ``local_rank``; ranks sharing GPUs (``share_gpus``) go round
+    them. Every place a rank picks its GPU asks this (the launch, training, parity, the examples)."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    return local_rank % max(gpus, 1)
 
 
 #: how ranks start: "fork" copies the launching process (the notebook), "spawn" starts fresh interpreters
@@ -290,9 +313,12 @@ def start_method(requested: str = "auto") -> str:
     return requested
 
 
-def max_processes(device: str) -> int:
-    """Most ranks one node supports for this device: one per GPU (NCCL), one per core (gloo)."""
-    return gpu_count() if device == "cuda" else cpu_cores()
+def max_processes(device: str, share_gpus: bool = False) -> int:
+    """Most ranks one node supports for this device: one per GPU (NCCL), one per core (gloo); with
+    ``share_gpus``, GPUs shared by gloo ranks, one per core (at least one per GPU)."""
+    if device == "cuda":
+        return max(gpu_count(), cpu_cores()) if share_gpus and gpu_count() else gpu_count()
+    return cpu_cores()
 
 
 @dataclass
@@ -371,14 +397,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def strategy_availability(device: str | None = None) -> dict:
-    """{strategy: {"runnable": bool, "reason": str}} for this machine (each strategy says why)."""
+def strategy_availability(device: str | None = None, share_gpus: bool = False) -> dict:
+    """{strategy: {"runnable": bool, "reason": str}} for this machine (each strategy says why); ``share_gpus``:
+    with GPUs shared by several gloo ranks."""
     import torch.distributed as dist
 
     from .strategies import availability
 
     device = device or default_device()
-    return availability(device, gpu_count(), max_processes(device), backend_for(device), dist.is_available())
+    most = max_processes(device, share_gpus)
+    return availability(device, gpu_count(), most, backend_for(device, most), dist.is_available())
 
 
 def report(device: str | None = None) -> HardwareReport:

@@ -33,6 +33,7 @@ import tempfile
 
 from .config import TrainConfig
 from .errors import ConfigError, StnbError
+from .hardware import rank_gpu
 from .strategies import option_owners
 
 DEFAULT_TOLERANCE = 1e-2  # of how far training moved the tensor (docs/parity.md: what reordered sums give)
@@ -106,7 +107,8 @@ def parity(build_or_config, strategies=None, num_processes: int = 2, tolerance: 
     taken = sorted(set(options) & {"strategy", "num_processes", "save_to", "build"})
     if taken:
         raise ConfigError(f"parity sets {', '.join(taken)} itself for every run; leave {'it' if len(taken) == 1 else 'them'} out")
-    names = list(strategies) if strategies is not None else _runnable(num_processes, options.get("device", "auto"))
+    share = bool(options.get("share_gpus", getattr(build_or_config, "share_gpus", False)))
+    names = list(strategies) if strategies is not None else _runnable(options.get("device", "auto"), share)
     if not names:
         raise ConfigError("no strategy to compare with one device: name some in strategies=[...] "
                           f"({', '.join(registry.distributed_names())})")
@@ -170,12 +172,12 @@ def _verdict(runs: list, tolerance: float, dropout: str) -> Parity:
                   passed=bool(table[table["role"] != "rounding"]["passed"].all()))
 
 
-def _runnable(num_processes: int, device: str) -> list:
-    """Every strategy with one process per device that can run here."""
+def _runnable(device: str, share_gpus: bool = False) -> list:
+    """Every strategy with one process per device that can run here (``share_gpus``: on GPUs several ranks share)."""
     from . import strategies as registry
     from .hardware import strategy_availability
 
-    here = strategy_availability(None if device == "auto" else device)
+    here = strategy_availability(None if device == "auto" else device, share_gpus)
     return [n for n in registry.distributed_names() if here[n]["runnable"]]
 
 
@@ -214,7 +216,7 @@ def recipe_build(config: TrainConfig, model_path: str):
     use_cuda = torch.cuda.is_available() and config.device != "cpu"
     distributed = dist.is_available() and dist.is_initialized()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
+    device = f"cuda:{rank_gpu(local_rank)}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu")
     trainer = build_trainer(config, model_path, device, use_cuda, distributed)
     strategies.freeze_unused_pooler(trainer.model)
     trainer.add_callback(_at_train_end(functools.partial(shutil.rmtree, trainer.args.output_dir, ignore_errors=True)))
@@ -240,6 +242,7 @@ def _train(build, inner, name, num_processes, root, dropout, echo, options, batc
     from .runner import run
 
     label = label or name
+    build = _under(build, name)
     refusal = registry.get(name).build_refusal(read_objects(inner))
     if refusal:
         return _Run(label, reason=f"refused before launch: {refusal}")
@@ -265,6 +268,17 @@ def _train(build, inner, name, num_processes, root, dropout, echo, options, batc
     run_.trained = {**model_trained, **loss_trained}
     run_.owners = {**{n: "model" for n in model_initial}, **{n: "loss" for n in loss_initial}}
     return run_
+
+
+def _under(build, name: str):
+    """stnb's recipe (``recipe_build``) as the run under strategy ``name`` trains it: with that strategy's training
+    arguments (DeepSpeed's config, accelerate's CPU mode off), not those of the strategy the config names. A user's
+    build function is what it is."""
+    if not (isinstance(build, functools.partial) and build.func is recipe_build):
+        return build
+    config, *rest = build.args
+    own = {k: v for k, v in config.strategy_options.items() if name in option_owners(k)}
+    return functools.partial(recipe_build, dataclasses.replace(config, strategy=name, strategy_options=own), *rest)
 
 
 def _tensors(folder: str) -> dict:

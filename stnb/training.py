@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from . import checkpoints, checks, prepare, strategies
 from .config import TrainConfig
+from .hardware import rank_gpu
 from .processes import rank_context, scratch_folder, wait_for_all
 from .model_types import load_like
 from .rankreport import RankReport
@@ -127,7 +128,7 @@ class Here:
                    requested=world_size if world_size is not None else config.world_size(), cuda=cuda,
                    distributed=distributed, rank=dist.get_rank() if distributed else 0,
                    world=dist.get_world_size() if distributed else 1,
-                   device=f"cuda:{local_rank}" if cuda and distributed else ("cuda" if cuda else "cpu"),
+                   device=f"cuda:{rank_gpu(local_rank)}" if cuda and distributed else ("cuda" if cuda else "cpu"),
                    n_gpu=torch.cuda.device_count() if cuda else 0)
 
     @property

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ import transformers.trainer  # noqa: F401,E402
 
 import stnb
 from stnb import hardware
-from stnb.errors import ConfigError
+from stnb.errors import ConfigError, StrategyUnavailable
 
 T4 = ("Tesla T4", 15360, "GPU-7e1a", "7.5")
 A100 = ("NVIDIA A100-SXM4-40GB", 40960, "GPU-a100", "8.0")
@@ -208,6 +209,62 @@ def test_ddp_and_zero1_on_one_gpu_are_refused_before_launch(gpu_box):
     gpu_box([A100, A100])
     for strategy in ("ddp", "zero1"):
         stnb.TrainConfig(strategy=strategy, model="tiny", device="auto").validate(check_resources=False)
+
+
+def _gpu_this_rank_took():
+    import torch.distributed as dist
+
+    return dist.get_backend(), os.environ.get("STNB_TEST_SET_DEVICE"), stnb.rank_context().device
+
+
+def test_two_ranks_share_one_gpu_over_gloo_only_when_asked(gpu_box, monkeypatch):
+    """share_gpus=True (issue 47): more ranks than GPUs, each on GPU local_rank % GPUs (hardware.rank_gpu,
+    accelerate's rule) and over gloo, since NCCL refuses two ranks on one device. Without it the launch is
+    refused with that fix. Real forked ranks on the simulated one-GPU box: torch.cuda.set_device, which this
+    CPU build lacks, records in each rank the GPU the rank picked."""
+    gpu_box([A100])
+    with pytest.raises(ConfigError, match="more than this machine supports for cuda.*share_gpus=True"):
+        stnb.launch(_gpu_this_rank_took, num_processes=2, device="cuda", echo=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: os.environ.__setitem__("STNB_TEST_SET_DEVICE", str(d)))
+    got = stnb.launch(_gpu_this_rank_took, num_processes=2, device="cuda", share_gpus=True, echo=False)
+    assert got == [("gloo", "0", "cuda"), ("gloo", "0", "cuda")]
+
+
+def test_share_gpus_lets_a_strategy_run_on_fewer_gpus_than_ranks(gpu_box):
+    """What the config, the availability table and the backend say with GPUs shared: ddp on one GPU runs 2 ranks
+    over gloo with share_gpus and is refused (offering it) without; with one rank per GPU nothing changes."""
+    from stnb.config import TrainConfig
+
+    gpu_box([A100])
+    plain = TrainConfig(strategy="ddp", model="tiny", device="cuda", num_processes=2)
+    with pytest.raises(StrategyUnavailable, match="1 GPU.*share_gpus=True runs several gloo ranks on each GPU"):
+        plain.check_hardware()
+    shared = TrainConfig(strategy="fsdp", model="tiny", device="cuda", share_gpus=True)
+    assert shared.world_size() == 2  # the default with a GPU to share: two ranks, not the one GPU's one
+    shared.check_hardware()
+    reason = hardware.strategy_availability("cuda", share_gpus=True)["fsdp"]["reason"]
+    assert "sharing 1 GPU(s), backend gloo" in reason
+    assert not hardware.strategy_availability("cuda")["fsdp"]["runnable"]
+    cores = hardware.cpu_cores()
+    with pytest.raises(ConfigError, match="at most one gloo rank per core"):
+        shared.replace(num_processes=cores + 1).check_hardware()
+    gpu_box([A100, A100])
+    assert (hardware.backend_for("cuda", 2), hardware.backend_for("cuda", 3), hardware.backend_for("cpu", 2)) == (
+        "nccl", "gloo", "gloo")
+    assert [hardware.rank_gpu(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert TrainConfig(strategy="ddp", model="tiny", device="cuda", share_gpus=True).world_size() == 2
+
+
+def test_every_rank_picks_its_gpu_by_one_rule():
+    """The GPU of a rank is chosen in one place (hardware.rank_gpu): no other code in stnb or the lab makes
+    'cuda:{local rank}' or sets the device from the local rank itself (a second rule would put a rank sharing
+    a GPU on a GPU that does not exist: 'invalid device ordinal', seen on the H200)."""
+    import re
+
+    bad = re.compile(r"cuda:\{(local|local_rank|ctx\.local_rank)\}|set_device\((local_rank|local)\)")
+    found = [f"{p.relative_to(ROOT)}:{n}" for folder in ("stnb", "stnblab") for p in sorted((Path(ROOT) / folder).rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert found == []
 
 
 def test_bf16_on_a_t4_is_refused_with_the_fix(gpu_box):
@@ -765,8 +822,9 @@ def _predicted_failures(machine, plan, tmp) -> list:
             if c.kind == "train_direct":
                 why += [f"{name}: {x}" for x in hardware.gpu_problems(p["mixed_precision"])]
             n = p.get("nproc") or p.get("num_processes") or 1
-            if c.kind in ("allreduce", "fault", "train_direct") and hardware.capacity_problem("cuda", n):
-                why.append(f"{name}: {hardware.capacity_problem('cuda', n)}")
+            shared = bool(p.get("share_gpus"))  # a fault row with a peer on one GPU: two ranks share it
+            if c.kind in ("allreduce", "fault", "train_direct") and hardware.capacity_problem("cuda", n, share_gpus=shared):
+                why.append(f"{name}: {hardware.capacity_problem('cuda', n, share_gpus=shared)}")
             if p.get("strategy") == "ddp" and n < 2:
                 why.append(f"{name}: accelerate does not wrap one process in DDP")
             if c.kind == "st_docs":

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from stnblab import gpucheck
-from stnblab.gpucheck import checks, gpubound, planning, shared
+from stnblab.gpucheck import checks, gpubound, shared
 from stnblab.gpucheck.planning import Check, Machine
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2 ** 30, "compute_capability": [9, 0]}
@@ -46,12 +46,15 @@ def test_only_keeps_the_named_rows_and_the_hardware_row():
     assert gpucheck.only(ch, []) == ch
 
 
-def test_sharing_a_gpu_is_planned_with_stnbs_own_strategies_listed_as_not_run():
+def test_sharing_a_gpu_is_planned_with_stnbs_own_strategies_and_the_faults_that_need_a_peer():
     by = {c.name: c for c in gpucheck.plan(_machine())}
     probe = by["2 ranks on 1 GPU: nccl, gloo on CUDA tensors"]
     assert probe.kind == "shared" and probe.skip is None and not probe.params.get("stnb")
     own = by["stnb strategies x2 sharing 1 GPU"]
-    assert own.skip == planning.SHARED_GPU and "cuda:i" in own.skip
+    assert own.kind == "shared" and own.skip is None and own.params["stnb"]
+    for fault in ("raise", "kill"):  # one GPU: the faults that need a peer run on two ranks sharing it
+        row, = [c for c in by.values() if c.kind == "fault" and c.params.get("share_gpus") and c.params["fault"] == fault]
+        assert row.skip is None and row.params["nproc"] == 2 and "sharing 1 GPU" in row.name
 
 
 def test_long_texts_fill_every_sequence():
@@ -115,6 +118,10 @@ def test_the_sharing_row_needs_both_gloo_probes():
         status, error = gpubound.shared_verdict(dict(ok, **{probe: {"ok": False, "summary": "wrong result"}}))
         assert status == "failed" and "wrong result" in error
     assert gpubound.shared_verdict({})[0] == "failed"
+    # with --stnb: stnb.parity of the strategies on two ranks sharing the GPU decides too
+    assert gpubound.shared_verdict(dict(ok, stnb_parity={"ok": True, "summary": "parity passed"}))[0] == "passed"
+    status, error = gpubound.shared_verdict(dict(ok, stnb_parity={"ok": False, "summary": "parity FAILED over gloo"}))
+    assert status == "failed" and "share_gpus" in error and "parity FAILED over gloo" in error
 
 
 def test_the_sharing_row_runs_its_gloo_probes_on_cpu():
@@ -124,6 +131,30 @@ def test_the_sharing_row_runs_its_gloo_probes_on_cpu():
     assert set(m) == {"gloo_allreduce", "gloo_ddp"}  # NCCL is asked only on a GPU
     assert [r["value"] for r in m["gloo_allreduce"]["ranks"]] == [3.0, 3.0]
     assert all(r["max_grad_difference"] < 1e-5 for r in m["gloo_ddp"]["ranks"])
+
+
+def test_the_sharing_rows_stnb_parity_runs_every_strategy_on_cpu():
+    """The sharing row with --stnb: stnb.parity of stnb's recipe under every strategy runnable here against one
+    device (on a GPU, two ranks sharing it; here gloo ranks on CPU cores), every one passed. deepspeed among them:
+    parity ran the recipe with the config's own strategy's training arguments (ddp's use_cpu=True, which accelerate
+    refuses under DeepSpeed: seen here failing with BuildError before parity._under)."""
+    out = checks.RUNNERS["shared"](Check("shared [cpu]", "shared", {"device": "cpu", "stnb": True, "timeout": 600}),
+                                   Machine())
+    found = out.metrics["stnb_parity"]
+    assert out.status == "passed" and found["ok"], out.error
+    assert "parity passed over gloo" in found["summary"]
+    rows = {r["strategy"]: r for r in found["table"] if r["role"] == "strategy"}
+    from stnb import strategies
+
+    expected = {n for n, a in stnb_availability().items() if a["runnable"] and strategies.get(n).distributed}
+    assert set(rows) == expected and "deepspeed" in expected
+    assert all(r["passed"] and r["verified"] for r in rows.values())
+
+
+def stnb_availability() -> dict:
+    from stnb.hardware import strategy_availability
+
+    return strategy_availability("cpu")
 
 
 def test_the_ddp_probe_catches_gradients_that_were_not_averaged(monkeypatch, tmp_path):

@@ -41,15 +41,14 @@ def test_plan_one_gpu():
     got = [c.name for c in ch]
     assert got == ["hardware", "nccl all_reduce x1", "single bf16", "single fp16", "ddp x1 nccl bf16",
                    "fsdp x1 nccl bf16", "fault: a rank raises (x1 nccl)", "fault: a rank is killed (x1 nccl)",
-                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 nccl)",
+                   "fault: a rank stalls (x1 nccl)", "fault: a peer is aborted (x2 gloo sharing 1 GPU)",
+                   "fault: a rank is killed mid-collective (x2 gloo sharing 1 GPU)",
                    "2 ranks on 1 GPU: nccl, gloo on CUDA tensors", "stnb strategies x2 sharing 1 GPU",
                    "single bf16 memory budget",
                    "single bf16 save_to",
                    "single bf16 reranker", "single bf16 sparse", "notebook 00",
                    "plain sentence-transformers vs stnb single", "bench st-docs single"]
-    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16", "fault: a peer is aborted (x2 nccl)",
-                                              "stnb strategies x2 sharing 1 GPU"], \
-        "an H100 runs every other 1-GPU check"
+    assert [c.name for c in ch if c.skip] == ["ddp x1 nccl bf16"], "an H100 runs every other 1-GPU check"
     by = {c.name: c for c in ch}
     assert by["single fp16"].params["mixed_precision"] == "fp16" and by["single fp16"].params["strategy"] == "single"
     # 1 rank of ddp / fsdp: through the direct path (TrainConfig refuses them for users)
@@ -84,7 +83,7 @@ def test_plan_gpu_without_bf16():
     assert not [c.name for c in ch if c.params.get("mixed_precision") == "no"]
     assert by["single fp16"].params["mixed_precision"] == "fp16"  # the speed-up base of those rows
     assert by["plain sentence-transformers vs stnb single"].params["mixed_precision"] == "fp16"
-    assert not any(c.skip for c in ch if "bf16" not in c.name and "x1" not in c.name and c.skip != planning.SHARED_GPU)
+    assert not any(c.skip for c in ch if "bf16" not in c.name and "x1" not in c.name)
 
 
 def _accelerate_wraps_in_ddp(num_processes: int) -> bool:
@@ -149,8 +148,10 @@ def test_plan_covers_every_sharding_strategy_save_and_the_other_model_types():
     assert two["single bf16 save_to"].params["save_to"] is True
     assert {two["single bf16 reranker"].params["build"], two["single bf16 sparse"].params["build"]} == {
         "reranker", "sparse"}
+    assert not [c for c in two.values() if c.params.get("share_gpus")]  # 2 GPUs: the peer rows are NCCL's
     one = {c.name: c for c in gpucheck.plan(Machine(gpus=gpus(H100, 1), torch_cuda="12.8", arch_list=ARCH))}
-    assert "2+ GPUs" in one["fault: a peer is aborted (x2 nccl)"].skip
+    peer = one["fault: a peer is aborted (x2 gloo sharing 1 GPU)"]
+    assert peer.skip is None and peer.params == {"fault": "raise", "nproc": 2, "share_gpus": True}
 
 
 def test_plan_without_what_a_row_needs_says_so():

@@ -72,3 +72,22 @@ def test_no_launcher_validates_by_itself():
         called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
                   for n in ast.walk(tree) if isinstance(n, ast.Call)}
         assert not called & {"validate", "check_inputs", "check_writable", "check_target"}, path.name
+
+
+def test_only_stnbs_own_launcher_puts_several_ranks_on_a_gpu():
+    """share_gpus=True is refused by torchrun's and the clusters' checks, naming the launcher, before anything
+    starts: their ranks get a GPU each, and a flag that means nothing there is not dropped silently."""
+    from stnb.builds import RecipeBuild
+    from stnb.errors import ConfigError
+
+    def plan():
+        return Plan(TrainConfig(strategy="ddp", model="tiny", device="cpu", share_gpus=True), RecipeBuild())
+
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    launcher = external.External(env)
+    with pytest.raises(ConfigError, match=f"share_gpus=True puts several ranks.*under {launcher.name}"):
+        launcher.check(plan())
+    for engine in ("SLURM", "Ray"):
+        with pytest.raises(ConfigError, match=f"only stnb's own launcher.*under {engine} each rank"):
+            rundir.check_cluster_plan(plan(), engine, 2, "cpu", "nodes * tasks_per_node", 1)
+    Local().check(plan())  # on CPU a permission with nothing to share: the run goes on

@@ -297,7 +297,8 @@ def test_every_config_field_is_a_field_of_its_recipe_or_of_its_run_options():
     assert sorted(recipe + run) == sorted(names) and not set(recipe) & set(run)
     assert set(run) == {
         "strategy", "num_processes", "device", "start_method", "timeout", "stall_timeout", "threads_per_rank",
-        "reuse_freed_memory", "save_to", "strategy_options", "resume", "override_args", "memory_budget_gib"}
+        "reuse_freed_memory", "save_to", "strategy_options", "resume", "override_args", "memory_budget_gib",
+        "share_gpus"}
     # what stnb.run(build, ...) takes: the run options, each strategy's own options in place of strategy_options
     assert c.launch_fields() == (*[n for n in names if n in run and n != "strategy_options"],
                                  *stnb.strategies.options())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Plan", "Launcher", "check_plan", "execute", "finish", "rank_env"]
+__all__ = ["Plan", "Launcher", "check_plan", "execute", "finish", "rank_env", "refuse_shared_gpus"]
 
 
 @dataclass
@@ -55,6 +55,17 @@ def check_plan(plan: Plan, config, device: str | None = None, *, machine=None, w
             check_writable(plan.results_file)
         check_target(config.save_to)
     plan.config, plan.device = config, device or config.resolved_device()
+
+
+def refuse_shared_gpus(config, launcher: str) -> None:
+    """ConfigError for ``share_gpus=True`` under a launcher that gives each rank a GPU of its own (torchrun,
+    SLURM, Ray): only stnb's own launcher puts several ranks on one GPU."""
+    from ..errors import ConfigError
+
+    if config.share_gpus:
+        raise ConfigError(f"share_gpus=True puts several ranks on each GPU, which only stnb's own launcher does "
+                          f"(stnb.run / stnb.launch on this machine); under {launcher} each rank gets a GPU of its "
+                          "own: leave share_gpus out, or run the ranks from a notebook or a script without a launcher")
 
 
 def rank_env(config, device: str) -> dict:

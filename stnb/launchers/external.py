@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..errors import ConfigError
-from .base import Launcher, Plan, check_plan, finish, rank_env
+from .base import Launcher, Plan, check_plan, finish, rank_env, refuse_shared_gpus
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -117,6 +117,7 @@ def check_here(config, world: int, local_world: int, launcher: str) -> None:
     from the launcher, and the check is per node (this node's ranks on this node's cores or GPUs)."""
     from ..hardware import capacity_problem
 
+    refuse_shared_gpus(config, launcher)
     strategy = config.strategy_object()
     if not strategy.distributed and world > 1:
         raise ConfigError(

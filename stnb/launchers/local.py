@@ -48,7 +48,8 @@ class Local(Launcher):
             return launch(train_rank, config, plan.build, plan.t0, ws, num_processes=ws,
                           timeout=config.timeout, stall_timeout=config.stall_timeout, device=device,
                           threads_per_rank=config.threads_per_rank, on_progress=on_progress, echo=plan.echo,
-                          distributed=strategy.distributed, env=env, start_method=self.method)
+                          distributed=strategy.distributed, env=env, start_method=self.method,
+                          share_gpus=config.share_gpus)
         finally:
             if bars is not None:
                 bars.close()

@@ -299,9 +299,10 @@ def check_cluster_plan(plan, engine: str, world: int, device: str, option: str, 
     ``threads_per_rank`` says otherwise. Completes ``plan.config``/``device`` and the build's model (``check_inputs``)."""
     from .. import strategies
     from ..errors import ConfigError
-    from .base import check_plan
+    from .base import check_plan, refuse_shared_gpus
 
     config = plan.config
+    refuse_shared_gpus(config, engine)
     strategy = config.strategy_object()
     if not strategy.distributed:
         spans = ", ".join(repr(n) for n in strategies.distributed_names())

@@ -52,7 +52,7 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
            device: str = "auto", threads_per_rank: int | None = None, num_nodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, mixed_precision: str = "no",
            on_progress=None, echo: bool = True, distributed: bool = True, env: dict | None = None,
-           start_method: str = "auto", **kwargs) -> list:
+           start_method: str = "auto", share_gpus: bool = False, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` in ``num_processes`` ranks; return their results ordered by rank.
 
     Every rank starts with torch.distributed initialised (gloo on CPU, NCCL on GPU) with
@@ -71,6 +71,8 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
     start_method: 'fork' (ranks are copies of this process: Linux), 'spawn' (fresh interpreters: the
         function and its arguments are pickled, by value when defined in a notebook cell; the
         default on macOS / Windows) or 'auto' ($STNB_START_METHOD, else the platform's).
+    share_gpus: on CUDA, allow more ranks than GPUs: rank i uses GPU i % GPUs (``hardware.rank_gpu``) and the
+        ranks talk over gloo (NCCL takes one GPU per rank).
 
     Raises ConfigError before anything starts for bad arguments; LaunchError when a rank
     fails, stalls or the timeout passes (other ranks are stopped, no process is left).
@@ -78,7 +80,7 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
     from ..hardware import backend_for, cpu_cores, start_method as resolve_start_method
 
     device = check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes,
-                             node_rank, master_addr, master_port)
+                             node_rank, master_addr, master_port, share_gpus)
     method = resolve_start_method(start_method)
     if method == "fork":
         call = dict(fn=fn, args=args, kwargs=kwargs)
@@ -90,7 +92,7 @@ def launch(fn, *args, num_processes: int = 2, timeout: float | None = None, stal
     # a world of one process needs no agreed port: its store binds whichever is free (0) as it starts
     port = master_port or (free_port(master_addr) if world_size > 1 else 0)
     with _one_launch_at_a_time(), Channel(nproc) as ch:
-        opts = RankOptions(**call, device=device, backend=backend_for(device),
+        opts = RankOptions(**call, device=device, backend=backend_for(device, nproc),
                            threads=threads_per_rank or max(1, cpu_cores() // nproc), nproc=nproc,
                            world_size=world_size, launch_time=time.time(),
                            init_distributed=distributed or world_size > 1, env=dict(env or {}),
@@ -180,7 +182,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_per_rank, num_nodes, node_rank,
-                    master_addr, master_port) -> str:
+                    master_addr, master_port, share_gpus=False) -> str:
     """Refuse bad arguments before anything starts; return the device ('cpu' or 'cuda') to use."""
     from ..hardware import capacity_problem, default_device
 
@@ -201,7 +203,7 @@ def check_arguments(fn, num_processes, timeout, stall_timeout, device, threads_p
         raise ConfigError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
     if device == "auto":  # what hardware_report() says: a GPU this torch build has no kernels for is not one
         device = default_device()
-    problem = capacity_problem(device, num_processes)
+    problem = capacity_problem(device, num_processes, share_gpus=bool(share_gpus))
     if problem:
         raise ConfigError(problem)
     _check_rendezvous(num_nodes, master_addr, master_port)

@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..errors import LaunchError
-from ..hardware import device_env
+from ..hardware import device_env, rank_gpu
 from .byvalue import result_bytes, unpack
 from .channel import DONE, FAILED, Channel
 from .detach import detach_from_kernel
@@ -223,7 +223,7 @@ def _join_world(opts: RankOptions, rank: int, local_rank: int) -> None:
     if opts.backend == "nccl":  # a peer that fails ends NCCL collectives instead of hanging them
         os.environ.update(nccl_env())
     if opts.device == "cuda":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(rank_gpu(local_rank))
     dist.init_process_group(backend=opts.backend, timeout=collective_timeout(opts.stall_timeout))
     open_wait_group()  # waiting for rank 0's evaluation / save is not bounded by that timeout
     # the world the caller asked for (opts, not the environment the group was built from)

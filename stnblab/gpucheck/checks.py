@@ -199,7 +199,8 @@ def _descendants() -> set:
 
 
 def check_fault(check, machine) -> Outcome:
-    """Provoke one fault in NCCL ranks; the error must name it within seconds and leave no process."""
+    """Provoke one fault in NCCL ranks (gloo ranks sharing a GPU with ``share_gpus``); the error must name it
+    within seconds and leave no process."""
     import psutil
 
     from stnb.errors import LaunchError
@@ -216,7 +217,8 @@ def check_fault(check, machine) -> Outcome:
         error = None
         try:
             launch(fn, mark, num_processes=n, device=_dev(check), echo=False, timeout=120,
-                   stall_timeout=FAULT_STALL_S if kind == "stalled" else 60.0)
+                   stall_timeout=FAULT_STALL_S if kind == "stalled" else 60.0,
+                   share_gpus=check.params.get("share_gpus", False))
         except BaseException as e:  # noqa: BLE001 - the error is what is measured
             error = e
         t_err = time.time()

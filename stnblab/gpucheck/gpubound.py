@@ -7,7 +7,8 @@
   mpnet-base's shape against BERT-base's, whose attention can use SDPA), each with its MFU against
   the chip's peak. It measures; it passes when every variant trained (finite loss, an MFU).
 - **Ranks sharing a GPU** (``check_shared``): ``python -m stnblab.gpucheck.shared`` (its own process:
-  this one never starts CUDA) asks NCCL and gloo for two ranks on one device.
+  this one never starts CUDA) asks NCCL and gloo for two ranks on one device, and (``--stnb``) stnb.parity
+  of every strategy with two ranks sharing it (``share_gpus=True``).
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def check_shared(check, machine) -> Outcome:
 
 
 def shared_verdict(found: dict) -> tuple:
-    """(status, error): passed when gloo's all_reduce of CUDA tensors summed right and DDP over gloo gave both
-    ranks the gradient one device computes on the whole batch; NCCL's answer is reported, not judged."""
+    """(status, error): passed when gloo's all_reduce of CUDA tensors summed right, DDP over gloo gave both
+    ranks the gradient one device computes on the whole batch and (asked with ``--stnb``) stnb.parity passed every
+    strategy with 2 ranks sharing the GPU; NCCL's answer is reported, not judged."""
     bad = []
     g = found.get("gloo_allreduce") or {}
     if not g.get("ok"):
@@ -158,4 +160,7 @@ def shared_verdict(found: dict) -> tuple:
     d = found.get("gloo_ddp") or {}
     if not d.get("ok"):
         bad.append(f"DDP over gloo on one GPU: {d.get('summary') or d}")
+    own = found.get("stnb_parity")
+    if own is not None and not own.get("ok"):
+        bad.append(f"stnb's strategies, 2 ranks sharing one GPU (share_gpus): {own.get('summary') or own}")
     return ("failed", "; ".join(bad)) if bad else ("passed", "")

@@ -29,10 +29,6 @@ RATIO_GOAL = 0.98
 RATIO_REPEATS = 2
 GPU_BOUND_REPEATS = 5  # the GPU-bound ratio: 5 interleaved runs per arm (issue 47)
 GPU_BOUND_BUDGET_S = 660.0  # what --gpu-bound adds to the budget (the H200 of 2026-11-30: 419 s + 146 s)
-#: why stnb's own strategies do not run two ranks on one GPU yet (the H200 of 2026-11-30, gpu-check's 'shared' probe)
-SHARED_GPU = ("stnb puts rank i on cuda:i and NCCL refuses two ranks on one device ('Duplicate GPU detected'); "
-              "gloo ranks sharing one GPU work in plain torch (the row above), but stnb does not start them yet "
-              "(issue 47): on one GPU, compare strategies on CPU ranks")
 FAULT_STALL_S = 5.0    # stall_timeout of the stall check
 FAULT_TO_ERROR_S = 10.0  # the project's limit: a clear error within 10 s of the fault (or of the limit)
 #: why no 1-rank ddp row runs: accelerate (Accelerator.prepare_model) wraps in DDP only when
@@ -45,8 +41,6 @@ BUDGET_S = 450.0       # every check must have started within this; the whole ru
 # without the bundled MiniLM (a GPU image, the GPU kit): the rows train the tiny model, the ratio row the
 # seed benchmark's architecture (mpnet-base, built from stnb/configs/mpnet-base.json with random weights)
 NO_MINILM_TRAIN, NO_MINILM_RATIO = "tiny", "mpnet-base-random"
-ONE_GPU_PEER_ABORT = ("NCCL puts one rank on one GPU: a peer aborted by a failing rank needs 2+ GPUs (the 1-GPU "
-                      "fault rows check the launch's own error, timeout and cleanup on one NCCL rank)")
 # `gpu-check --cpu`: the same RUN functions on gloo ranks, the tiny model, a few steps (the GPU kit's CPU test)
 # the memory budget's row (issue 45): a budget with room, then one that holds the model state but not the training
 BUDGET_ROOMY_GIB = 16.0
@@ -147,9 +141,10 @@ def plan(machine: Machine, gpu_bound: bool = False) -> list:
     for fault in ("raise", "kill", "stall"):
         checks.append(Check(f"fault: a rank {'raises' if fault == 'raise' else 'is killed' if fault == 'kill' else 'stalls'}"
                             f" (x{ranks} nccl)", "fault", {"fault": fault, "nproc": ranks}, gpus=ranks))
-    if n == 1:
-        checks.append(Check("fault: a peer is aborted (x2 nccl)", "fault", {"fault": "raise", "nproc": 2}, gpus=2,
-                            skip=ONE_GPU_PEER_ABORT))
+    if n == 1:  # the faults that need a peer: two gloo ranks sharing the GPU (share_gpus)
+        for fault, what in (("raise", "a peer is aborted"), ("kill", "a rank is killed mid-collective")):
+            checks.append(Check(f"fault: {what} (x2 gloo sharing 1 GPU)", "fault",
+                                {"fault": fault, "nproc": 2, "share_gpus": True}))
     # the multi-GPU rows next, before the 1-GPU extras and the long rows (ratio: 6 x 300 steps, st-docs):
     # on 2x T4 the 450 s budget ran out before them when they came last
     if n >= 2:
@@ -171,9 +166,9 @@ def plan(machine: Machine, gpu_bound: bool = False) -> list:
                 checks.append(Check(f"{s.name} x{n} {dist_mp}", "train",
                                     dict(multi, strategy=s.name, num_processes=n), gpus=n,
                                     skip=_needs(machine, s.name)))
-    # issue 47: two ranks on one GPU: NCCL's answer and gloo on CUDA tensors; stnb's own strategies there not yet
+    # issue 47: two ranks on one GPU: NCCL's answer, gloo on CUDA tensors, and stnb's strategies there (share_gpus)
     checks.append(Check("2 ranks on 1 GPU: nccl, gloo on CUDA tensors", "shared", {"timeout": 240}))
-    checks.append(Check("stnb strategies x2 sharing 1 GPU", "shared", {"stnb": True}, skip=SHARED_GPU))
+    checks.append(Check("stnb strategies x2 sharing 1 GPU", "shared", {"stnb": True, "timeout": 600}))
     # a memory budget on one GPU: the allocator's fraction, out of memory named (issue 45)
     checks.append(Check(f"{base} {dist_mp} memory budget", "budget", dict(one, strategy=base, mixed_precision=dist_mp)))
     # what users do besides a bi-encoder: save the trained model, train a CrossEncoder / SparseEncoder

@@ -15,6 +15,7 @@ import signal
 import time
 
 from stnb.files import write_atomic
+from stnb.hardware import rank_gpu
 
 
 def _device():
@@ -24,7 +25,7 @@ def _device():
 
     ctx = rank_context()
     local = ctx.local_rank if ctx is not None else int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device(f"cuda:{local}" if torch.cuda.is_available() and (ctx is None or ctx.device == "cuda")
+    return torch.device(f"cuda:{rank_gpu(local)}" if torch.cuda.is_available() and (ctx is None or ctx.device == "cuda")
                         else "cpu")
 
 

@@ -9,9 +9,9 @@ Three probes, each in two fresh (spawned) processes that both use ``cuda:0``:
 - ``gloo_ddp``: ``DistributedDataParallel`` of a small CUDA model over gloo, each rank half of a batch; both
   ranks' gradients must equal the one-device gradient of the whole batch.
 
-``--stnb`` adds what stnb itself does with two ranks on that GPU over gloo (stnb refuses it today:
-NCCL wants a GPU per rank): for this probe only, stnb's capacity rule and backend choice are told that
-one GPU holds two gloo ranks, then ``stnb.parity`` trains every strategy runnable there against one device.
+``--stnb`` adds what stnb itself does with two ranks on that GPU (``share_gpus=True``: rank i on GPU
+i % GPUs, gloo, since NCCL wants a GPU per rank): ``stnb.parity`` trains every strategy runnable there
+against one device.
 Prints one JSON line: {probe: {ok, summary, ...}}. ``--device cpu`` runs the gloo probes on CPU tensors (tests).
 """
 
@@ -95,26 +95,24 @@ def probe(name: str, device: str, timeout: float = 90.0) -> dict:
 
 
 def stnb_on_one_gpu(device: str) -> dict:
-    """stnb.parity of every strategy runnable here with 2 gloo ranks on one GPU, against one device. For this
-    probe only, stnb.hardware is told that one GPU takes two ranks over gloo (a fork inherits it)."""
-    import stnb.hardware as hw
+    """stnb.parity of every strategy runnable here with 2 ranks sharing one GPU over gloo (``share_gpus=True``),
+    against one device. ``main`` shows this process one GPU, so two ranks share it even on a box with more."""
     from stnb import parity
     from stnb.config import TrainConfig
 
-    if device == "cuda":
-        hw.backend_for = lambda d: "gloo"
-        real_max = hw.max_processes
-        hw.max_processes = lambda d: 2 if d == "cuda" else real_max(d)
     cfg = TrainConfig(model="tiny", per_device_batch_size=8, max_seq_length=32, steps=6, warmup_steps_excluded=1,
-                      train_size=128, dev_size=16, device=device, mixed_precision="no", evaluate=False)
+                      train_size=128, dev_size=16, device=device, mixed_precision="no", evaluate=False,
+                      share_gpus=device == "cuda")
     t0 = time.time()
     try:
         res = parity(cfg, num_processes=2, device=device, timeout=300, echo=False)  # every runnable one
     except Exception as e:  # noqa: BLE001 - the refusal or failure is the finding
         return {"ok": False, "summary": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-1500:]}
     table = res.table.to_dict(orient="records") if hasattr(res.table, "to_dict") else str(res.table)
-    return {"ok": bool(res.passed), "summary": f"parity {'passed' if res.passed else 'FAILED'} "
-            f"({time.time() - t0:.0f} s)", "table": table}
+    backends = sorted({str(v.get("backend")) for r in res.results.values() if r is not None
+                       for v in (r.verification or {}).get("ranks", []) if v.get("backend")})
+    return {"ok": bool(res.passed), "summary": f"parity {'passed' if res.passed else 'FAILED'} over "
+            f"{'/'.join(backends)} ({time.time() - t0:.0f} s)", "table": table}
 
 
 def main(argv=None) -> int:
@@ -122,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--stnb", action="store_true", help="also stnb.parity of the sharded strategies on that GPU")
     a = p.parse_args(argv)
+    if a.device == "cuda":  # one GPU for every probe: its ranks share it (set before anything starts CUDA)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0].strip() or "0"
     found = {}
     for name in (["nccl"] if a.device == "cuda" else []) + ["gloo_allreduce", "gloo_ddp"]:
         found[name] = probe(name, a.device)
