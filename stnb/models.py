@@ -213,7 +213,7 @@ def _build_tiny(target: str, scratch: str) -> None:
 
     # MiniLM is Transformer -> mean Pooling -> Normalize; mirror that (the pooler is kept, like
     # MiniLM's checkpoint)
-    _build_random(target, scratch, lambda: BertModel(BertConfig(**TINY_CONFIG)), TINY_MAX_SEQ_LENGTH,
+    build_random(target, scratch, lambda: BertModel(BertConfig(**TINY_CONFIG)), TINY_MAX_SEQ_LENGTH,
                   normalize=True)
 
 
@@ -226,12 +226,14 @@ def _build_mpnet(target: str, scratch: str, overrides: dict) -> None:
     # position ids too; attention and mean pooling mask them, so real tokens and the cost are unchanged.
     # The config says the tokenizer's pad id (0): the trainer would set it, warning in every rank, and
     # MPNetEmbeddings does not read it (v2; v1 kept microsoft/mpnet-base's 1, the weights are the same).
-    _build_random(target, scratch, lambda: MPNetModel(MPNetConfig(**mpnet_config(**overrides, pad_token_id=0))),
+    build_random(target, scratch, lambda: MPNetModel(MPNetConfig(**mpnet_config(**overrides, pad_token_id=0))),
                   MPNET_MAX_SEQ_LENGTH, normalize=False)
 
 
-def _build_random(target: str, scratch: str, make_model, max_seq_length: int, normalize: bool) -> None:
-    """Seeded random weights from ``make_model()``, MiniLM's tokenizer, mean pooling; saved to target."""
+def build_random(target: str, scratch: str, make_model, max_seq_length: int, normalize: bool) -> None:
+    """Seeded random weights from ``make_model()``, MiniLM's tokenizer, mean pooling; saved to target (the
+    transformer's files go through ``scratch`` first). stnb's 'tiny' and 'mpnet-base-random' are built with it; the lab's
+    GPU check builds BERT-base's shape with it too."""
     import torch
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

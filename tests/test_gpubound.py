@@ -201,10 +201,13 @@ def test_the_mfu_row_runs_each_variant_on_cpu():
     asks for; on a CPU there is no peak, so the row fails (an MFU is never made up)."""
     p = dict(gpubound.GPU_BOUND, model="tiny", per_device_batch_size=4, max_seq_length=48,
              steps=gpubound.MFU_LOGGING_STEPS, warmup_steps_excluded=1, train_size=24, dev_size=8, device="cpu", mixed_precision="no",
-             variants=(("tiny eager", "tiny", ["--attn", "eager"]), ("tiny sdpa", "tiny", ["--attn", "sdpa"])))
+             variants=(("tiny eager", "tiny", ["--attn", "eager"]), ("tiny sdpa", "tiny", ["--attn", "sdpa"]),
+                       ("tiny, 2 workers", "tiny", ["--attn", "sdpa", "--workers", "2"])))
     out = checks.RUNNERS["mfu"](Check("mfu [cpu]", "mfu", p), Machine())
     rows = out.metrics["variants"]
     assert [(r["variant"], r["attn"], r["tokens_per_sample"]) for r in rows] == \
-        [("tiny eager", "eager", 96.0), ("tiny sdpa", "sdpa", 96.0)]
+        [("tiny eager", "eager", 96.0), ("tiny sdpa", "sdpa", 96.0), ("tiny, 2 workers", "sdpa", 96.0)]
+    # the tokenization lever: the collator runs in 2 dataloader processes (seen while training), none without
+    assert [r["dataloader_workers_seen"] for r in rows] == [0, 0, 2]
     assert all(r["samples_per_second"] > 0 and r["final_loss"] is not None for r in rows)
     assert out.status == "failed" and "MFU None" in out.error

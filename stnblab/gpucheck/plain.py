@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="synthetic", help="stnb.data.load_pairs' spec: 'synthetic' or a pairs file")
     p.add_argument("--attn", default=None, help="attention kernel (attn_implementation); default: the model's")
     p.add_argument("--compile", action="store_true", help="torch.compile the Hugging Face transformer")
+    p.add_argument("--workers", type=int, default=0, help="dataloader worker processes: the collator tokenizes there, "
+                   "beside the GPU's step, instead of in the training loop (0: the trainer's default)")
     a = p.parse_args(argv)
 
     import torch
@@ -54,7 +56,9 @@ def main(argv=None) -> int:
     from stnb.data import load_pairs
     from stnb.mfu import FlopMeter, device_peak
 
-    ends = []
+    import psutil
+
+    ends, workers = [], []
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
         def on_step_end(self, args, state, control, **kw):
             meter.end_step()
             ends.append(time.perf_counter())
+            if len(ends) == 1:  # the dataloader's worker processes, as they are while training runs
+                workers.append(len(psutil.Process().children()))
 
     torch.manual_seed(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +83,7 @@ def main(argv=None) -> int:
         output_dir=tempfile.mkdtemp(prefix="stnb-plain-"), per_device_train_batch_size=a.batch_size,
         max_steps=a.steps, learning_rate=a.lr, seed=a.seed, report_to="none", save_strategy="no",
         disable_tqdm=True, bf16=a.mixed_precision == "bf16", fp16=a.mixed_precision == "fp16",
-        use_cpu=device == "cpu", logging_steps=a.logging_steps)
+        use_cpu=device == "cpu", logging_steps=a.logging_steps, dataloader_num_workers=a.workers)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train,
                                          loss=CosineSimilarityLoss(model), callbacks=[StepClock()])
     trainer.train()
@@ -97,6 +103,7 @@ def main(argv=None) -> int:
                       "peak_tflops": peak["flops_per_s"] / 1e12 if peak else None,
                       "tokens_per_sample": sum(meter.tokens[a.warmup:]) / (a.batch_size * measured) if span else None,
                       "attn": model[0].auto_model.config._attn_implementation, "compiled": a.compile,
+                      "dataloader_workers_seen": workers[0] if workers else None,
                       "final_loss": losses[-1] if losses else None}))
     return 0
 
