@@ -15,8 +15,8 @@ from stnb.plots.timesplit import advice
 SMALL = dict(train_size=64, dev_size=16)
 
 
-def _only_dp_unavailable(device=None):
-    out = dict(strategy_availability(device))
+def _only_dp_unavailable(device=None, share_gpus=False):
+    out = dict(strategy_availability(device, share_gpus))
     out["dp"] = {"runnable": False, "reason": "DataParallel needs at least 2 CUDA GPUs (test)"}
     return out
 
