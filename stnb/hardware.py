@@ -242,6 +242,10 @@ def device_for_ranks(n: int = 2) -> str:
     return device if max_processes(device) >= n else "cpu"
 
 
+#: what a refusal offers when ranks outnumber the GPUs and sharing them would let the run go on
+SHARE_GPUS_FIX = "share_gpus=True runs several gloo ranks on each GPU (to learn and to test: slower than a GPU per rank)"
+
+
 def capacity_problem(device: str, processes: int, option: str = "num_processes",
                      share_gpus: bool | None = None) -> str | None:
     """Why ``processes`` ranks cannot run on this machine's ``device`` (NCCL: one GPU per rank; gloo:
@@ -260,8 +264,7 @@ def capacity_problem(device: str, processes: int, option: str = "num_processes",
     unit = "GPU(s)" if device == "cuda" else "CPU cores"
     fix = f"use {option} <= {most}"
     if device == "cuda":
-        fix += (", share_gpus=True to run several gloo ranks on each GPU (to learn and to test: slower than one "
-                "rank per GPU)" if share_gpus is False else "") + ", or device='cpu' to run gloo ranks on CPU cores"
+        fix += (f"; {SHARE_GPUS_FIX}" if share_gpus is False else "") + "; or device='cpu' to run gloo ranks on CPU cores"
     return (f"{option}={processes} is more than this machine supports for {device} ({most} {unit}; "
             f"{backend_for(device)} needs one per rank); {fix}")
 
@@ -405,8 +408,18 @@ def strategy_availability(device: str | None = None, share_gpus: bool = False) -
     from .strategies import availability
 
     device = device or default_device()
-    most = max_processes(device, share_gpus)
-    return availability(device, gpu_count(), most, backend_for(device, most), dist.is_available())
+
+    def on(shared: bool) -> dict:
+        most = max_processes(device, shared)
+        return availability(device, gpu_count(), most, backend_for(device, most), dist.is_available())
+
+    out = on(share_gpus)
+    if device == "cuda" and not share_gpus:  # what sharing the GPUs would make runnable says so
+        shared = on(True)
+        for name, a in out.items():
+            if not a["runnable"] and shared[name]["runnable"]:
+                a["reason"] += f"; {SHARE_GPUS_FIX}"
+    return out
 
 
 def report(device: str | None = None) -> HardwareReport:

@@ -166,9 +166,7 @@ class Strategy(abc.ABC):
         if max_ranks >= need:
             per = f"sharing {n_gpu} GPU(s)" if device == "cuda" and max_ranks > n_gpu else f"one per {unit}"
             return True, f"up to {max_ranks} ranks, {per}, backend {backend}"
-        share = ("; share_gpus=True runs several gloo ranks on each GPU (to learn and to test: slower than a GPU "
-                 "per rank)" if device == "cuda" and n_gpu and max_ranks == n_gpu else "")
-        return False, f"needs at least {need} ranks (one per {unit}); this machine has {max_ranks} {unit}(s){share}"
+        return False, f"needs at least {need} ranks (one per {unit}); this machine has {max_ranks} {unit}(s)"
 
     def given(self, config) -> dict:
         """Its options ``config`` sets away from their defaults: what the run asked of it."""
