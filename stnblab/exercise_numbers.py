@@ -16,6 +16,26 @@ case that differs, with what was expected.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Verdict:
+    """What a checker found: ``passed``, and one line per world it ran (shown as the checker's answer)."""
+
+    exercise: str
+    passed: bool
+    lines: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        head = f"{self.exercise}: {'PASSED' if self.passed else 'FAILED'}"
+        return "\n".join([head] + [f"  {line}" for line in self.lines])
+
+    __repr__ = __str__
+
 
 #: how close an answer must be (relative): these are sums and quotients of a few floats
 REL = 1e-9
@@ -24,8 +44,6 @@ REL = 1e-9
 def _verdict(exercise: str, cases: list, fn) -> "Verdict":
     """``cases``: ``(description, args, expected, hint)``; the first case whose answer differs (or raises)
     fails the verdict."""
-    from .exercises import Verdict
-
     for description, args, expected, hint in cases:
         try:
             got = fn(*args)

@@ -25,9 +25,8 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from dataclasses import dataclass, field
 
-from .exercise_numbers import check_overall, check_samples_per_second, check_zero_bytes  # noqa: F401 - the course's
+from .exercise_numbers import Verdict, check_overall, check_samples_per_second, check_zero_bytes  # noqa: F401 - the course's
 
 #: the worlds every exercise runs in, and the tensor lengths: none divisible by 2 or by 3
 WORLDS = (2, 3)
@@ -45,24 +44,6 @@ ZERO1_LR = 0.01
 _COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
                 "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
                 "broadcast", "gather", "scatter")
-
-
-@dataclass
-class Verdict:
-    """What a checker found: ``passed``, and one line per world it ran (shown as the checker's answer)."""
-
-    exercise: str
-    passed: bool
-    lines: list = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def __str__(self) -> str:
-        head = f"{self.exercise}: {'PASSED' if self.passed else 'FAILED'}"
-        return "\n".join([head] + [f"  {line}" for line in self.lines])
-
-    __repr__ = __str__
 
 
 class _Refused(RuntimeError):

@@ -682,7 +682,7 @@ def test_plain_baseline_and_stnb_single_use_the_same_gpu(gpu_box, monkeypatch):
     """The gpu-check's ratio: with CUDA_VISIBLE_DEVICES=3 the plain script used to be pinned to visible
     ordinal 0 (physical GPU 0, an H100 here) while stnb.run(strategy='single') ran on physical GPU 3 (the
     A100). Each environment is applied and the GPU it leaves visible is read back."""
-    from stnblab.gpucheck import checks
+    from stnblab.gpucheck import gpubound
 
     box = gpu_box([H100, H100, H100, A100])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
@@ -694,8 +694,8 @@ def test_plain_baseline_and_stnb_single_use_the_same_gpu(gpu_box, monkeypatch):
 
     stnb_gpu = seen_with(hardware.single_gpu_env())
     assert stnb_gpu == [(A100[0], A100[2])]
-    assert seen_with(checks.plain_env("cuda")) == stnb_gpu
-    assert checks.plain_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert seen_with(gpubound.plain_env("cuda")) == stnb_gpu
+    assert gpubound.plain_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
     assert box.driver_calls == []
 
 

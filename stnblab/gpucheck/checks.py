@@ -12,8 +12,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -22,7 +20,7 @@ from stnb.strategies import baseline_name, is_distributed
 from stnb.timesplit import problems as split_problems
 
 from ..splitbench import time_split
-from .gpubound import check_mfu, check_shared
+from .gpubound import check_mfu, check_shared, plain_run
 from .planning import BUDGET_OVER_RUNTIME, BUDGET_OVER_STATE, BUDGET_ROOMY_GIB, FAULT_STALL_S, FAULT_TO_ERROR_S
 from .ranks import raise_after_collective, rank_pids, sigkill_after_collective, stall_in_collective
 from .report import Outcome
@@ -328,42 +326,6 @@ def check_notebook(check, machine) -> Outcome:
     return Outcome(check.name, check.kind, "failed" if errors else "passed",
                    detail=f"{len(code)} code cells ran (backend seen in outputs: {backend})",
                    error="; ".join(f"{e['ename']}: {e['evalue']}" for e in errors))
-
-
-def plain_env(device: str) -> dict:
-    """The plain script's environment: pinned to the GPU stnb.run(strategy='single') uses
-    (``hardware.single_gpu_env``: the first entry of CUDA_VISIBLE_DEVICES as the user wrote it, not
-    the renumbered visible ordinal, which names another GPU when CUDA_VISIBLE_DEVICES=3)."""
-    from stnb.hardware import single_gpu_env
-
-    pin = single_gpu_env() if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
-    return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
-
-
-#: the source checkout the plain script and the sharing probe run in (python -m finds stnblab there)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def plain_run(p: dict, model_path: str, logging_steps: int | None = None, extra=()) -> dict:
-    """One run of the plain script with the row's params ``p`` (logging as often as stnb's recipe unless
-    ``logging_steps`` says otherwise; ``extra``: more of its arguments); its JSON line."""
-    from stnb.recipe import LOGGING_STEPS
-
-    device = p.get("device", "cuda")
-    env = plain_env(device)
-    cmd = [sys.executable, "-m", "stnblab.gpucheck.plain", "--model", model_path, "--data", p.get("data", "synthetic"),
-           "--batch-size",
-           str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
-           "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
-           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
-           "--logging-steps", str(logging_steps or LOGGING_STEPS), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env, cwd=ROOT)
-    if out.returncode != 0:
-        raise RuntimeError(f"the plain script exited {out.returncode}: {out.stderr[-1500:]}")
-    data = json.loads(out.stdout.strip().splitlines()[-1])
-    if data["device"] != device:
-        raise RuntimeError(f"the plain script ran on {data['device']}, not {device}")
-    return data
 
 
 def check_ratio(check, machine) -> Outcome:

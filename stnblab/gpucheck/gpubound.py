@@ -22,6 +22,10 @@ import tempfile
 
 from .report import Outcome
 
+#: the source checkout the plain script and the sharing probe run in (python -m finds stnblab there)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 #: the GPU-bound ratio and MFU rows: mpnet-base's shape, seq 256 (every text is longer, so no padding),
 #: 64 pairs a step (128 sequences of 256 tokens: 32,768 tokens, ~1.8e13 FLOPs a step)
 GPU_BOUND = dict(model="mpnet-base-random", per_device_batch_size=64, max_seq_length=256, steps=60,
@@ -110,7 +114,6 @@ def mfu_verdict(rows: list) -> tuple:
 
 def check_mfu(check, machine) -> Outcome:
     """The plain script once per ``MFU_VARIANTS`` entry on the same long texts; MFU and samples/s of each."""
-    from .checks import plain_run
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-mfu-") as tmp:
@@ -135,7 +138,6 @@ def check_mfu(check, machine) -> Outcome:
 
 def check_shared(check, machine) -> Outcome:
     """Two ranks on one GPU, asked of NCCL and of gloo on CUDA tensors (``shared.main``), in a child process."""
-    from .checks import ROOT, plain_env
 
     cmd = [sys.executable, "-m", "stnblab.gpucheck.shared", "--device", check.params.get("device", "cuda")]
     cmd += ["--stnb"] if check.params.get("stnb") else []
@@ -166,3 +168,35 @@ def shared_verdict(found: dict) -> tuple:
     if own is not None and not own.get("ok"):
         bad.append(f"stnb's strategies, 2 ranks sharing one GPU (share_gpus): {own.get('summary') or own}")
     return ("failed", "; ".join(bad)) if bad else ("passed", "")
+
+
+def plain_env(device: str) -> dict:
+    """The plain script's environment: pinned to the GPU stnb.run(strategy='single') uses
+    (``hardware.single_gpu_env``: the first entry of CUDA_VISIBLE_DEVICES as the user wrote it, not
+    the renumbered visible ordinal, which names another GPU when CUDA_VISIBLE_DEVICES=3)."""
+    from stnb.hardware import single_gpu_env
+
+    pin = single_gpu_env() if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false", **pin)
+
+
+def plain_run(p: dict, model_path: str, logging_steps: int | None = None, extra=()) -> dict:
+    """One run of the plain script with the row's params ``p`` (logging as often as stnb's recipe unless
+    ``logging_steps`` says otherwise; ``extra``: more of its arguments); its JSON line."""
+    from stnb.recipe import LOGGING_STEPS
+
+    device = p.get("device", "cuda")
+    env = plain_env(device)
+    cmd = [sys.executable, "-m", "stnblab.gpucheck.plain", "--model", model_path, "--data", p.get("data", "synthetic"),
+           "--batch-size",
+           str(p["per_device_batch_size"]), "--steps", str(p["steps"]), "--warmup", str(p["warmup_steps_excluded"]),
+           "--max-seq-length", str(p["max_seq_length"]), "--mixed-precision", p["mixed_precision"],
+           "--train-size", str(p["train_size"]), "--dev-size", str(p["dev_size"]),
+           "--logging-steps", str(logging_steps or LOGGING_STEPS), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"], env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"the plain script exited {out.returncode}: {out.stderr[-1500:]}")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    if data["device"] != device:
+        raise RuntimeError(f"the plain script ran on {data['device']}, not {device}")
+    return data
