@@ -1,27 +1,11 @@
-"""Run a function on N processes from a notebook cell, and get every rank's result back.
+"""Run a function on N processes from a notebook cell, and get every rank's result back (``stnb.launch``).
 
-Ranks are started the way accelerate's ``notebook_launcher`` starts them (torch elastic; forked on
-Linux, spawned on macOS / Windows or when asked), but never run inside the kernel, as
-``notebook_launcher`` does in Colab. stnb adds what the launcher lacks:
-
-* a result channel: ``launch`` returns ``[result_of_rank_0, result_of_rank_1, ...]``;
-* torch.distributed initialised in every rank (gloo on CPU, NCCL on GPU) and the world
-  size verified inside each rank;
-* a free port chosen per launch (a busy 29500 does not matter);
-* per-rank output capture: each rank writes to its own log, the parent prints complete
-  lines prefixed ``[rank N]``, so ranks never interleave and never write to the kernel's
-  sockets (no "attempted to send message from fork");
-* error propagation: a rank that raises gives ``LaunchError`` naming the rank, with that
-  rank's traceback, and the other ranks are stopped;
-* a watchdog: overall ``timeout`` and a stall detector (no rank's Python stack moved and
-  no heartbeat for ``stall_timeout`` seconds) that dumps every rank's stack and stops them;
-* cleanup: no process the launch started survives success, failure, timeout or KeyboardInterrupt,
-  including what a rank started itself (its children are re-parented to the launching process
-  while the launch runs, see ``child_subreaper``);
-* spawned ranks get a function defined in a notebook cell by value (cloudpickle), and anything
-  it reads that cannot be pickled is refused, named, before a process starts.
-
-The package, along the way one launch goes:
+Ranks start the way accelerate's ``notebook_launcher`` starts them (torch elastic; forked on Linux,
+spawned on macOS / Windows or when asked), never inside the kernel. stnb adds a result channel,
+torch.distributed set up and checked in every rank, a free port per launch, per-rank output printed
+as whole ``[rank N]`` lines, errors that name the rank that really failed, a timeout and stall
+watchdog, cleanup of every process the launch started, and a cell's function sent by value to
+spawned ranks. The modules, along the way one launch goes:
 
     launcher   launch(): validate, then the steps below in order; last_launch(), free_port()
     forksafe   is this process fit to fork (CUDA driver, accelerate state), and keeping it so
@@ -29,15 +13,12 @@ The package, along the way one launch goes:
     channel    the result channel: per-rank files + shared progress numbers; RankState
     watchdog   the parent's thread: output relay, progress, timeout / stall / silent-exit limits
     start      starting the ranks (torch elastic, or one process of its own) and waiting for them
-    rank       what runs in each rank: rank_context(), heartbeat(), report_progress(), scratch_folder(); how it started
+    rank       what runs in each rank: rank_context(), heartbeat(), report_progress(), scratch_folder()
     output     per-rank output capture (rank side) and the [rank N] relay (parent side)
-    detach     a forked rank leaves the Jupyter kernel's sockets alone (a spawned one never had them)
+    detach     a forked rank leaves the Jupyter kernel's sockets alone
     supervise  process-tree cleanup: child_subreaper, kill_tree, children_now
     diagnose   one function per failure kind: which rank failed, and how
     peerfail   which errors are a peer's failure seen from another rank (gloo / NCCL)
-
-``stnb.launch`` is the ``launch`` function, exported from this package (``stnb.processes``: the processes
-a launch starts and stops), whose name no longer hides a package of the same name.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Sending the launched function to ranks that do not inherit this process (the spawn start method).
 
-A forked rank is a copy of the notebook's process: it already holds the function, its arguments and
-every global they read. A spawned rank is a fresh interpreter, so they travel to it pickled. Plain
-pickle sends a function by reference (module + name), and a function defined in a notebook cell
-lives in ``__main__``, which a spawned rank does not have ("Can't get attribute 'build' on <module
-'__main__'>"). cloudpickle sends such functions by value: their code, closure and the globals they
-read, the way Ray and Dask ship cell-defined functions. ``pack`` runs in the launching process
-before any rank starts and names what cannot be sent, with the fix; ``unpack`` runs in the rank.
-The way back: ``result_bytes`` sends a spawned rank's return value by value where it must (an
-instance of a class defined in a cell).
+A spawned rank is a fresh interpreter, and plain pickle sends a function by reference: one defined in a
+notebook cell lives in ``__main__``, which the rank does not have ("Can't get attribute 'build' on
+<module '__main__'>"). cloudpickle sends it by value (code, closure, the globals it reads), as Ray and
+Dask do. ``pack`` runs before any rank starts and names what cannot be sent, with the fix; ``unpack``
+runs in the rank; ``result_bytes`` sends a spawned rank's return value back, by value where it must.
 """
 
 from __future__ import annotations

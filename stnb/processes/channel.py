@@ -1,12 +1,9 @@
 """The result channel between the launching process and its ranks.
 
-Per rank, a temporary folder holds its output log, its result (pickled), its error record (JSON)
-and its stack dump; a shared-memory array holds its live numbers (pid, state, time of last progress,
-heartbeat count, step, total, loss), which the parent's watchdog reads without any message passing.
-The array is a lock-free ``RawArray`` (each rank writes only its own row, one double at a time, so a rank
-killed mid-write can block no one); forked ranks inherit it, spawned ranks receive it (the channel is
-pickled while they start). The rank side writes, the parent side reads;
-``RankState`` is one rank's row as the parent reports it to ``on_progress``.
+Per rank, a temporary folder holds its output log, its result (pickled), its error record (JSON) and its
+stack dump; a lock-free shared-memory array holds its live numbers (pid, state, last progress, heartbeats,
+step, total, loss), one row per rank, written one double at a time (a rank killed mid-write blocks no one)
+and read by the parent's watchdog. ``RankState`` is one rank's row as ``on_progress`` receives it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Detaching a forked rank from the Jupyter kernel it was forked from.
-
-A rank is a fork of the notebook's process and inherits its IPython shell, its comm manager and
-tqdm's notebook bars, all of which would send messages on the kernel's ZMQ sockets. From a fork
-ipykernel drops them and logs "attempted to send message from fork". ``detach_from_kernel`` makes
-the rank an ordinary process; the parent relays progress and output to the notebook instead.
+"""Detaching a forked rank from the Jupyter kernel it was forked from: it inherits IPython's shell, the
+comm manager and tqdm's notebook bars, which would send messages on the kernel's sockets ("attempted to
+send message from fork"). The parent relays output and progress to the notebook instead.
 """
 
 from __future__ import annotations
@@ -13,15 +10,8 @@ import threading
 
 
 def detach_from_kernel() -> None:
-    """A forked rank must never use the Jupyter kernel's sockets.
-
-    In a kernel, IPython's shell, ipywidgets and tqdm.auto's notebook bar all send messages
-    on the kernel's ZMQ sockets; from a fork ipykernel drops them and logs
-    "attempted to send message from fork". So the rank stops being "in a notebook": the
-    shell singleton is cleared (IPython.get_ipython() -> None), tqdm.auto becomes the text
-    bar, and transformers' notebook progress callback becomes the text one. Progress is
-    relayed to the notebook by the parent instead.
-    """
+    """The rank stops being "in a notebook": IPython's shell cleared (``get_ipython()`` -> None), comms inert,
+    tqdm.auto the text bar with locks of its own, transformers' notebook progress callback the text one."""
     shell = sys.modules.get("IPython.core.interactiveshell")  # no IPython imported: no shell to clear
     try:
         InteractiveShell = getattr(shell, "InteractiveShell", None)

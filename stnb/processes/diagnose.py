@@ -56,6 +56,19 @@ class Evidence:
     def error(self, message: str, **kw) -> LaunchError:
         return LaunchError(message, logs=self.logs, **kw)
 
+    def output_of(self, r: int) -> str:
+        """Local rank ``r``'s last output under a header ("" when it printed nothing)."""
+        tail = self.last_output(r)
+        return f"--- last output of rank {self.base + r} ---\n{tail}" if tail else ""
+
+
+def _traceback(record: dict) -> str:
+    return f"--- traceback of rank {record['rank']} ---\n{record['traceback']}"
+
+
+def _listed(ranks) -> str:
+    return ", ".join(map(str, ranks))
+
 
 def diagnose(ch: Channel, watchdog: Watchdog, outcome: Outcome, nproc: int, node_rank: int,
              start_method: str = "fork") -> BaseException | None:
@@ -83,7 +96,7 @@ def timed_out(ev: Evidence):
     wd = ev.watchdog
     if wd.reason == "timeout":
         late = [ev.base + r for r in ev.unstarted()]
-        why = (f" Rank(s) {', '.join(map(str, late))} had not even started: creating the processes took longer than "
+        why = (f" Rank(s) {_listed(late)} had not even started: creating the processes took longer than "
                "the timeout (a busy machine, a slow import)." if late else "")
         return ev.error(f"launch timed out after {wd.timeout:g} s; all {ev.nproc} ranks were stopped.{why} "
                         "Raise timeout=... or make the run shorter.", ranks=[ev.base + r for r in range(ev.nproc)],
@@ -99,7 +112,7 @@ def not_started(ev: Evidence):
                "Spawned ranks import torch and the training stack themselves, which a busy machine slows down; "
                "raise stall_timeout=..., or run the launch again.")
         return ev.error(
-            f"rank(s) {', '.join(map(str, ranks))} did not start within {max(wd.stall_timeout, MIN_START_S):g} s "
+            f"rank(s) {_listed(ranks)} did not start within {max(wd.stall_timeout, MIN_START_S):g} s "
             f"after the launch began ({ev.start_method}); all ranks were stopped. {why}",
             ranks=ranks, kind="stalled", rank_traceback=ev.stacks())
 
@@ -128,10 +141,10 @@ def raised_then_peers_stalled(ev: Evidence):
     if wd.reason == "stalled" and first is not None and not is_secondary(first):
         stalled = [ev.base + r for r in wd.stalled]
         return ev.error(
-            f"rank {first['rank']} raised {first['type']}: {first['message']} (rank(s) {', '.join(map(str, stalled))} "
+            f"rank {first['rank']} raised {first['type']}: {first['message']} (rank(s) {_listed(stalled)} "
             f"then waited for it with no progress for {wd.stall_timeout:g} s and all ranks were stopped)",
             rank=first["rank"], ranks=sorted({first["rank"], *stalled}), kind=failure_kind(first["type"]),
-            rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}\n" + ev.stacks())
+            rank_traceback=_traceback(first) + "\n" + ev.stacks())
 
 
 def stalled(ev: Evidence):
@@ -139,12 +152,12 @@ def stalled(ev: Evidence):
     if wd.reason == "stalled":
         ranks = [ev.base + r for r in wd.stalled]
         if wd.setting_up:
-            message = (f"rank(s) {', '.join(str(ev.base + r) for r in wd.setting_up)} stalled while setting up "
+            message = (f"rank(s) {_listed(ev.base + r for r in wd.setting_up)} stalled while setting up "
                        f"(joining the process group; on GPUs starting CUDA and NCCL's communicator): no progress for "
                        f"{wd.setup_limit:g} s. All ranks were stopped; each rank's stack follows. A peer that never "
                        "joined, an unreachable MASTER_ADDR or a blocked port are the usual causes.")
         else:
-            message = (f"rank(s) {', '.join(map(str, ranks))} stalled: no progress for {wd.stall_timeout:g} s "
+            message = (f"rank(s) {_listed(ranks)} stalled: no progress for {wd.stall_timeout:g} s "
                        "(e.g. waiting in a collective another rank never entered). All ranks were stopped; each "
                        "rank's stack at the time of the stall follows. Raise stall_timeout=... (or None) if the work "
                        "is legitimately long, or call stnb.heartbeat() in long loops.")
@@ -227,10 +240,9 @@ def ended_silently(ev: Evidence):
     also = ""
     if first is not None:
         also = f" Rank {first['rank']} then raised {first['type']}: {_first_line(first)} (a consequence)."
-    tail = ev.last_output(r)
-    tb = f"--- last output of rank {ev.base + r} ---\n{tail}" if tail else ""
+    tb = ev.output_of(r)
     if first is not None:
-        tb += f"\n--- traceback of rank {first['rank']} ---\n{first['traceback']}"
+        tb += "\n" + _traceback(first)
     ranks = sorted({ev.base + x for x in silent} | {ev.base + x for x in wd.stalled})
     return ev.error(f"rank {ev.base + r} {why}; the other ranks were stopped.{also}", rank=ev.base + r,
                     ranks=ranks, kind=kind, rank_traceback=tb.strip())
@@ -246,13 +258,13 @@ def never_joined(ev: Evidence):
     if not absent:
         return None
     tails = "\n".join(f"--- last output of rank {base + r} ---\n{ev.last_output(r)}" for r in absent)
-    names = ", ".join(str(base + r) for r in absent)
+    names = _listed(base + r for r in absent)
     return ev.error(
         f"rank(s) {names} never joined the collective rank {first['rank']} waited in: rank {first['rank']} "
         f"raised {first['type']}: {_first_line(first)} (a consequence). Rank(s) {names} were busy elsewhere "
         "or hung and were stopped; their last output follows.", rank=base + absent[0] if len(absent) == 1 else None,
         ranks=sorted({base + r for r in absent} | {first["rank"]}), kind="stalled",
-        rank_traceback=f"{tails}\n--- traceback of rank {first['rank']} ---\n{first['traceback']}")
+        rank_traceback=f"{tails}\n{_traceback(first)}")
 
 
 def raised(ev: Evidence):
@@ -260,11 +272,11 @@ def raised(ev: Evidence):
     first = ev.first
     if ev.real:
         others = sorted({e["rank"] for e in ev.real} - {first["rank"]})
-        also = f" (rank(s) {', '.join(map(str, others))} failed too)" if others else ""
+        also = f" (rank(s) {_listed(others)} failed too)" if others else ""
         return ev.error(f"rank {first['rank']} raised {first['type']}: {first['message']}{also}",
                         rank=first["rank"], ranks=sorted({e["rank"] for e in ev.real}),
                         kind=failure_kind(first["type"]),
-                        rank_traceback=f"--- traceback of rank {first['rank']} ---\n{first['traceback']}")
+                        rank_traceback=_traceback(first))
 
 
 def _bad_exit_codes(ev: Evidence) -> dict:
@@ -280,7 +292,7 @@ def called_sys_exit(ev: Evidence):
         return ev.error(f"rank {e['rank']} raised SystemExit: {e['message']} (sys.exit() ends a rank without a "
                         "result; return a value from the function instead)", rank=e["rank"],
                         ranks=sorted({x["rank"] for x in exits}), kind="exited",
-                        rank_traceback=f"--- traceback of rank {e['rank']} ---\n{e['traceback']}")
+                        rank_traceback=_traceback(e))
 
 
 def exited_with_code(ev: Evidence):
@@ -290,10 +302,9 @@ def exited_with_code(ev: Evidence):
         return None
     r, code = min(bad.items())
     why = _killed_by(-code) if code < 0 else f"exited with code {code} without raising a Python exception"
-    tail = ev.last_output(r)
     return ev.error(f"rank {ev.base + r} {why}; the other ranks were stopped.", rank=ev.base + r,
                     ranks=[ev.base + x for x in sorted(bad)], kind="killed" if code < 0 else "exited",
-                    rank_traceback=f"--- last output of rank {ev.base + r} ---\n{tail}" if tail else "")
+                    rank_traceback=ev.output_of(r))
 
 
 def stopped_only(ev: Evidence):
@@ -302,7 +313,7 @@ def stopped_only(ev: Evidence):
         e = min(ev.errors, key=lambda x: x["time"])
         return ev.error(f"rank {e['rank']} raised {e['type']}: {e['message']}", rank=e["rank"],
                         ranks=sorted({x["rank"] for x in ev.errors}), kind="raised",
-                        rank_traceback=f"--- traceback of rank {e['rank']} ---\n{e['traceback']}")
+                        rank_traceback=_traceback(e))
 
 
 def launcher_failed(ev: Evidence):

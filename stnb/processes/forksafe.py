@@ -1,22 +1,14 @@
 """Fork safety: the launching process must be fit to fork ranks, and stay so while they start.
 
-stnb forks its ranks from the notebook's own process. For that to work:
+* ``check_fork_safe`` refuses a process that started the CUDA driver (after ``cuInit`` a forked child
+  cannot use CUDA; the driver itself is asked, since ``torch.cuda.is_available()`` starts it and leaves
+  ``torch.cuda.is_initialized()`` False) or holds accelerate state (an Accelerator, a Trainer), and says
+  where the driver was first started (``watch_cuda_start``);
+* ``fork_ready`` keeps what the ranks inherit harmless while they start: garbage collected and the heap
+  frozen (a rank must never run destructors of objects it inherited), GNU OpenMP's pool ended, and what
+  every rank would import imported once, here.
 
-* the notebook process never started the CUDA driver: after ``cuInit`` a forked child cannot use
-  CUDA ("Cannot re-initialize CUDA in forked subprocess"). ``check_fork_safe`` looks at the driver
-  itself, not only at torch's ``torch.cuda.is_initialized()`` (``torch.cuda.is_available()`` starts
-  the driver and leaves that flag False), and refuses a process that already holds accelerate
-  state (an Accelerator or a Trainer), which forked ranks would inherit;
-* what the ranks inherit must not bite them: ``fork_ready`` collects the garbage and freezes the
-  heap while the ranks start (a rank must never run destructors of objects it inherited) and ends
-  GNU OpenMP's thread pool (a rank would wait for the pool's threads forever);
-* what every rank would import for itself is imported once, here, before the fork
-  (``import_what_every_rank_imports``): forked ranks are copies, and an import after the fork is
-  paid again in every rank of every launch.
-
-Starting the ranks themselves (torch elastic, as accelerate's ``notebook_launcher`` does) is in
-``start``. None of this applies to spawned ranks (``start_method='spawn'``): fresh interpreters
-inherit no driver, no accelerate state and no heap.
+None of this applies to spawned ranks (``start_method='spawn'``): fresh interpreters inherit nothing.
 """
 
 from __future__ import annotations
@@ -181,15 +173,10 @@ def check_fork_safe() -> None:
 
 @contextmanager
 def fork_ready():
-    """Keep this process fit to fork while the block runs.
-
-    Collects this process's garbage and freezes the rest until the block ends: a forked rank must
-    never run destructors of objects it inherited (e.g. torchelastic's TCPStore left in a reference
-    cycle by an earlier failed launch); that crashed ranks with SIGSEGV. (Freezing alone protects
-    stnb's ranks; the collection also leaves no such garbage for a launcher that does not freeze,
-    e.g. accelerate's own ``notebook_launcher`` after an stnb run: without it, the bench's raw
-    ``notebook_launcher`` ranks hung after the DeepSpeed tests.) Also imports what every rank would
-    (``import_what_every_rank_imports``) and ends the OpenMP pool (``release_openmp_threads``)."""
+    """Keep this process fit to fork while the block runs: garbage collected, the rest frozen (a rank that
+    ran the destructor of an inherited object, e.g. torch elastic's TCPStore left in a cycle by an earlier
+    failed launch, crashed with SIGSEGV; the collection also spares a launcher that does not freeze, such as
+    accelerate's own ``notebook_launcher``), what every rank imports imported, the OpenMP pool ended."""
     import_what_every_rank_imports()
     gc.collect()
     gc.freeze()
@@ -201,17 +188,11 @@ def fork_ready():
 
 
 def import_what_every_rank_imports() -> None:
-    """Import DeepSpeed here, once, when it is installed and torch is a CPU build.
-
-    Every Trainer calls accelerate's ``unwrap_model``, which imports DeepSpeed whenever it is installed,
-    whatever the strategy: after a fork, that import is paid in every rank of every launch (about 0.8
-    CPU-seconds per rank on this project's 2-core machine, nearly half of a tiny DDP rank's CPU), against
-    once in this process. Not with a CUDA (or ROCm) build: DeepSpeed's import asks
-    ``torch.cuda.is_available()``, which starts the CUDA driver, and forked ranks cannot use a driver
-    started in their parent (``check_fork_safe``); there the ranks import it themselves, as before. A
-    DeepSpeed that fails to import is left to the ranks, whose error names it. Its import-time note
-    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." is
-    left out: with a CPU build of torch there is no GPU to detect (every rank printed it before)."""
+    """Import DeepSpeed here, once, when it is installed and torch is a CPU build: every Trainer's
+    ``unwrap_model`` imports it, and after a fork that import is paid in every rank of every launch (about
+    0.8 CPU-seconds a rank on a 2-core machine). Not with a CUDA or ROCm build: its import starts the CUDA
+    driver, which forked ranks cannot inherit. A failed import is left to the ranks, whose error names it;
+    its note "Setting accelerator to CPU..." is left out (a CPU build has no GPU to detect)."""
     import logging
 
     import torch
@@ -235,14 +216,9 @@ def import_what_every_rank_imports() -> None:
 
 
 def release_openmp_threads() -> None:
-    """End this thread's GNU OpenMP worker pool before forking (the next parallel op restarts it).
-
-    libgomp keeps a pool per thread that ran a parallel region; a forked rank inherits the
-    pool's bookkeeping but not its threads, so the rank's first multi-threaded torch op (e.g.
-    layer_norm) waits for them forever. That hung every rank with more than one thread after
-    the notebook had run any torch code itself. omp_pause_resource_all (OpenMP 5.0) ends the
-    pool cleanly. Intel's and LLVM's OpenMP runtimes handle fork themselves.
-    """
+    """End this thread's GNU OpenMP worker pool before forking (the next parallel op restarts it): a forked
+    rank inherits libgomp's bookkeeping but not its threads, and its first multi-threaded op (layer_norm)
+    waited for them forever. Intel's and LLVM's OpenMP runtimes handle fork themselves."""
     try:
         with open("/proc/self/maps") as f:
             libs = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}

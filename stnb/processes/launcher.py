@@ -1,10 +1,8 @@
 """``launch()``: the orchestration, and what it checks before anything starts.
 
-validate the arguments -> pick the start method; fork: check the process is fit to fork, spawn:
-pack the function by value -> open the channel and start the watchdog -> start the ranks and wait
--> diagnose a failure -> collect the results. Each step lives
-in its own module of this package; this one also keeps the record of the last launch
-(``last_launch``) and picks the rendezvous port (``free_port``).
+validate -> fork: check the process is fit to fork / spawn: pack the function by value -> open the
+channel, start the watchdog -> start the ranks and wait -> diagnose a failure -> collect the results.
+Also the record of the last launch (``last_launch``) and the rendezvous port (``free_port``).
 """
 
 from __future__ import annotations
@@ -117,10 +115,9 @@ PORT_TRIES = 3
 
 
 def _run_on_a_free_port(ch: Channel, opts: RankOptions, info: LaunchInfo, picked: bool, **where) -> Outcome:
-    """``run_ranks`` on ``info.port``. A port stnb picked was only free when ``free_port`` looked:
-    the OS hands the same ports to every process's connections, and another one can take it before
-    the launcher's rendezvous store binds it. No rank has started then, so stnb picks another and
-    starts again (a port the caller gave is never changed)."""
+    """``run_ranks`` on ``info.port``. A port stnb picked was only free when ``free_port`` looked, and
+    another process can take it before the rendezvous store binds it; no rank has started then, so stnb
+    picks another and starts again (a port the caller gave is never changed)."""
     for _ in range(PORT_TRIES):
         outcome = run_ranks(ch, opts, port=info.port, **where)
         if not (picked and outcome.port_taken):

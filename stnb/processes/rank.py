@@ -1,13 +1,10 @@
 """The rank side: what runs in every rank, from its start to its exit.
 
-``rank_main`` is the function every rank starts in (torch elastic calls it with the channel and the
-``RankOptions``; forked ranks inherit both, spawned ranks receive them pickled, the user's function
-by value: ``byvalue``). The rank checks in on the channel, sends its output to its own log
-(``output``), leaves the notebook kernel behind (``detach``), joins the process group and checks the
-world it finds there (``checks``), runs the user's function and leaves its result or its error
-record on the channel. Inside the function, ``rank_context()``, ``heartbeat()`` and
-``report_progress()`` tell the parent's watchdog how the rank is doing; a thread in the rank counts
-a moving Python stack as progress too.
+``rank_main`` is where every rank starts: it checks in on the channel, sends its output to its own log,
+leaves the notebook kernel behind, joins the process group and checks the world there, runs the user's
+function and leaves its result or its error record on the channel. Inside the function
+``rank_context()``, ``heartbeat()`` and ``report_progress()`` talk to the parent's watchdog; a thread in
+the rank counts a moving Python stack as progress too.
 """
 
 from __future__ import annotations
@@ -61,9 +58,8 @@ def rank_context() -> RankContext | None:
 
 
 def scratch_folder(prefix: str) -> str:
-    """A new folder for files a rank needs during its run: inside an stnb launch, in the launch's own folder,
-    which the launcher removes however the rank ends (a killed rank runs no clean-up of its own); elsewhere
-    (SLURM, Ray, torchrun, the kernel) in the system's temporary folder, removed by whoever made it."""
+    """A new folder for a rank's files during its run: inside an stnb launch, in the launch's own folder
+    (removed however the rank ends); elsewhere in the system's temporary folder, removed by whoever made it."""
     import tempfile
 
     return tempfile.mkdtemp(prefix=prefix, dir=_CTX.channel.dir if _CTX is not None else None)
@@ -86,8 +82,8 @@ def report_progress(step: int, total: int | None = None, loss: float | None = No
 
 
 def set_progress_sink(sink) -> None:
-    """In a rank another launcher started (a SLURM task, a Ray worker): ``sink(step, total, loss)``
-    receives what ``report_progress`` publishes (None: nothing does)."""
+    """In a rank another launcher started (SLURM, Ray): ``sink(step, total, loss)`` receives what
+    ``report_progress`` publishes (None: nothing does)."""
     global _PROGRESS_SINK
     _PROGRESS_SINK = sink
 
@@ -101,15 +97,14 @@ def launcher_token() -> str:
 
 
 def started_as(opts: "RankOptions") -> str:
-    """'fork' when this process's memory is a copy of the launching process (it holds that process's
-    token), 'spawn' when it is a fresh interpreter: observed, not read from the options."""
+    """'fork' when this process is a copy of the launching one (it holds its token), else 'spawn': observed."""
     return "fork" if _LAUNCHER_TOKEN is not None and _LAUNCHER_TOKEN == opts.launcher_token else "spawn"
 
 
 @dataclass
 class RankOptions:
-    """Everything a rank needs from ``launch``: inherited through fork, pickled for spawn (then the
-    function and its arguments travel in ``packed``, by value, and ``fn`` is None)."""
+    """Everything a rank needs from ``launch``: inherited through fork, pickled for spawn (the function
+    and its arguments then travel by value in ``packed``, and ``fn`` is None)."""
 
     fn: object
     args: tuple
@@ -144,9 +139,8 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
     if hasattr(faulthandler, "register"):  # POSIX: the watchdog asks for every thread's stack
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     ch.check_in(local_rank)
-    # a forked rank inherits torch elastic's Python SIGTERM handler (installed in the launching process
-    # before it forks); a rank blocked in a CUDA / NCCL wait never returns to Python to run it, so when a
-    # peer fails, elastic's SIGTERM would do nothing and its SIGKILL comes 30 s later. SIGTERM kills.
+    # a forked rank inherits elastic's Python SIGTERM handler, which a rank blocked in a CUDA / NCCL wait
+    # never runs (elastic's SIGKILL then comes 30 s later): SIGTERM kills
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update({**device_env(opts.device, opts.threads), **opts.env})  # the launcher's over the device's
     redirect_output(ch.path("log", local_rank))
@@ -180,9 +174,8 @@ def rank_main(ch: Channel, opts: RankOptions) -> None:
         ch.write_result(local_rank, data)
         ch.set_state(local_rank, DONE)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # leave together: tearing gloo connections down while a peer is still finishing the
-            # last collective can make that peer abort. If a peer failed instead, the barrier
-            # fails too; this rank's result stands and the peer's own error is what is reported.
+            # leave together (tearing gloo down while a peer finishes the last collective can abort it); if a
+            # peer failed, the barrier fails too: this rank's result stands, the peer's error is reported
             try:
                 dist.barrier()
             except Exception:
@@ -232,20 +225,15 @@ def _join_world(opts: RankOptions, rank: int, local_rank: int) -> None:
     if problems:
         raise LaunchError(f"rank {rank}: " + "; ".join(problems))
     if opts.backend == "gloo":
-        # gloo connects every pair inside init_process_group; a rank that finished a short
-        # function and destroyed its group while a slower peer was still connecting made
-        # that peer fail with "connectFullMesh failed ... Connection closed by peer".
-        # Nobody leaves before everybody is connected.
+        # nobody leaves before everybody is connected: a rank that destroyed its group while a slower peer
+        # was still connecting made it fail ("connectFullMesh failed ... Connection closed by peer")
         dist.barrier()
 
 
 def _leave_group_failing() -> None:
-    """Tear the process group down in a failing rank without ever blocking there.
-
-    Destroying it closes the connections, so gloo peers fail at once instead of waiting; but under
-    NCCL destroy_process_group can block (it waits for collectives the peers never finish), and a
-    rank that never exits leaves its peers hanging. So it runs in a thread, given a moment; if it is
-    still blocked, the rank leaves without it (its error record is written; exit code 1)."""
+    """Tear the process group down in a failing rank without blocking: destroying it makes gloo peers fail
+    at once instead of waiting, but under NCCL it can wait for collectives the peers never finish. So it
+    runs in a thread for a moment; still blocked, the rank leaves without it (exit code 1)."""
     import torch.distributed as dist
 
     t = threading.Thread(target=dist.destroy_process_group, name="stnb-destroy-group", daemon=True)

@@ -1,16 +1,10 @@
 """Starting the ranks and waiting for them to end.
 
-Several ranks start the way accelerate's ``notebook_launcher`` starts them on any Jupyter: torch
-elastic's launcher with a static rendezvous (``start_ranks``); elastic waits for them and stops the
-others when one fails. stnb never calls ``notebook_launcher`` itself, which in Colab (and for one
-process anywhere) runs the function inside the kernel: a single rank is started here
-(``start_one``), with no rendezvous to set up. ``run_ranks`` does either, with the ranks'
-environment set and torch elastic's logging and signal handlers kept out of the notebook, and
-returns an ``Outcome``: how the launcher call ended.
-
-Both start the ranks with the launch's start method (``hardware.start_method``): fork on Linux, as
-notebook_launcher does, spawn on macOS / Windows or when asked. Either way every rank begins in
-``rank.rank_main(channel, options)``, a module-level function a spawned rank can import.
+Several ranks start as accelerate's ``notebook_launcher`` starts them (torch elastic, static
+rendezvous: ``start_ranks``); one rank is started here (``start_one``), never inside the kernel as
+``notebook_launcher`` would. ``run_ranks`` does either, with the ranks' environment set and torch
+elastic's logs and signal handlers kept out of the notebook, and returns an ``Outcome``. Either way
+every rank begins in ``rank.rank_main(channel, options)``, forked or spawned (``hardware.start_method``).
 """
 
 from __future__ import annotations
@@ -74,10 +68,8 @@ def store_port_taken(e: BaseException) -> bool:
 def start_ranks(ch: Channel, opts: RankOptions, *, master_addr: str, port: int, node_rank: int = 0,
                 num_nodes: int = 1, mixed_precision: str = "no") -> None:
     """Start ``opts.nproc`` ranks running ``rank_main(ch, opts)`` and wait for them: accelerate
-    ``notebook_launcher``'s multi-process branch (torch elastic, static rendezvous), without its
-    in-kernel branch, with ``opts.start_method``.
-
-    Raises what torch's elastic launcher raises (ChildFailedError, SignalException...)."""
+    ``notebook_launcher``'s multi-process branch, with ``opts.start_method``. Raises what torch's
+    elastic launcher raises (ChildFailedError, SignalException...)."""
     from accelerate.utils import check_cuda_p2p_ib_support, patch_environment
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -115,10 +107,8 @@ class SingleRankFailed(Exception):
 
 
 def start_one(ch: Channel, opts: RankOptions, master_addr: str, port: int, rank: int = 0) -> None:
-    """Start one rank running ``rank_main(ch, opts)`` and wait for it; raise SingleRankFailed if it fails.
-
-    With several nodes (one process each) it is global rank ``rank`` (= node_rank) of
-    ``opts.world_size``."""
+    """Start one rank running ``rank_main(ch, opts)`` and wait for it; SingleRankFailed if it fails. With
+    several nodes (one process each) it is global rank ``rank`` (= node_rank) of ``opts.world_size``."""
     env = {}
     if opts.init_distributed:
         env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(opts.world_size),
@@ -134,7 +124,7 @@ def start_one(ch: Channel, opts: RankOptions, master_addr: str, port: int, rank:
 
 
 def one_rank(ch: Channel, opts: RankOptions, env: dict) -> None:
-    """The process ``start_one`` starts: the rank, then an exit code (0 ok, 1 failed), nothing else."""
+    """The process ``start_one`` starts: the rank, then exit code 0 (ok) or 1 (failed), nothing else."""
     os.environ.update(env)
     try:
         rank_main(ch, opts)
@@ -167,12 +157,10 @@ def exit_codes(failure: BaseException) -> dict:
 
 
 def node_gpus(device: str, nproc: int, num_nodes: int, node_rank: int, master_addr: str) -> str | None:
-    """CUDA_VISIBLE_DEVICES for this node's ranks when several "nodes" run on this one machine
-    (num_nodes > 1, master_addr localhost) on CUDA: node k gets the visible GPUs k*nproc .. (k+1)*nproc-1.
-    Each node's ranks have LOCAL_RANK 0..nproc-1 (torch elastic, or 0 for a one-process node) and a rank
-    calls ``torch.cuda.set_device(LOCAL_RANK)``; without its own slice every node's rank 0 took GPU 0
-    (NCCL: two ranks on one device). None: nothing to change (one node, real nodes, CPU ranks).
-    Raises ConfigError when this machine has too few GPUs for every node's ranks."""
+    """CUDA_VISIBLE_DEVICES for this node's ranks when several "nodes" run on this one machine on CUDA:
+    node k gets the visible GPUs k*nproc .. (k+1)*nproc-1 (each node's ranks count LOCAL_RANK from 0, and
+    without a slice of its own every node's rank 0 took GPU 0). None: nothing to change (one node, real
+    nodes, CPU). ConfigError when this machine has too few GPUs for every node's ranks."""
     if device != "cuda" or num_nodes == 1 or master_addr not in LOCALHOST:
         return None
     from ..errors import ConfigError
@@ -190,11 +178,9 @@ def node_gpus(device: str, nproc: int, num_nodes: int, node_rank: int, master_ad
 
 
 def rank_environment(num_nodes: int, master_addr: str, gpus: str | None = None):
-    """What the ranks inherit from this process's environment while they start (accelerate's
-    ``patch_environment``, taken back after): STNB_LAUNCH (a rank knows it runs under stnb.launch, not an
-    outside launcher), gloo on loopback when every rank is on this machine (one node, or "nodes" on
-    localhost) and, for such "nodes" on CUDA, this node's own GPUs (``gpus``, from ``node_gpus``) as
-    CUDA_VISIBLE_DEVICES."""
+    """What the ranks inherit while they start (accelerate's ``patch_environment``, taken back after):
+    STNB_LAUNCH (a rank knows stnb.launch started it), gloo on loopback when every rank is on this machine,
+    and this node's own GPUs (``node_gpus``) as CUDA_VISIBLE_DEVICES."""
     from accelerate.utils import patch_environment
 
     local_only = num_nodes == 1 or master_addr in LOCALHOST
@@ -223,8 +209,7 @@ _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing.spawn", 
 
 @contextmanager
 def quiet_elastic_logs():
-    """torchelastic logs each rank failure at length in the parent; stnb reports it once, as
-    LaunchError with the failing rank's traceback, so its loggers are muted during a launch."""
+    """Mute torch elastic's loggers during a launch: stnb reports a failure once, as a LaunchError."""
     try:  # create the loggers now, so the ones below exist before they are muted
         import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
         import torch.distributed.launcher.api  # noqa: F401

@@ -1,52 +1,35 @@
 """Process-tree cleanup: no process a launch started survives it.
 
-torch elastic stops the rank processes it started when one of them fails (SIGTERM, then
-SIGKILL); it does not look below them. stnb adds the rest of the tree: ``tracked_children``
-makes this process the child subreaper while a launch runs (so a process a rank started and then
-orphaned, or a daemon that double-forked, stays a descendant of this process) and, when the launch
-ends, kills every descendant that appeared meanwhile. ``kill_tree`` is how (the watchdog uses it
-to stop ranks too); ``process_ended`` reads a rank's exit status without reaping it.
+torch elastic stops the rank processes it started (SIGTERM, then SIGKILL) but not what they started.
+``tracked_children`` makes this process the child subreaper while a launch runs (an orphan of a rank,
+or a daemon that double-forked, stays a descendant) and kills every descendant that appeared meanwhile.
+``kill_tree`` is how (the watchdog stops ranks with it too); ``process_ended`` reads a rank's exit
+status without reaping it.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from contextlib import contextmanager
+
+import psutil
 
 
 def children_now() -> set:
     """The pids of every descendant of this process right now."""
-    import psutil
-
-    try:
-        return {c.pid for c in psutil.Process().children(recursive=True)}
-    except psutil.NoSuchProcess:  # pragma: no cover
-        return set()
+    return {c.pid for c in psutil.Process().children(recursive=True)}
 
 
 def kill_tree(pids) -> None:
-    """SIGKILL the given processes and all their descendants; wait until they are dead.
-
-    Dead, not reaped: the ranks are children of multiprocessing / torchelastic, which must
-    collect their exit status themselves. (psutil.wait_procs reaped them; multiprocessing then
-    got ECHILD, believed the rank alive forever, and a 1-rank launch hung after a stall.)"""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return
+    """SIGKILL the given processes and all their descendants; wait until they are dead, not reaped: the
+    ranks are children of multiprocessing / torch elastic, which collect their exit status themselves
+    (reaped here, multiprocessing got ECHILD and took a rank for alive forever)."""
     procs = []
     for pid in pids:
         try:
             p = psutil.Process(pid)
-            procs.extend(p.children(recursive=True))
-            procs.append(p)
+            procs += [*p.children(recursive=True), p]
         except psutil.NoSuchProcess:
             pass
     for p in procs:
@@ -56,26 +39,22 @@ def kill_tree(pids) -> None:
             pass
     end = time.time() + 5
     while procs and time.time() < end:
-        alive = []
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        procs = alive
+        procs = [p for p in procs if _alive(p)]
         if procs:
             time.sleep(0.02)
 
 
-def child_subreaper(on: bool) -> bool | None:
-    """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) or stop being one.
+def _alive(p) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
-    While a launch runs, a process its ranks started whose parent dies (a killed rank's child, a
-    daemon that double-forked and called setsid) is re-parented to this process instead of to init,
-    so it stays a descendant: the cleanup after the launch finds and stops every process the
-    launch started, not only those still hanging below a living rank. Returns the previous setting,
-    or None where the call is unavailable (not Linux), where only descendants are found."""
+
+def child_subreaper(on: bool) -> bool | None:
+    """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) or stop being one: while a
+    launch runs, a process whose parent (a rank) dies is re-parented here instead of to init, so the
+    cleanup finds it. Returns the previous setting, or None where the call is unavailable (not Linux)."""
     import ctypes
 
     try:
@@ -94,7 +73,7 @@ def child_subreaper(on: bool) -> bool | None:
 def tracked_children():
     """Every process started inside the block (and every orphan of one) is stopped when it ends."""
     before = children_now()
-    was_subreaper = child_subreaper(True)  # orphans of the ranks come back to this process
+    was_subreaper = child_subreaper(True)
     try:
         yield
     finally:
@@ -104,26 +83,20 @@ def tracked_children():
 
 
 def kill_new_children(before: set, wait_s: float = 10.0, reap: bool = True) -> None:
-    """Kill every descendant of this process not in ``before`` and reap the zombies among them
-    (with ``child_subreaper`` set, that includes orphans the ranks left behind). A killed rank's child can
-    outlive its parent by a moment and come back to this process as a zombie after a first round of
-    reaping (seen under load: a zombie left after a launch), so the reaping goes on until none of the
-    killed processes is left below this one (at most ``wait_s``). Processes started after the kill (a
-    cluster engine replacing its workers) are not this call's. ``reap=False`` only kills: for a launcher
-    that still joins its own processes (accelerate's ``notebook_launcher``; a reaped process breaks its
-    join)."""
+    """Kill every descendant not in ``before`` and reap them. A killed rank's child can come back to this
+    process as a zombie a moment after a first round of reaping (seen under load), so reaping goes on until
+    none of them is left below this process (at most ``wait_s``). ``reap=False`` only kills: for a launcher
+    that still joins its own processes (accelerate's ``notebook_launcher``)."""
     killed = children_now() - before
     if not killed:
         return
     kill_tree(list(killed))
-    if not reap:
-        return
     end = time.time() + wait_s
-    while True:
-        for pid in killed:  # reap zombies so they don't linger in the kernel's process table
+    while reap:
+        for pid in killed:
             try:
                 os.waitpid(pid, os.WNOHANG)
-            except OSError:  # not our child (yet: an orphan comes back to us a moment later), or already reaped
+            except OSError:  # not our child (yet: an orphan comes back a moment later), or reaped
                 pass
         if not (children_now() & killed) or time.time() >= end:
             return
@@ -131,8 +104,8 @@ def kill_new_children(before: set, wait_s: float = 10.0, reap: bool = True) -> N
 
 
 def process_ended(pid: int) -> tuple:
-    """(ended, exit code) of a rank process: a zombie or gone is ended. A zombie's exit status is
-    read from /proc without reaping it (multiprocessing still has to join it); negative = signal."""
+    """(ended, exit code) of a rank process: a zombie or gone is ended. A zombie's exit status is read from
+    /proc without reaping it (multiprocessing still has to join it); negative = killed by that signal."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

@@ -1,13 +1,11 @@
 """The watchdog: a thread in the launching process that watches the ranks while they run.
 
-Every 20 ms it looks for ranks whose process ended without a result or an error record (torch
-elastic never reports a rank that exits with code 0, and its peers would wait for it forever);
-every 100 ms it relays the ranks' output, calls ``on_progress`` and enforces the limits: the
-overall ``timeout``, ranks that never start, and the stall detector (no running rank's Python
-stack moved and no heartbeat for ``stall_timeout`` seconds; a rank still setting up, joining the
-process group, gets at least ``MIN_START_S``). To stop a launch it dumps every
-rank's stack (faulthandler, SIGUSR1) and kills the ranks; it records why in ``reason``,
-``stalled`` and ``stacks`` for the diagnosis.
+Every 20 ms it looks for ranks that ended without a result or an error record (torch elastic never
+reports a rank that exits with code 0, and its peers would wait forever); every 100 ms it relays the
+ranks' output, calls ``on_progress`` and enforces the limits: ``timeout``, ranks that never start, and
+the stall detector (no running rank's stack moved and no heartbeat for ``stall_timeout`` s; a rank still
+joining the process group gets at least ``MIN_START_S``). To stop a launch it dumps every rank's stack
+(faulthandler, SIGUSR1), kills the ranks and records why (``reason``, ``stalled``, ``stacks``).
 """
 
 from __future__ import annotations
@@ -32,10 +30,7 @@ STACK_WAIT_S = 3.0
 
 
 class Watchdog(threading.Thread):
-    """Parent thread: relays rank output, reports progress, enforces timeout and stall limits.
-
-    A context manager: starts on enter; on exit stops, relays the last output and calls
-    ``on_progress`` a last time."""
+    """A context manager: starts on enter; on exit stops, relays the last output, calls ``on_progress`` once more."""
 
     def __init__(self, ch: Channel, nproc: int, timeout, stall_timeout, on_progress, echo: bool,
                  rank_offset: int = 0):
@@ -90,9 +85,8 @@ class Watchdog(threading.Thread):
         return {r: self.ch.read_stack(r) for r in pids}
 
     def kill_ranks(self) -> None:
-        """Every rank's process tree. A rank that has not checked in has no pid in the channel yet (torch elastic
-        is still creating it, or it hangs before its first line): then every process started since the launch
-        began goes too, or the launch would wait for that rank forever."""
+        """Every rank's process tree; while a rank has not checked in (no pid yet), every process started since
+        the launch began, or the launch would wait for that rank forever."""
         pids = self.ch.pids()
         kill_tree(list(pids.values()))
         if len(pids) < self.nproc:
@@ -121,9 +115,8 @@ class Watchdog(threading.Thread):
                 return
 
     def _track_ended(self, now: float) -> None:
-        """Note ranks whose process has ended. A rank that ends with exit code 0 but without a
-        result (os._exit(0), a C library calling exit()) is never reported by torchelastic, whose
-        other ranks then wait for it forever; stop such a launch after EXIT_GRACE_S seconds."""
+        """Note ranks whose process has ended; stop the launch EXIT_GRACE_S after one ended with neither result
+        nor error record (os._exit(0), a C library calling exit(): elastic never reports those)."""
         if self.returned_at is not None:
             return
         for r, pid in self.ch.pids().items():
