@@ -579,7 +579,7 @@ def test_a_checkpoint_resumes_on_another_layout_its_tensors_checked_and_training
     assert ("resharded by its own loading" in r["loaded"]["how"]) == (writer == reader == "fsdp")
     assert resumed.losses == pytest.approx(written.losses[2:], rel=1e-5)
     assert wa.keys() == wb.keys()
-    far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    far = far_apart(wa, wb)
     assert not far, f"{len(far)} tensor(s) further apart than float rounding, e.g. {far[:3]}"
     assert [c["step"] for c in resumed.checkpoints] == [4, 6]
 
@@ -611,7 +611,7 @@ def test_a_deepspeed_checkpoint_resumes_on_another_number_of_ranks_through_the_u
     assert r["loaded"]["rng"].startswith("not restored")
     assert os.path.isfile(tmp_path / "w" / "checkpoint-2" / ".stnb-universal" / "latest_universal")
     assert resumed.losses == pytest.approx(written.losses[2:], rel=1e-5)
-    far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    far = far_apart(wa, wb)
     assert wa.keys() == wb.keys() and not far, f"{len(far)} tensor(s) further apart than float rounding: {far[:3]}"
     assert [c["step"] for c in resumed.checkpoints] == [4, 6]
 
@@ -631,7 +631,7 @@ def test_a_deepspeed_stage3_checkpoint_resumes_under_another_strategy_read_whole
     assert "the whole state read by parameter name" in r["loaded"]["how"], r["loaded"]
     assert r["loaded"]["model_tensors_checked"] > 30 and r["loaded"]["optimizer_tensors_checked"] > 30, r["loaded"]
     assert resumed.losses == pytest.approx(written.losses[2:], rel=1e-5)
-    far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    far = far_apart(wa, wb)
     assert wa.keys() == wb.keys() and not far, f"{len(far)} tensor(s) further apart than float rounding: {far[:3]}"
 
 
@@ -678,7 +678,7 @@ def test_a_users_deepspeed_stage3_checkpoint_resumes_on_one_rank_with_each_group
     # the losses barely see a LayerNorm weight decayed by 1e-4 a step; the weights do. The BERT pooler, which mean
     # pooling never uses, included: stnb keeps DeepSpeed from decaying a parameter without gradient, as torch's AdamW
     wa, wb = _weights(tmp_path / "wm"), _weights(tmp_path / "rm")
-    far = [k for k in wa if not torch_allclose(wa[k], wb[k])]
+    far = far_apart(wa, wb)
     assert wa.keys() == wb.keys() and not far, f"{len(far)} tensor(s) further apart than float rounding: {far[:3]}"
 
 
@@ -704,6 +704,21 @@ def torch_allclose(a, b) -> bool:
     import torch
 
     return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+#: an attention key bias has no gradient in exact arithmetic (softmax ignores what adds the same score to every key
+#: of a query): its float gradient is rounding alone, which AdamW's normalisation turns into steps of about the
+#: learning rate, of either sign. Two summation orders (2 ranks, then 1) may end it apart by up to that much a step
+#: (a fresh-clone CI saw layer 0's key bias alone apart, in the ZeRO-3 -> single resume); every other tensor is held
+#: to float rounding
+ROUNDING_ONLY = ".attention.self.key.bias"
+
+
+def far_apart(wa: dict, wb: dict, lr: float = 1e-3, steps: int = 4) -> list:
+    """The tensors of ``wa`` further from ``wb``'s than float rounding (a key bias: than ``lr`` a step, doubled,
+    over the ``steps`` trained after the resume; trainfns.st_args' learning rate, steps 3 to 6)."""
+    return [k for k in wa if not (torch_allclose(wa[k], wb[k]) or (
+        k.endswith(ROUNDING_ONLY) and float((wa[k] - wb[k]).abs().max()) <= 2 * lr * steps))]
 
 
 @pytest.mark.slow
