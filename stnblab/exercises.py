@@ -26,7 +26,8 @@ import contextlib
 import math
 import re
 
-from .exercise_numbers import Verdict, check_overall, check_samples_per_second, check_zero_bytes  # noqa: F401 - the course's
+from .exercise_numbers import (
+    Verdict, check_overall, check_samples_per_second, check_zero_bytes)  # noqa: F401 - the course's
 
 #: the worlds every exercise runs in, and the tensor lengths: none divisible by 2 or by 3
 WORLDS = (2, 3)

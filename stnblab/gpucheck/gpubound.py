@@ -114,7 +114,6 @@ def mfu_verdict(rows: list) -> tuple:
 
 def check_mfu(check, machine) -> Outcome:
     """The plain script once per ``MFU_VARIANTS`` entry on the same long texts; MFU and samples/s of each."""
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="stnb-gpucheck-mfu-") as tmp:
         p = dict(check.params, data=long_pairs_file(tmp, check.params["train_size"] + check.params["dev_size"],
@@ -138,7 +137,6 @@ def check_mfu(check, machine) -> Outcome:
 
 def check_shared(check, machine) -> Outcome:
     """Two ranks on one GPU, asked of NCCL and of gloo on CUDA tensors (``shared.main``), in a child process."""
-
     cmd = [sys.executable, "-m", "stnblab.gpucheck.shared", "--device", check.params.get("device", "cuda")]
     cmd += ["--stnb"] if check.params.get("stnb") else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=check.params.get("timeout", 240),
